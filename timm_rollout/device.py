@@ -1,0 +1,51 @@
+"""Device and mixed-precision choices shared by training and evaluation."""
+
+from __future__ import annotations
+
+import contextlib
+from functools import lru_cache
+
+import torch
+
+__all__ = ["autocast", "cpu_supports_bf16", "resolve_amp", "resolve_device"]
+
+AMP_CHOICES = ("auto", "bf16", "fp16", "none")
+
+
+@lru_cache(maxsize=1)
+def cpu_supports_bf16() -> bool:
+    """True when this CPU has native bf16 matmul (AVX512-BF16 or AMX); emulated bf16 is slower than fp32."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_device(device: str | None = None) -> torch.device:
+    """``None``/``'auto'`` picks CUDA when available, else CPU."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
+    """Autocast dtype for ``amp`` on ``device``; ``None`` means full fp32.
+
+    ``auto`` uses bf16 where it pays (CUDA with bf16 support, or a CPU with native bf16), fp16 on
+    older CUDA GPUs, and fp32 otherwise.
+    """
+    if amp not in AMP_CHOICES:
+        raise ValueError(f"unknown amp mode {amp!r}; use one of {', '.join(AMP_CHOICES)}")
+    if amp == "none":
+        return None
+    if amp == "bf16":
+        return torch.bfloat16
+    if amp == "fp16":
+        return torch.float16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if device.type == "cpu" and cpu_supports_bf16() else None
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` for ``dtype`` on ``device``, or a no-op when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)

@@ -1,0 +1,137 @@
+"""Attention rollout (Abnar & Zuidema, 2020) as pure, batched tensor functions.
+
+Each layer's attention ``A`` (B, heads, N, N) is fused over heads, the identity is added for the
+residual path, rows are renormalised, and layers are composed from the first block to the last:
+``R = Â_L @ ... @ Â_2 @ Â_1``. Row ``i`` of ``R`` says how much of each input token reaches output
+token ``i``. Row renormalisation is ``(A + I) / rowsum(A + I)``, which is ``(A + I) / 2`` for a
+row-stochastic ``A``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+HEAD_FUSIONS = ("mean", "max", "min")
+
+__all__ = [
+    "HEAD_FUSIONS",
+    "attention_rollout",
+    "fuse_heads",
+    "patch_weights",
+    "rollout_cls_row",
+    "rollout_layers",
+]
+
+
+def _check_options(head_fusion: str, discard_ratio: float) -> None:
+    if head_fusion not in HEAD_FUSIONS:
+        raise ValueError(f"unknown head_fusion {head_fusion!r}; use one of {', '.join(HEAD_FUSIONS)}")
+    if not 0.0 <= discard_ratio < 1.0:
+        raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
+
+
+def fuse_heads(attn: torch.Tensor, head_fusion: str = "mean") -> torch.Tensor:
+    """Fuse (B, heads, N, N) attention over heads into (B, N, N), in float32."""
+    _check_options(head_fusion, 0.0)
+    if attn.dim() != 4:
+        raise ValueError(f"attention must be (B, heads, N, N), got shape {tuple(attn.shape)}")
+    attn = attn.float()
+    if head_fusion == "mean":
+        return attn.mean(dim=1)
+    if head_fusion == "max":
+        return attn.amax(dim=1)
+    return attn.amin(dim=1)
+
+
+def _discard_lowest(fused: torch.Tensor, discard_ratio: float, num_prefix_tokens: int) -> torch.Tensor:
+    """Zero the lowest ``discard_ratio`` of patch-to-patch, off-diagonal entries of each image."""
+    n = fused.shape[-1]
+    p = num_prefix_tokens
+    patch = fused[:, p:, p:]
+    m = n - p
+    off_diag = ~torch.eye(m, dtype=torch.bool, device=fused.device)
+    values = patch[:, off_diag]  # (B, m * (m - 1))
+    k = int(values.shape[1] * discard_ratio)
+    if k == 0:
+        return fused
+    idx = values.topk(k, dim=1, largest=False).indices
+    values = values.scatter(1, idx, 0.0)
+    out = fused.clone()
+    patch_out = out[:, p:, p:]
+    patch_out[:, off_diag] = values
+    return out
+
+
+def rollout_layers(
+    attentions: Sequence[torch.Tensor],
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    num_prefix_tokens: int = 1,
+) -> list[torch.Tensor]:
+    """Per-layer residual-corrected, row-normalised attention ``Â_l`` (B, N, N) in float32."""
+    _check_options(head_fusion, discard_ratio)
+    if len(attentions) == 0:
+        raise ValueError("attention rollout needs at least one layer of attention")
+    layers = []
+    for attn in attentions:
+        fused = fuse_heads(attn, head_fusion)
+        if discard_ratio > 0:
+            fused = _discard_lowest(fused, discard_ratio, num_prefix_tokens)
+        eye = torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
+        a = fused + eye
+        layers.append(a / a.sum(dim=-1, keepdim=True))
+    return layers
+
+
+def attention_rollout(
+    attentions: Sequence[torch.Tensor],
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    num_prefix_tokens: int = 1,
+) -> torch.Tensor:
+    """Full batched rollout ``Â_L @ ... @ Â_1`` (B, N, N) from per-layer (B, heads, N, N) attention.
+
+    ``discard_ratio`` zeroes, per image and layer, that fraction of the lowest fused attentions
+    among patch-to-patch entries (prefix-token rows/columns and the diagonal are never dropped)
+    before the identity is added and rows are renormalised.
+    """
+    layers = rollout_layers(attentions, head_fusion, discard_ratio, num_prefix_tokens)
+    result = layers[0]
+    for a in layers[1:]:
+        result = a @ result
+    return result
+
+
+def rollout_cls_row(
+    attentions: Sequence[torch.Tensor],
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    num_prefix_tokens: int = 1,
+    token_index: int = 0,
+) -> torch.Tensor:
+    """Row ``token_index`` of the rollout, (B, N), by vector-matrix products: O(L * N^2) per image.
+
+    Equal to ``attention_rollout(...)[:, token_index]`` without forming any N x N product.
+    """
+    _check_options(head_fusion, discard_ratio)
+    if len(attentions) == 0:
+        raise ValueError("attention rollout needs at least one layer of attention")
+    first = attentions[-1]
+    row = torch.zeros(first.shape[0], 1, first.shape[-1], dtype=torch.float32, device=first.device)
+    row[:, 0, token_index] = 1.0
+    for attn in reversed(attentions):
+        fused = fuse_heads(attn, head_fusion)
+        if discard_ratio > 0:
+            fused = _discard_lowest(fused, discard_ratio, num_prefix_tokens)
+        # row @ D^-1 (A + I), with D the row sums of A + I
+        scaled = row / (fused.sum(dim=-1) + 1.0).unsqueeze(1)
+        row = scaled @ fused + scaled
+    return row.squeeze(1)
+
+
+def patch_weights(row: torch.Tensor, num_prefix_tokens: int = 1) -> torch.Tensor:
+    """Drop the prefix-token columns of a rollout row (B, N) and renormalise to sum 1: (B, N - prefix)."""
+    w = row[:, num_prefix_tokens:]
+    return w / w.sum(dim=-1, keepdim=True)
