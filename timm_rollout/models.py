@@ -136,8 +136,8 @@ _TINY_CIFAR = dict(
 )
 
 
-def _create(variant: str, pretrained: bool, global_pool: str, **kwargs) -> RolloutVisionTransformer:
-    kwargs = {**_TINY_CIFAR, "global_pool": global_pool, **kwargs}
+def _create(variant: str, pretrained: bool, default_pool: str, **kwargs) -> RolloutVisionTransformer:
+    kwargs = {**_TINY_CIFAR, "global_pool": default_pool, **kwargs}
     return build_model_with_cfg(
         RolloutVisionTransformer,
         variant,
