@@ -1,0 +1,78 @@
+"""capture_attention on stock timm ViTs: real attention, unchanged outputs, model left as found."""
+
+import pytest
+import timm
+import torch
+
+from timm_rollout import attention_modules, capture_attention
+
+
+def hook_count(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "size", "prefix"),
+    [
+        ("vit_small_patch16_224", dict(depth=3), 224, 1),
+        ("vit_base_patch16_reg4_gap_256", dict(depth=2, embed_dim=192, num_heads=3), 256, 4),
+    ],
+)
+def test_capture_on_stock_timm_vit(name, kwargs, size, prefix):
+    torch.manual_seed(0)
+    model = timm.create_model(name, **kwargs).eval()
+    for m in attention_modules(model):
+        m.fused_attn = True
+    x = torch.randn(2, 3, size, size)
+    hooks_before = hook_count(model)
+    with torch.no_grad():
+        want = model(x)
+        with capture_attention(model) as cap:
+            got = model(x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert cap.num_prefix_tokens == prefix
+    n = prefix + (size // 16) ** 2
+    heads = model.blocks[0].attn.num_heads
+    assert len(cap.attentions) == len(model.blocks)
+    for attn in cap.attentions:
+        assert attn.shape == (2, heads, n, n)
+        torch.testing.assert_close(attn.sum(-1), torch.ones(2, heads, n))
+    # the recorded attention is what the block computed from its own input (not the embedding)
+    blk = model.blocks[1]
+    with torch.no_grad(), capture_attention(model) as cap:
+        tokens = model.forward_intermediates(x, indices=[0], intermediates_only=True, output_fmt="NLC",
+                                             return_prefix_tokens=True)
+    patches, prefix_tokens = tokens[0]
+    h = blk.norm1(torch.cat([prefix_tokens, patches], dim=1))
+    q, k, _ = blk.attn.qkv(h).reshape(2, n, 3, heads, -1).permute(2, 0, 3, 1, 4)
+    manual = ((q * blk.attn.scale) @ k.transpose(-2, -1)).softmax(-1)
+    torch.testing.assert_close(cap.attentions[1], manual, rtol=1e-4, atol=1e-6)
+    # left as found
+    assert all(m.fused_attn for m in attention_modules(model))
+    assert hook_count(model) == hooks_before
+    assert not any(hasattr(m.attn_drop, "_captured_attn") for m in attention_modules(model))
+
+
+def test_capture_keeps_last_forward_and_graph():
+    model = timm.create_model("vit_tiny_cifar_rollout", depth=2).eval()
+    x = torch.randn(1, 3, 32, 32, requires_grad=True)
+    with capture_attention(model) as cap:
+        model(torch.randn(1, 3, 32, 32))
+        model(x)
+        attns = cap.attentions
+        grad = torch.autograd.grad(attns[-1][0, 0, 0, 1], x)[0]
+    assert grad.abs().sum() > 0
+    assert cap.attentions[0] is attns[0]
+
+
+def test_capture_needs_a_forward_pass():
+    model = timm.create_model("vit_tiny_cifar_cls", depth=1)
+    with capture_attention(model) as cap, pytest.raises(RuntimeError, match="run a forward pass inside"):
+        _ = cap.attentions
+
+
+def test_capture_on_model_without_attention_is_a_one_line_error():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU())
+    with pytest.raises(ValueError, match=r"^Sequential has no timm attention blocks .*VisionTransformer-family"):
+        with capture_attention(model):
+            pass
