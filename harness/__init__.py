@@ -1,0 +1,1 @@
+"""Evaluation harness: pooled-feature metrics (faiss k-NN, centroid geometry, silhouette), figures, comparisons."""

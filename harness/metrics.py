@@ -1,0 +1,182 @@
+"""Representation metrics as pure functions of (features, labels): k-NN accuracy, centroid geometry, silhouette.
+
+Every function L2-normalises its inputs first, so cosine similarity is an inner product. Neighbour searches
+are exact (faiss ``IndexFlatIP`` on float32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import faiss
+import numpy as np
+import torch
+from sklearn.metrics import silhouette_score
+
+__all__ = [
+    "SILHOUETTE_SAMPLE_SIZE",
+    "centroid_metrics",
+    "centroids",
+    "cosine_matrix",
+    "knn_bank",
+    "knn_loo",
+    "l2_normalize",
+    "search",
+    "silhouette",
+    "topk_accuracy",
+]
+
+SILHOUETTE_SAMPLE_SIZE = 10_000
+
+ArrayLike = np.ndarray | torch.Tensor
+
+
+def _numpy(x: ArrayLike) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def _set_faiss_threads() -> None:
+    """One OpenMP thread per core faiss may use, never more than torch uses (they share the same cores)."""
+    faiss.omp_set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+
+
+def l2_normalize(features: ArrayLike) -> np.ndarray:
+    """Row-wise L2-normalised, C-contiguous float32 copy of ``features`` (N, D)."""
+    x = np.ascontiguousarray(_numpy(features), dtype=np.float32)
+    if x.ndim != 2:
+        raise ValueError(f"features must be (N, D), got shape {x.shape}")
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return np.ascontiguousarray(x / np.maximum(norms, 1e-12), dtype=np.float32)
+
+
+def search(bank: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-``k`` inner-product search of ``queries`` in ``bank`` (both normalised float32).
+
+    Returns (similarities, indices), each (Q, k), best first.
+    """
+    if k > bank.shape[0]:
+        raise ValueError(f"k={k} neighbours requested from a bank of {bank.shape[0]} features")
+    _set_faiss_threads()
+    index = faiss.IndexFlatIP(bank.shape[1])
+    index.add(bank)
+    return index.search(queries, k)
+
+
+def _vote(neighbour_labels: np.ndarray, weights: np.ndarray, num_classes: int) -> np.ndarray:
+    """Per-query class scores (Q, C): the sum of ``weights`` of neighbours of each class."""
+    q = neighbour_labels.shape[0]
+    flat = (np.arange(q)[:, None] * num_classes + neighbour_labels).ravel()
+    return np.bincount(flat, weights=weights.ravel(), minlength=q * num_classes).reshape(q, num_classes)
+
+
+def _majority(neighbour_labels: np.ndarray, sims: np.ndarray, num_classes: int) -> np.ndarray:
+    """Majority vote; ties go to the class with the larger summed similarity (then the lower class id)."""
+    counts = _vote(neighbour_labels, np.ones_like(sims, dtype=np.float64), num_classes)
+    summed = _vote(neighbour_labels, sims.astype(np.float64), num_classes)
+    best = counts == counts.max(axis=1, keepdims=True)
+    return np.where(best, summed, -np.inf).argmax(axis=1)
+
+
+def _drop_self(ids: np.ndarray, sims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Remove each query's own index from its k+1 neighbours (by index, never by similarity).
+
+    Exact duplicates tie with the query, so the query may fall out of its own k+1 list; such rows drop
+    their last neighbour instead, keeping k.
+    """
+    n = ids.shape[0]
+    drop = ids == np.arange(n)[:, None]
+    drop[~drop.any(axis=1), -1] = True
+    keep = ~drop
+    k = ids.shape[1] - 1
+    return ids[keep].reshape(n, k), sims[keep].reshape(n, k)
+
+
+def knn_loo(features: ArrayLike, labels: ArrayLike, k: int = 5) -> float:
+    """Leave-one-out k-NN accuracy within one set: cosine similarity, majority vote of the ``k`` nearest
+    other points, ties to the class with the larger summed similarity. A point is never its own neighbour.
+    """
+    x = l2_normalize(features)
+    y = _numpy(labels).astype(np.int64)
+    if x.shape[0] <= k:
+        raise ValueError(f"leave-one-out {k}-NN needs more than {k} points, got {x.shape[0]}")
+    sims, ids = search(x, x, k + 1)
+    ids, sims = _drop_self(ids, sims)
+    pred = _majority(y[ids], sims, int(y.max()) + 1)
+    return float((pred == y).mean())
+
+
+def knn_bank(
+    bank_features: ArrayLike,
+    bank_labels: ArrayLike,
+    query_features: ArrayLike,
+    query_labels: ArrayLike,
+    k: int = 20,
+    temperature: float = 0.07,
+) -> float:
+    """DINO-style weighted k-NN accuracy: each query's ``k`` nearest bank features (cosine) vote for their
+    class with weight ``exp(similarity / temperature)``.
+    """
+    bank = l2_normalize(bank_features)
+    queries = l2_normalize(query_features)
+    yb = _numpy(bank_labels).astype(np.int64)
+    yq = _numpy(query_labels).astype(np.int64)
+    sims, ids = search(bank, queries, k)
+    num_classes = int(max(yb.max(), yq.max())) + 1
+    scores = _vote(yb[ids], np.exp(sims.astype(np.float64) / temperature), num_classes)
+    return float((scores.argmax(axis=1) == yq).mean())
+
+
+def centroids(features: ArrayLike, labels: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+    """Class ids present (sorted) and the mean of their normalised features (not renormalised), (C, D)."""
+    x = l2_normalize(features).astype(np.float64)
+    y = _numpy(labels).astype(np.int64)
+    classes = np.unique(y)
+    return classes, np.stack([x[y == c].mean(axis=0) for c in classes])
+
+
+def centroid_metrics(features: ArrayLike, labels: ArrayLike) -> dict[str, float]:
+    """``intra``: mean over classes of the mean Euclidean distance of a class's normalised features to its
+    centroid. ``inter``: mean over class pairs of the cosine distance (1 - cosine similarity) of centroids.
+    ``ratio``: inter / intra (larger is better separated).
+    """
+    x = l2_normalize(features).astype(np.float64)
+    y = _numpy(labels).astype(np.int64)
+    classes, cents = centroids(x, y)
+    if len(classes) < 2:
+        raise ValueError("centroid metrics need at least two classes")
+    intra = float(np.mean([np.linalg.norm(x[y == c] - m, axis=1).mean() for c, m in zip(classes, cents, strict=True)]))
+    cos = cosine_matrix(cents)
+    pairs = np.triu_indices(len(classes), k=1)
+    inter = float((1.0 - cos[pairs]).mean())
+    return {"intra": intra, "inter": inter, "ratio": inter / intra}
+
+
+def cosine_matrix(vectors: ArrayLike) -> np.ndarray:
+    """Pairwise cosine similarity (C, C) of the rows of ``vectors`` (e.g. class centroids)."""
+    v = _numpy(vectors).astype(np.float64)
+    v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+    return v @ v.T
+
+
+def silhouette(
+    features: ArrayLike, labels: ArrayLike, seed: int = 0, sample_size: int = SILHOUETTE_SAMPLE_SIZE
+) -> tuple[float, int | None]:
+    """scikit-learn's silhouette score (Euclidean on normalised features).
+
+    Above ``sample_size`` points it scores a seeded random sample of that size. Returns (score, sample size
+    used, or None when every point was scored).
+    """
+    x = l2_normalize(features)
+    y = _numpy(labels).astype(np.int64)
+    sample = sample_size if x.shape[0] > sample_size else None
+    return float(silhouette_score(x, y, metric="euclidean", sample_size=sample, random_state=seed)), sample
+
+
+def topk_accuracy(logits: ArrayLike, labels: ArrayLike, k: int = 1) -> float | None:
+    """Fraction of rows whose label is among the ``k`` highest logits; None if there are fewer than k classes."""
+    z = _numpy(logits)
+    y = _numpy(labels).astype(np.int64)
+    if z.shape[1] < k:
+        return None
+    top = np.argpartition(-z, k - 1, axis=1)[:, :k] if k > 1 else z.argmax(axis=1)[:, None]
+    return float((top == y[:, None]).any(axis=1).mean())

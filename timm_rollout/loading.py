@@ -1,0 +1,253 @@
+"""Build a timm model and load its weights, with one-line errors for every user mistake.
+
+``model`` is a registered timm name, ``hf-hub:org/name`` or ``local-dir:PATH``; ``checkpoint`` is a
+``.safetensors`` file or a folder written by ``timm.models.save_for_hf`` (``model.safetensors`` +
+``config.json``, e.g. a training output folder). Weights are loaded with ``timm.models.load_checkpoint``
+after their parameter names and shapes are checked against the model, so a mismatch is reported by name
+rather than as a torch traceback. The two CIFAR models share every parameter name, so weights trained with
+one pooling load into the other (the rollout model then gives a post-hoc rollout readout of a CLS model).
+Only safetensors are read: pickled checkpoints are refused, never unpickled.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+from safetensors import SafetensorError, safe_open
+from timm.models import load_checkpoint, parse_model_name
+from torch import nn
+
+from .errors import UserError
+
+__all__ = ["WEIGHTS_NAME", "load_model", "sha256_file"]
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".tar", ".ckpt", ".pkl")
+CONVERT_HINT = "convert it with scripts/convert_checkpoint.py (pickled checkpoints are never loaded)"
+# Reconstruction arguments that describe the head/pooling rather than the architecture.
+_HEAD_ARGS = ("num_classes", "global_pool")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _refuse_pickle(path: Path) -> None:
+    if path.name.lower().endswith(PICKLE_SUFFIXES):
+        raise UserError(f"{path} is a pickled checkpoint; {CONVERT_HINT}")
+
+
+def _check_registered(name: str) -> None:
+    if timm.is_model(name):
+        return
+    close = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; list them with timm.list_models()"
+    raise UserError(f"unknown model {name!r}{hint}")
+
+
+def _hub_folder(repo: str) -> Path:
+    """Local snapshot folder holding ``config.json`` and ``model.safetensors`` of a Hub repo (cache first)."""
+    from timm.models._hub import download_from_hf
+
+    try:
+        config = download_from_hf(repo, CONFIG_NAME)
+        download_from_hf(repo, WEIGHTS_NAME)
+    except LocalEntryNotFoundError:
+        raise UserError(
+            f"hf-hub:{repo} is not in the local Hugging Face cache and the Hub is unreachable (offline); "
+            "download it where there is network or use local-dir:PATH"
+        ) from None
+    except RepositoryNotFoundError:
+        raise UserError(f"hf-hub:{repo} does not exist on the Hub (or is private); check the repo id") from None
+    except EntryNotFoundError:
+        raise UserError(f"hf-hub:{repo} lacks {CONFIG_NAME} or {WEIGHTS_NAME} (timm safetensors export)") from None
+    return Path(config).parent
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    path = folder / CONFIG_NAME
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{folder} has no {CONFIG_NAME}; pass its {WEIGHTS_NAME} file as the checkpoint") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); re-export the model with timm.models.save_for_hf") from None
+
+
+def _weights_in(folder: Path) -> Path:
+    weights = folder / WEIGHTS_NAME
+    if weights.is_file():
+        return weights
+    pickles = sorted(p.name for p in folder.iterdir() if p.name.lower().endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise UserError(f"{folder} holds only pickled weights ({', '.join(pickles)}); {CONVERT_HINT}")
+    raise UserError(f"{folder} has no {WEIGHTS_NAME}; pass a training output folder or a .safetensors file")
+
+
+def _resolve_checkpoint(checkpoint: str | Path) -> tuple[Path, dict[str, Any] | None]:
+    """(weights file, timm config or None) for a checkpoint file or folder."""
+    path = Path(checkpoint)
+    if path.is_dir():
+        return _weights_in(path), _read_config(path)
+    if not path.exists():
+        raise UserError(f"checkpoint {path} does not exist; pass a .safetensors file or a training output folder")
+    _refuse_pickle(path)
+    if path.suffix != ".safetensors":
+        raise UserError(f"checkpoint {path} is not a .safetensors file; pass a .safetensors file or a folder")
+    return path, None
+
+
+def _checkpoint_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
+    """Parameter shapes from the safetensors header; fails cleanly on corrupt or truncated files."""
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except SafetensorError as e:
+        raise UserError(f"{weights} is not a readable safetensors file ({e}); re-save or re-download it") from None
+
+
+def _head_classes(shapes: dict[str, tuple[int, ...]], classifier: str) -> int | None:
+    shape = shapes.get(f"{classifier}.weight")
+    return shape[0] if shape else None
+
+
+def _check_match(model: nn.Module, shapes: dict[str, tuple[int, ...]], name: str, weights: Path) -> None:
+    """One-line description of every way the checkpoint's parameters differ from the model's."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(own.keys() - shapes.keys())
+    unexpected = sorted(shapes.keys() - own.keys())
+    resized = [f"{k} {shapes[k]} vs {own[k]}" for k in sorted(own.keys() & shapes.keys()) if own[k] != shapes[k]]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} parameters missing from the checkpoint (e.g. {', '.join(missing[:3])})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected in it (e.g. {', '.join(unexpected[:3])})")
+    if resized:
+        problems.append(f"shapes differ (checkpoint vs model): {'; '.join(resized[:3])}")
+    if problems:
+        raise UserError(
+            f"checkpoint {weights} does not match {name}: {'; '.join(problems)}; "
+            "pass the --model (and model arguments) it was trained with"
+        )
+
+
+def _model_args(config: dict[str, Any] | None, arch: str) -> dict[str, Any]:
+    """Architecture arguments saved in the checkpoint's config; head arguments only for its own architecture."""
+    if not config:
+        return {}
+    args = dict(config.get("model_args") or {})
+    for key in _HEAD_ARGS:
+        args.pop(key, None)
+    if config.get("architecture") == arch and config.get("global_pool"):
+        args["global_pool"] = config["global_pool"]
+    if "img_size" in args:
+        args["img_size"] = tuple(args["img_size"]) if isinstance(args["img_size"], list) else args["img_size"]
+    return args
+
+
+def _cfg_overlay(config: dict[str, Any] | None, num_classes: int) -> dict[str, Any]:
+    """pretrained_cfg entries carried by the checkpoint (mean/std/label names) for the built model."""
+    overlay: dict[str, Any] = {"num_classes": num_classes}
+    if not config:
+        return overlay
+    saved = config.get("pretrained_cfg") or {}
+    for key in ("mean", "std", "interpolation", "crop_pct", "crop_mode"):
+        if key in saved:
+            overlay[key] = tuple(saved[key]) if isinstance(saved[key], list) else saved[key]
+    labels = config.get("label_names") or saved.get("label_names")
+    if labels is not None:
+        overlay["label_names"] = list(labels.values()) if isinstance(labels, dict) else list(labels)
+    return overlay
+
+
+def load_model(
+    model: str,
+    checkpoint: str | Path | None = None,
+    *,
+    num_classes: int | None = None,
+    device: str | torch.device = "cpu",
+    **model_kwargs: Any,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Build ``model`` in eval mode on ``device``, with ``checkpoint``'s weights if given.
+
+    ``hf-hub:`` and ``local-dir:`` names build the architecture named in their ``config.json`` and load
+    their weights unless ``checkpoint`` overrides them. The class count comes from the checkpoint's head;
+    ``num_classes`` must agree with it (or may be omitted). Returns the model and provenance: resolved name,
+    checkpoint and weights paths, sha256, class count, label names, mean and std.
+    """
+    try:
+        source, model_id = parse_model_name(model)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    config: dict[str, Any] | None = None
+    weights: Path | None = None
+    if source is None:
+        arch = model_id
+    else:
+        folder = _hub_folder(model_id) if source == "hf-hub" else Path(model_id)
+        if not folder.is_dir():
+            raise UserError(f"local-dir:{model_id} is not a folder; pass one holding {CONFIG_NAME} + {WEIGHTS_NAME}")
+        config = _read_config(folder)
+        arch = str(config.get("architecture", ""))
+        if checkpoint is None:
+            weights = _weights_in(folder)
+    _check_registered(arch)
+    if checkpoint is not None:
+        weights, config = _resolve_checkpoint(checkpoint)
+
+    kwargs = {**_model_args(config, arch), **model_kwargs}
+    shapes = None
+    if weights is not None:
+        shapes = _checkpoint_shapes(weights)
+        classifier = timm.models.get_pretrained_cfg(arch).to_dict().get("classifier", "head")
+        found = _head_classes(shapes, classifier)
+        if num_classes is not None and found is not None and found != num_classes:
+            raise UserError(
+                f"checkpoint has {found} classes, model built with {num_classes}; "
+                f"pass --num-classes {found} or drop it"
+            )
+        num_classes = found if found is not None else num_classes
+    if num_classes is not None:
+        kwargs["num_classes"] = num_classes
+
+    try:
+        net = timm.create_model(
+            arch, pretrained=False, pretrained_cfg_overlay=_cfg_overlay(config, num_classes), **kwargs
+        )
+    except TypeError as e:
+        raise UserError(f"cannot build {arch} with {kwargs}: {e}") from None
+    if weights is not None:
+        _check_match(net, shapes, arch, weights)
+        load_checkpoint(net, str(weights), strict=True)
+    net = net.to(device).eval()
+
+    cfg = net.pretrained_cfg
+    info = {
+        "name": model,
+        "architecture": arch,
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "weights": str(weights) if weights is not None else None,
+        "sha256": sha256_file(weights) if weights is not None else None,
+        "checkpoint_architecture": (config or {}).get("architecture"),
+        "num_classes": int(net.num_classes),
+        "global_pool": str(getattr(net, "global_pool", "")),
+        "model_args": {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()},
+        "label_names": cfg.get("label_names"),
+        "mean": list(cfg["mean"]),
+        "std": list(cfg["std"]),
+        "input_size": list(cfg["input_size"]),
+    }
+    return net, info
