@@ -1,0 +1,64 @@
+"""Build the small class-balanced CIFAR-10 sample shipped in the package (timm_rollout/data/cifar10_sample).
+
+It lets training, evaluation and the README's main command run offline on a fresh machine. Images are
+copied byte for byte (no re-encoding) from a CIFAR-10 copy in Hub layout, with the same ``img``/``label``
+features, as parquet files ``load_dataset`` reads::
+
+    python scripts/make_sample.py --source ../shared/data/cifar10
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import datasets
+
+from timm_rollout.atomic import atomic_path, write_text
+from timm_rollout.data import SAMPLE_DIR, balanced_indices
+from timm_rollout.errors import run_cli
+
+README = """---
+pretty_name: CIFAR-10 sample (timm-rollout)
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: train.parquet
+  - split: test
+    path: test.parquet
+---
+# CIFAR-10 sample
+
+{train} train and {test} test images of CIFAR-10, class-balanced ({train_pc} and {test_pc} per class),
+drawn with seed {seed} from {source} by `scripts/make_sample.py`; columns `img` (Image) and `label`
+(ClassLabel), as in `uoft-cs/cifar10`. For smoke runs and offline examples; not for reporting accuracy.
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", default="../shared/data/cifar10", help="CIFAR-10 in Hub layout")
+    parser.add_argument("--output", type=Path, default=SAMPLE_DIR)
+    parser.add_argument("--train-per-class", type=int, default=200)
+    parser.add_argument("--test-per-class", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    splits = datasets.load_dataset(args.source)
+    counts = {"train": args.train_per_class, "test": args.test_per_class}
+    for split, per_class in counts.items():
+        ds = splits[split]
+        idx = balanced_indices(ds.with_format("numpy")["label"], per_class=per_class, seed=args.seed)
+        with atomic_path(args.output / f"{split}.parquet") as tmp:
+            ds.select(idx.tolist()).to_parquet(str(tmp))
+    write_text(args.output / "README.md", README.format(
+        train=10 * counts["train"], test=10 * counts["test"], train_pc=counts["train"], test_pc=counts["test"],
+        seed=args.seed, source=args.source,
+    ))
+    size = sum(f.stat().st_size for f in args.output.iterdir())
+    print(f"wrote {args.output} ({size / 1e6:.2f} MB)")
+
+
+if __name__ == "__main__":
+    run_cli(main)
