@@ -1,0 +1,216 @@
+"""Import the original study's checkpoints into timm format (``model.safetensors`` + ``config.json``).
+
+The original code was a plain PyTorch ViT: a conv patch embedding, a [CLS] token, a learned position
+embedding, pre-norm blocks built on ``torch.nn.MultiheadAttention`` (batch_first, packed q/k/v
+in-projection), an MLP ``Sequential(Linear, GELU, Dropout, Linear, Dropout)``, a final LayerNorm and a
+linear head. Its two files (the [CLS] baseline and the rollout-pooled model) have the same keys, in
+one of two layouts:
+
+- ``new``: ``patch.*``, ``cls``, ``pos``, ``blocks.{i}.n1.*``, ``blocks.{i}.n2.*``;
+- ``old``: ``patch_embed.*``, ``cls_token``, ``pos_embed``, ``blocks.{i}.norm1.*``, ``blocks.{i}.norm2.*``;
+
+both with ``blocks.{i}.attn.in_proj_{weight,bias}``, ``blocks.{i}.attn.out_proj.*``,
+``blocks.{i}.mlp.{0,3}.*``, ``norm.*`` and ``head.*``. ``MultiheadAttention`` packs its in-projection
+as rows ``[q; k; v]``, each split into heads in order, which is exactly the row layout of timm's
+``attn.qkv`` Linear, so the packed weight is renamed, not reordered. The number of heads is not stored
+in a state dict and must be given (the study used 4).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import re
+import tempfile
+from pathlib import Path
+
+import timm
+import torch
+
+from .errors import UserError
+
+__all__ = [
+    "POOLING_MODELS",
+    "convert_checkpoint",
+    "detect_layout",
+    "guess_pooling",
+    "infer_model_args",
+    "load_original",
+    "map_keys",
+]
+
+POOLING_MODELS = {"cls": "vit_tiny_cifar_cls", "rollout": "vit_tiny_cifar_rollout"}
+
+# Words in a file name that give away the pooling of the original study's two checkpoints.
+_POOLING_WORDS = {"rollout": ("rollout",), "cls": ("cls", "baseline", "token")}
+
+_BLOCK_RULES = [
+    (r"blocks\.(\d+)\.attn\.in_proj_(weight|bias)", r"blocks.\1.attn.qkv.\2"),
+    (r"blocks\.(\d+)\.attn\.out_proj\.(weight|bias)", r"blocks.\1.attn.proj.\2"),
+    (r"blocks\.(\d+)\.mlp\.0\.(weight|bias)", r"blocks.\1.mlp.fc1.\2"),
+    (r"blocks\.(\d+)\.mlp\.3\.(weight|bias)", r"blocks.\1.mlp.fc2.\2"),
+    (r"norm\.(weight|bias)", r"norm.\1"),
+    (r"head\.(weight|bias)", r"head.\1"),
+]
+
+# (original key regex, timm key template) per layout; the first rule that fully matches a key wins.
+_LAYOUT_RULES = {
+    "new": [
+        (r"patch\.(weight|bias)", r"patch_embed.proj.\1"),
+        (r"cls", "cls_token"),
+        (r"pos", "pos_embed"),
+        (r"blocks\.(\d+)\.n1\.(weight|bias)", r"blocks.\1.norm1.\2"),
+        (r"blocks\.(\d+)\.n2\.(weight|bias)", r"blocks.\1.norm2.\2"),
+        *_BLOCK_RULES,
+    ],
+    "old": [
+        (r"patch_embed\.(weight|bias)", r"patch_embed.proj.\1"),
+        (r"cls_token", "cls_token"),
+        (r"pos_embed", "pos_embed"),
+        (r"blocks\.(\d+)\.norm1\.(weight|bias)", r"blocks.\1.norm1.\2"),
+        (r"blocks\.(\d+)\.norm2\.(weight|bias)", r"blocks.\1.norm2.\2"),
+        *_BLOCK_RULES,
+    ],
+}
+_LAYOUT_MARKERS = {"new": "patch.weight", "old": "patch_embed.weight"}
+
+
+def _short_list(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def guess_pooling(path: str | os.PathLike) -> str:
+    """``'rollout'`` or ``'cls'`` from words in the file name; a :class:`UserError` when it cannot tell."""
+    name = Path(path).name.lower()
+    found = sorted(p for p, words in _POOLING_WORDS.items() if any(w in name for w in words))
+    if len(found) != 1:
+        why = "both poolings" if found else "no pooling"
+        raise UserError(f"file name {Path(path).name!r} names {why}; pass --pooling cls or --pooling rollout")
+    return found[0]
+
+
+def load_original(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read a state dict with ``torch.load(weights_only=True)``: tensors and plain containers only.
+
+    A dict wrapping the state dict under ``'model'`` or ``'state_dict'`` is unwrapped. Anything that
+    would need arbitrary unpickling (custom classes, optimizers, argparse namespaces...) is refused.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} not found; give the path of the original .pth file")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"WeightsUnpickler error: (.+?)(?: was not an allowed global|\n|$)", str(e))
+        reason = found.group(1).strip() if found else type(e).__name__
+        raise UserError(
+            f"{path} holds more than plain tensors ({reason}) and is refused, as nothing is unpickled; "
+            "re-save just the weights with torch.save(model.state_dict(), path)"
+        ) from None
+    for wrapper in ("model", "state_dict"):
+        if isinstance(obj, dict) and isinstance(obj.get(wrapper), dict):
+            obj = obj[wrapper]
+            break
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise UserError(f"{path} is not a state dict of tensors; save it with torch.save(model.state_dict(), path)")
+    return obj
+
+
+def detect_layout(state_dict: dict[str, torch.Tensor]) -> str:
+    """``'new'`` (``patch.weight``) or ``'old'`` (``patch_embed.weight``) key layout."""
+    for layout, marker in _LAYOUT_MARKERS.items():
+        if marker in state_dict:
+            return layout
+    raise UserError(
+        "not an original-study state dict: neither patch.weight nor patch_embed.weight found "
+        f"(keys: {_short_list(sorted(state_dict))})"
+    )
+
+
+def map_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename the original keys to timm ``VisionTransformer`` keys; unknown keys are a :class:`UserError`."""
+    layout = detect_layout(state_dict)
+    rules = [(re.compile(pattern), template) for pattern, template in _LAYOUT_RULES[layout]]
+    out, unknown = {}, []
+    for key, value in state_dict.items():
+        for pattern, template in rules:
+            if pattern.fullmatch(key):
+                out[pattern.sub(template, key)] = value
+                break
+        else:
+            unknown.append(key)
+    if unknown:
+        raise UserError(f"unknown keys for the {layout!r} original layout: {_short_list(sorted(unknown))}")
+    return out
+
+
+def infer_model_args(timm_state: dict[str, torch.Tensor], num_heads: int) -> dict:
+    """Architecture arguments for ``timm.create_model`` read from a timm-keyed state dict's shapes."""
+    needed = ("patch_embed.proj.weight", "pos_embed", "blocks.0.mlp.fc1.weight", "head.weight")
+    missing = [k for k in needed if k not in timm_state]
+    if missing:
+        raise UserError(f"state dict lacks {', '.join(missing)}; is it a complete model checkpoint?")
+    embed_dim, in_chans, patch, _ = timm_state["patch_embed.proj.weight"].shape
+    num_patches = timm_state["pos_embed"].shape[1] - 1
+    grid = math.isqrt(num_patches)
+    if grid * grid != num_patches:
+        raise UserError(f"position embedding has {num_patches} patch positions, not a square grid")
+    depth = len({k.split(".")[1] for k in timm_state if k.startswith("blocks.")})
+    if embed_dim % num_heads:
+        raise UserError(f"embed dim {embed_dim} is not divisible by --num-heads {num_heads}")
+    return dict(
+        img_size=grid * patch,
+        patch_size=patch,
+        in_chans=in_chans,
+        embed_dim=embed_dim,
+        depth=depth,
+        num_heads=num_heads,
+        mlp_ratio=timm_state["blocks.0.mlp.fc1.weight"].shape[0] / embed_dim,
+        num_classes=timm_state["head.weight"].shape[0],
+    )
+
+
+def convert_checkpoint(
+    src: str | os.PathLike,
+    output: str | os.PathLike,
+    pooling: str,
+    num_heads: int = 4,
+    label_names: list[str] | None = None,
+    data_config: dict | None = None,
+) -> torch.nn.Module:
+    """Convert the original study's ``src`` state dict into a timm folder ``output``; returns the model.
+
+    ``output`` gets ``model.safetensors`` and ``config.json`` from ``timm.models.save_for_hf``, so
+    ``timm.create_model("local-dir:<output>", pretrained=True)`` loads it (after ``import timm_rollout``).
+    ``data_config`` may set the normalisation (``mean``/``std``) the weights were trained with.
+    """
+    if pooling not in POOLING_MODELS:
+        raise UserError(f"unknown pooling {pooling!r}; use one of {', '.join(POOLING_MODELS)}")
+    state = map_keys(load_original(src))
+    args = infer_model_args(state, num_heads)
+    if label_names and len(label_names) != args["num_classes"]:
+        raise UserError(f"{len(label_names)} label names for a head with {args['num_classes']} classes")
+    model = timm.create_model(POOLING_MODELS[pooling], **args)
+    expected = model.state_dict()
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or extra:
+        what = f"lacks weights for: {_short_list(missing)}" if missing else f"has extra weights: {_short_list(extra)}"
+        raise UserError(f"original checkpoint {what}")
+    bad = [f"{k} {tuple(v.shape)} vs {tuple(expected[k].shape)}" for k, v in state.items()
+           if v.shape != expected[k].shape]
+    if bad:
+        raise UserError(f"shape mismatch (original vs timm): {_short_list(bad, 3)}")
+    model.load_state_dict(state)
+    model_config = dict(label_names=list(label_names)) if label_names else None
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    # save_for_hf writes in place; save next to the output and rename, so no torn file is ever left
+    with tempfile.TemporaryDirectory(dir=output, prefix=".convert-") as tmp:
+        timm.models.save_for_hf(
+            model, tmp, model_config=model_config, safe_serialization=True, data_config=data_config
+        )
+        for name in ("model.safetensors", "config.json"):
+            os.replace(Path(tmp) / name, output / name)
+    return model.eval()
