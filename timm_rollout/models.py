@@ -17,6 +17,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
 from .capture import install_attention_hook, take_model_attention
+from .dropout import use_fast_dropout
 from .rollout import patch_weights, rollout_cls_row
 
 __all__ = ["CIFAR100_MEAN", "CIFAR100_STD", "RolloutVisionTransformer"]
@@ -55,6 +56,7 @@ class RolloutVisionTransformer(VisionTransformer):
         super().__init__(*args, global_pool="token" if global_pool == ROLLOUT else global_pool, **kwargs)
         self.global_pool = global_pool
         self.rollout_grad = rollout_grad
+        use_fast_dropout(self)
         for block in self.blocks:
             install_attention_hook(block.attn)
         self.patch_embed.register_forward_pre_hook(_check_image_size)
