@@ -1,0 +1,273 @@
+"""Evaluate a model's pooled features: classifier accuracy, faiss k-NN, centroid geometry, silhouette, figures.
+
+    python -m harness.eval --model vit_tiny_cifar_rollout --checkpoint runs/c10-rollout \\
+        --dataset cifar10 --bank-split train --heatmaps 8 --output eval/c10-rollout
+
+Writes ``results.json`` (metrics + provenance), ``cosine_matrix.png``, ``heatmaps.png`` and, with
+``--save-features``, ``features.safetensors`` into ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from harness import metrics
+from harness.features import attention_maps, extract
+from harness.figures import plot_cosine_matrix, plot_heatmaps
+from timm_rollout.atomic import atomic_path, write_json
+from timm_rollout.data import ImageSet, balanced_indices, load_image_set
+from timm_rollout.device import AMP_CHOICES, resolve_amp, resolve_device
+from timm_rollout.errors import UserError, run_cli
+from timm_rollout.loading import load_model
+
+__all__ = ["build_parser", "evaluate", "main", "select_classes"]
+
+PACKAGES = ("torch", "timm", "faiss-cpu", "scikit-learn", "numpy", "datasets", "safetensors", "timm-rollout")
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def _non_negative(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m harness.eval", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="registered timm name, hf-hub:org/name or local-dir:PATH")
+    p.add_argument("--checkpoint", help=".safetensors file or training output folder (model.safetensors + config)")
+    p.add_argument("--dataset", default="cifar10", help="alias (cifar10, cifar100, svhn), Hub id or local folder")
+    p.add_argument("--split", default="test", help="split to evaluate (default: test)")
+    p.add_argument("--image-column", help="image column (detected when omitted)")
+    p.add_argument("--label-column", help="label column (detected when omitted)")
+    sel = p.add_mutually_exclusive_group()
+    sel.add_argument("--classes", nargs="+", metavar="NAME", help="evaluate only these classes")
+    sel.add_argument("--num-classes", type=_positive, metavar="K", help="evaluate only the first K classes")
+    p.add_argument("--per-class", type=_positive, metavar="N", help="N random images per class (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the per-class draws, heatmap picks, silhouette sample")
+    p.add_argument("--k", type=_positive, default=5, help="neighbours of the leave-one-out k-NN (default 5)")
+    p.add_argument("--bank-split", help="split whose features form the k-NN bank (e.g. train); off by default")
+    p.add_argument("--bank-per-class", type=_positive, metavar="N", help="N random bank images per class")
+    p.add_argument("--bank-k", type=_positive, default=20, help="neighbours of the bank k-NN (default 20)")
+    p.add_argument("--temperature", type=float, default=0.07, help="bank k-NN vote temperature (default 0.07)")
+    p.add_argument("--cosine-classes", nargs="+", metavar="NAME", help="classes of the cosine matrix (default: all)")
+    p.add_argument("--heatmaps", type=_non_negative, default=8, metavar="N", help="images in heatmaps.png (0: none)")
+    p.add_argument("--save-features", action="store_true", help="write features.safetensors (features, labels)")
+    p.add_argument("--batch-size", type=_positive, default=512)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="autocast dtype (auto: bf16 only where native)")
+    p.add_argument("--output", required=True, help="folder for results.json, figures and features")
+    return p
+
+
+class Stopwatch:
+    """Wall time of named stages, in seconds."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - start, 3)
+
+
+def _class_ids(names: Sequence[str], class_names: Sequence[str], flag: str) -> list[int]:
+    lookup = {name: i for i, name in enumerate(class_names)}
+    unknown = [n for n in names if n not in lookup]
+    if unknown:
+        raise UserError(f"unknown class name(s) for {flag}: {', '.join(unknown)}; valid: {', '.join(class_names)}")
+    return list(dict.fromkeys(lookup[n] for n in names))
+
+
+def select_classes(class_names: Sequence[str], classes: Sequence[str] | None, num_classes: int | None) -> list[int]:
+    """Class ids to evaluate: the named ones, the first ``num_classes``, or all."""
+    if classes:
+        return _class_ids(classes, class_names, "--classes")
+    if num_classes is not None:
+        if num_classes > len(class_names):
+            raise UserError(f"--num-classes {num_classes} but the data set has {len(class_names)} classes")
+        return list(range(num_classes))
+    return list(range(len(class_names)))
+
+
+def _subset(data: ImageSet, class_ids: list[int], per_class: int | None, seed: int, what: str) -> ImageSet:
+    idx = balanced_indices(data.labels, per_class=per_class, classes=class_ids, seed=seed)
+    if len(idx) == 0:
+        raise UserError(f"the {what} selection is empty: {data.split} has no images of the selected classes")
+    return data.subset(idx)
+
+
+def _versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _check_head(info: dict[str, Any], data: ImageSet) -> None:
+    if info["num_classes"] != data.num_classes:
+        raise UserError(
+            f"checkpoint has {info['num_classes']} classes, data set {data.dataset} has {data.num_classes}; "
+            "evaluate it on the data set it was trained on"
+        )
+    labels = info.get("label_names")
+    if labels and list(labels) != list(data.class_names):
+        print(f"warning: checkpoint label names {labels[:3]}... differ from the data set's "
+              f"{data.class_names[:3]}...; top1 assumes the same class order", file=sys.stderr)
+
+
+def _heatmap_figure(model, data: ImageSet, info: dict, args, device, amp_dtype, out: Path) -> Path:
+    gen = torch.Generator().manual_seed(args.seed)
+    pick = torch.randperm(len(data), generator=gen)[: args.heatmaps].sort().values
+    images = data.images[pick]
+    maps = attention_maps(model, images, info["mean"], info["std"], device=device, amp_dtype=amp_dtype)
+    names = data.class_names
+    true = [names[int(i)] for i in data.labels[pick]]
+    pred = [names[int(i)] if int(i) < len(names) else str(int(i)) for i in maps.logits.argmax(dim=1)]
+    title = f"{info['name']}: rollout pooling weights vs last-layer [CLS] attention ({data.split})"
+    return plot_heatmaps(images, maps.rollout, maps.last_cls, true, pred, out / "heatmaps.png", title)
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    """Run one evaluation and write its outputs; returns the results written to results.json."""
+    clock = Stopwatch()
+    start = time.perf_counter()
+    out = Path(args.output)
+    device = resolve_device(args.device)
+    amp_dtype = resolve_amp(args.amp, device)
+
+    with clock.stage("load_data"):
+        full = load_image_set(args.dataset, args.split, image_column=args.image_column, label_column=args.label_column)
+        class_ids = select_classes(full.class_names, args.classes, args.num_classes)
+        if len(class_ids) < 2:
+            raise UserError("select at least 2 classes: centroid separation and silhouette compare classes")
+        data = _subset(full, class_ids, args.per_class, args.seed, "evaluated")
+        if len(data) <= args.k:
+            raise UserError(f"{len(data)} images selected; leave-one-out {args.k}-NN needs more than {args.k}")
+        cosine_ids = _class_ids(args.cosine_classes, full.class_names, "--cosine-classes") if args.cosine_classes \
+            else class_ids
+        missing = sorted(set(cosine_ids) - set(class_ids))
+        if missing:
+            raise UserError(f"--cosine-classes {', '.join(full.class_names[i] for i in missing)} are not evaluated; "
+                            "add them to --classes")
+
+    with clock.stage("load_model"):
+        prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
+        default_classes = None if args.checkpoint or prefixed else full.num_classes
+        model, info = load_model(args.model, args.checkpoint, num_classes=default_classes, device=device)
+        _check_head(info, full)
+    mean, std = info["mean"], info["std"]
+
+    with clock.stage("extract"):
+        feats, logits = extract(model, data.images, mean, std, device=device, amp_dtype=amp_dtype,
+                                batch_size=args.batch_size, desc=f"{data.split} features")
+
+    bank = None
+    if args.bank_split:
+        with clock.stage("load_bank"):
+            bank_full = load_image_set(args.dataset, args.bank_split, image_column=args.image_column,
+                                       label_column=args.label_column)
+            bank = _subset(bank_full, class_ids, args.bank_per_class, args.seed, "bank")
+            if len(bank) < args.bank_k:
+                raise UserError(f"the bank has {len(bank)} images, fewer than --bank-k {args.bank_k}")
+        with clock.stage("extract_bank"):
+            bank_feats, _ = extract(model, bank.images, mean, std, device=device, amp_dtype=amp_dtype,
+                                    batch_size=args.batch_size, desc=f"{bank.split} bank features")
+
+    with clock.stage("metrics"):
+        labels = data.labels
+        results_metrics: dict[str, float | None] = {
+            "top1": metrics.topk_accuracy(logits, labels, 1),
+            "top5": metrics.topk_accuracy(logits, labels, 5),
+            "knn_loo": metrics.knn_loo(feats, labels, args.k),
+            "knn_bank": metrics.knn_bank(bank_feats, bank.labels, feats, labels, args.bank_k, args.temperature)
+            if bank is not None else None,
+        }
+        results_metrics.update(metrics.centroid_metrics(feats, labels))
+        sil, sample = metrics.silhouette(feats, labels, seed=args.seed)
+        results_metrics["silhouette"] = sil
+        keep = torch.isin(labels, torch.tensor(cosine_ids))
+        cos_classes, cents = metrics.centroids(feats[keep], labels[keep])
+        cos = metrics.cosine_matrix(cents)
+    cos_names = [full.class_names[int(c)] for c in cos_classes]
+
+    with clock.stage("figures"):
+        figures = [plot_cosine_matrix(cos, cos_names, out / "cosine_matrix.png",
+                                      f"{info['name']}: centroid cosine similarity ({data.split})").name]
+        if args.heatmaps:
+            figures.append(_heatmap_figure(model, data, info, args, device, amp_dtype, out).name)
+
+    if args.save_features:
+        with clock.stage("save_features"), atomic_path(out / "features.safetensors") as tmp:
+            save_file({"features": feats.contiguous(), "labels": labels.contiguous()}, str(tmp),
+                      metadata={"model": info["name"], "dataset": data.dataset, "split": data.split})
+
+    eval_names = [full.class_names[c] for c in class_ids]
+    counts = torch.bincount(labels, minlength=full.num_classes)
+    results = {
+        "metrics": results_metrics,
+        "cosine_matrix": {"classes": cos_names, "matrix": cos.round(6).tolist()},
+        "model": {**info, "pretrained_cfg": {k: v for k, v in model.pretrained_cfg.items() if k != "state_dict"}},
+        "data": {
+            "dataset": data.dataset, "argument": args.dataset, "split": data.split, "fingerprint": full.fingerprint,
+            "subset_fingerprint": data.fingerprint, "class_names": eval_names, "class_ids": class_ids,
+            "per_class_counts": {full.class_names[c]: int(counts[c]) for c in class_ids}, "num_images": len(data),
+            "bank": None if bank is None else {
+                "split": bank.split, "fingerprint": bank.fingerprint, "num_images": len(bank),
+                "per_class": args.bank_per_class,
+            },
+        },
+        "config": {
+            "seed": args.seed, "per_class": args.per_class, "k": args.k, "bank_k": args.bank_k,
+            "temperature": args.temperature, "silhouette_sample_size": sample, "heatmaps": args.heatmaps,
+            "batch_size": args.batch_size, "feature_dim": int(feats.shape[1]),
+        },
+        "environment": {
+            "device": str(device), "dtype": str(amp_dtype or torch.float32).replace("torch.", ""),
+            "torch_threads": torch.get_num_threads(), "packages": _versions(), "argv": sys.argv[1:],
+        },
+        "outputs": {"figures": figures, "features": "features.safetensors" if args.save_features else None},
+        "timing": {**clock.seconds, "total": round(time.perf_counter() - start, 3)},
+    }
+    write_json(out / "results.json", results)
+    return results
+
+
+def _summary(results: dict[str, Any]) -> str:
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in results["metrics"].items() if v is not None)
+    return f"{results['model']['name']} on {results['data']['num_images']} images: {shown} " \
+           f"({results['timing']['total']:.1f} s)"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    results = evaluate(args)
+    print(_summary(results))
+    return results
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,117 @@
+"""PNG figures of an evaluation: centroid cosine matrix, rollout heatmap grid, and a run comparison chart."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from matplotlib.figure import Figure
+
+from timm_rollout.atomic import atomic_path
+
+__all__ = ["plot_comparison", "plot_cosine_matrix", "plot_heatmaps"]
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    """Render with matplotlib's Agg canvas (no pyplot state, no display needed) and write atomically."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
+    return Path(path)
+
+
+def plot_cosine_matrix(matrix: np.ndarray, class_names: Sequence[str], path: str | Path, title: str) -> Path:
+    """Class-by-class cosine similarity of centroids, annotated when there are at most 20 classes."""
+    c = len(class_names)
+    size = max(4.0, 0.45 * c + 2.0)
+    fig = Figure(figsize=(size + 1.0, size))
+    ax = fig.subplots()
+    im = ax.imshow(matrix, cmap="viridis", vmin=min(0.0, float(matrix.min())), vmax=1.0)
+    ticks = range(c)
+    ax.set_xticks(ticks, class_names, rotation=90 if c > 10 else 45, ha="right" if c <= 10 else "center")
+    ax.set_yticks(ticks, class_names)
+    ax.set_xlabel("class")
+    ax.set_ylabel("class")
+    if c <= 20:
+        for i in range(c):
+            for j in range(c):
+                ax.text(j, i, f"{matrix[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                        color="white" if matrix[i, j] < 0.6 else "black")
+    fig.colorbar(im, ax=ax, label="cosine similarity of class centroids")
+    ax.set_title(title)
+    return _save(fig, path)
+
+
+def _grid(weights: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
+    """(P,) patch weights -> (H, W) map, bilinearly upsampled from the square patch grid."""
+    side = math.isqrt(weights.numel())
+    grid = weights.float().view(1, 1, side, side)
+    return F.interpolate(grid, size=size, mode="bilinear", align_corners=False)[0, 0].numpy()
+
+
+def plot_heatmaps(
+    images: torch.Tensor,
+    rollout: torch.Tensor,
+    last_cls: torch.Tensor,
+    true_names: Sequence[str],
+    pred_names: Sequence[str],
+    path: str | Path,
+    title: str,
+) -> Path:
+    """One row per image: the image, its rollout weights overlaid, its last-layer [CLS] attention overlaid.
+
+    ``images`` are uint8 (B, 3, H, W) (the de-normalised inputs); maps are (B, P) over the patch grid.
+    """
+    b, _, h, w = images.shape
+    fig = Figure(figsize=(9.6, 2.9 * b))
+    axes = fig.subplots(b, 3, squeeze=False)
+    columns = ("image", "rollout pooling weights", "last-layer [CLS] attention (mean of heads)")
+    for i in range(b):
+        rgb = images[i].permute(1, 2, 0).numpy()
+        axes[i, 0].imshow(rgb, interpolation="nearest")
+        axes[i, 0].set_title(f"true: {true_names[i]}\npred: {pred_names[i]}", fontsize=9)
+        for col, maps in ((1, rollout), (2, last_cls)):
+            ax = axes[i, col]
+            ax.imshow(rgb, interpolation="nearest")
+            im = ax.imshow(_grid(maps[i], (h, w)), cmap="inferno", alpha=0.6)
+            bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+            bar.set_label("weight", fontsize=7)
+            bar.ax.tick_params(labelsize=6)
+            ax.set_title(f"{columns[col]}\ntrue: {true_names[i]}, pred: {pred_names[i]}", fontsize=8)
+        for ax in axes[i]:
+            ax.set_xlabel("x (pixels)", fontsize=7)
+            ax.set_ylabel("y (pixels)", fontsize=7)
+            ax.tick_params(labelsize=6)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_comparison(
+    groups: Sequence[str],
+    metrics: Sequence[str],
+    means: Mapping[str, Mapping[str, float | None]],
+    stds: Mapping[str, Mapping[str, float | None]],
+    path: str | Path,
+    title: str,
+) -> Path:
+    """Grouped bars: one group of bars per metric, one bar per run group, error bars = std over runs."""
+    x = np.arange(len(metrics))
+    width = 0.8 / max(1, len(groups))
+    fig = Figure(figsize=(max(6.0, 1.3 * len(metrics) * max(1, len(groups)) ** 0.5), 4.5))
+    ax = fig.subplots()
+    for j, group in enumerate(groups):
+        vals = [means[group].get(m) for m in metrics]
+        errs = [stds[group].get(m) or 0.0 for m in metrics]
+        heights = [np.nan if v is None else v for v in vals]
+        ax.bar(x + (j - (len(groups) - 1) / 2) * width, heights, width, yerr=errs, capsize=3, label=group)
+    ax.set_xticks(x, metrics)
+    ax.set_xlabel("metric")
+    ax.set_ylabel("value (mean over runs, error bar = std)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
