@@ -1,0 +1,286 @@
+"""Sharing runs on the Hub, all offline: local-dir:/hf-hub: round trips, the push with a fake Hub client,
+the dry run, the model card and the one-line errors."""
+
+import hashlib
+import json
+import os
+import runpy
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import timm
+import torch
+from huggingface_hub import constants
+from safetensors.torch import load_file, save_file
+
+import timm_rollout
+from timm_rollout import hub
+from timm_rollout.errors import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+PUSH = ROOT / "scripts" / "push_to_hub.py"
+REPO = "org/vit-tiny-cifar10-rollout"
+CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
+RESULTS = {
+    "top1": 0.8125, "top5": 0.9875, "knn_loo": 0.7625, "intra": 0.6125, "inter": 0.5375, "ratio": 0.8775,
+    "silhouette": 0.1125, "dataset": "cifar10", "split": "test", "seed": 0, "model": {"name": "x"},
+}
+TRAIN_ARGS = {
+    "model": "vit_tiny_cifar_rollout", "dataset": "/work/shared/data/cifar10", "epochs": 3, "batch_size": 128,
+    "opt": "adamw", "lr": 0.001, "weight_decay": 0.05, "sched": "cosine", "warmup_epochs": 1, "min_lr": 1e-05,
+    "smoothing": 0.1, "mixup": 0.0, "cutmix": 0.0, "model_ema": False, "amp": "none", "seed": 0,
+    "max_train_samples": None, "class_names": CLASSES, "num_classes": 10, "mean": list(MEAN), "std": list(STD),
+    "train_images": 2000, "eval_images": 1000, "versions": {"torch": torch.__version__, "timm": timm.__version__},
+}
+
+
+def push_main():
+    return runpy.run_path(str(PUSH))["main"]
+
+
+def save_run(folder: Path, name: str) -> torch.nn.Module:
+    """A training output folder as the training contract describes it (depth 2 to keep it fast)."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=10, depth=2).eval()
+    timm.models.save_for_hf(model, folder, model_config=dict(label_names=CLASSES), safe_serialization=True,
+                            data_config=dict(mean=MEAN, std=STD))
+    (folder / "train_args.json").write_text(json.dumps({**TRAIN_ARGS, "model": name}))
+    (folder / "summary.json").write_text(json.dumps({"eval_top1": 81.25, "eval_top5": 98.5, "epochs": 3}))
+    (folder / "log.csv").write_text("epoch,train_loss,eval_loss,eval_top1,eval_top5,lr,img_per_s,seconds\n")
+    (folder / "curves.png").write_bytes(b"\x89PNG")
+    (folder / "last.safetensors").write_bytes(b"resume state")
+    return model
+
+
+@pytest.fixture(scope="module")
+def images() -> torch.Tensor:
+    return torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    folder = tmp_path_factory.mktemp("runs") / "c10-rollout"
+    return folder, save_run(folder, "vit_tiny_cifar_rollout")
+
+
+@pytest.fixture(scope="module")
+def eval_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("eval")
+    (folder / "results.json").write_text(json.dumps(RESULTS))
+    return folder
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_cifar_cls", "vit_tiny_cifar_rollout"])
+def test_local_dir_round_trip(tmp_path, images, name):
+    model = save_run(tmp_path, name)
+    loaded = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
+    assert isinstance(loaded, timm_rollout.RolloutVisionTransformer) and len(loaded.blocks) == 2
+    with torch.no_grad():
+        assert torch.equal(loaded(images), model(images))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architecture"] == name and cfg["num_classes"] == 10 and cfg["label_names"] == CLASSES
+    assert cfg["model_args"]["depth"] == 2 and cfg["model_args"]["num_classes"] == 10
+    assert cfg["global_pool"] == ("rollout" if name.endswith("rollout") else "token")
+    assert cfg["pretrained_cfg"]["input_size"] == [3, 32, 32]
+    assert cfg["pretrained_cfg"]["mean"] == list(MEAN) and cfg["pretrained_cfg"]["std"] == list(STD)
+    assert loaded.pretrained_cfg["label_names"] == CLASSES and tuple(loaded.pretrained_cfg["mean"]) == MEAN
+    assert loaded.global_pool == model.global_pool
+
+
+def populate_hub_cache(cache: Path, repo_id: str, files: list[Path]) -> None:
+    """The Hugging Face cache layout: blobs by hash, snapshots/<commit>/ symlinks, refs/main -> commit."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for f in files:
+        blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        blob.write_bytes(f.read_bytes())
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+
+
+HUB_CHILD = textwrap.dedent("""
+    import json, sys
+    import timm, torch
+    from safetensors.torch import load_file, save_file
+    import timm_rollout
+    from timm_rollout.errors import UserError
+    from timm_rollout.loading import load_model
+
+    x = load_file(sys.argv[1])["x"]
+    model = timm.create_model("hf-hub:%(repo)s", pretrained=True).eval()
+    harness_model, info = load_model("hf-hub:%(repo)s")
+    with torch.no_grad():
+        save_file({"timm": model(x), "harness": harness_model(x)}, sys.argv[2])
+    print(json.dumps({"labels": model.pretrained_cfg["label_names"], "mean": model.pretrained_cfg["mean"],
+                      "hub_id": model.pretrained_cfg.get("hf_hub_id"), "weights": info["weights"]}))
+    try:
+        load_model("hf-hub:org/not-in-cache")
+    except UserError as e:
+        print("load_model:", e)
+    try:
+        timm.create_model("hf-hub:org/not-in-cache", pretrained=True)
+    except Exception as e:
+        print("timm:", type(e).__name__)
+""")
+
+
+def test_hf_hub_from_offline_cache(tmp_path, run, images):
+    folder, model = run
+    cache = tmp_path / "hub"
+    populate_hub_cache(cache, REPO, [folder / "config.json", folder / "model.safetensors"])
+    save_file({"x": images}, tmp_path / "x.safetensors")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home"),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("HF_TOKEN", None)
+    done = subprocess.run(
+        [sys.executable, "-c", HUB_CHILD % {"repo": REPO}, str(tmp_path / "x.safetensors"), str(tmp_path / "y")],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    info = json.loads(lines[0])
+    assert info["labels"] == CLASSES and tuple(info["mean"]) == MEAN and info["hub_id"] == REPO
+    assert info["weights"].startswith(str(cache))
+    out = load_file(tmp_path / "y")
+    with torch.no_grad():
+        want = model(images)
+    assert torch.equal(out["timm"], want) and torch.equal(out["harness"], want)
+    assert lines[1] == (
+        "load_model: hf-hub:org/not-in-cache is not in the local Hugging Face cache and the Hub is unreachable "
+        "(offline); download it where there is network or use local-dir:PATH"
+    )
+    assert lines[2] == "timm: LocalEntryNotFoundError"
+
+
+class FakeHfApi:
+    """Stands in for huggingface_hub.HfApi: records the repo creation and the uploaded folder's files."""
+
+    calls: ClassVar[list] = []
+
+    def __init__(self, token=None, **kwargs):
+        self.token = token
+
+    def create_repo(self, repo_id, private=False, exist_ok=False, **kwargs):
+        self.calls.append(("create_repo", repo_id, private, exist_ok, self.token))
+        return _RepoUrl(repo_id)
+
+    def upload_folder(self, repo_id, folder_path, commit_message=None, **kwargs):
+        files = {p.name: p.read_bytes() for p in Path(folder_path).rglob("*") if p.is_file()}
+        self.calls.append(("upload_folder", repo_id, files, commit_message))
+
+
+class _RepoUrl(str):
+    def __new__(cls, repo_id):
+        url = super().__new__(cls, f"https://huggingface.co/{repo_id}")
+        url.repo_id = repo_id
+        return url
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    FakeHfApi.calls = []
+    monkeypatch.setattr(hub, "HfApi", FakeHfApi)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    return FakeHfApi.calls
+
+
+def test_push_uploads_exactly_the_model_and_card(tmp_path, run, eval_dir, fake_hub, monkeypatch, capsys):
+    folder, _ = run
+    push_main()([str(folder), "--repo-id", REPO, "--eval", str(eval_dir), "--private"])
+    assert fake_hub[0] == ("create_repo", REPO, True, True, "hf_test_token")
+    upload, repo_id, files, message = fake_hub[1]
+    assert upload == "upload_folder" and repo_id == REPO and "vit_tiny_cifar_rollout" in message
+    assert sorted(files) == ["README.md", "config.json", "model.safetensors"]
+    assert files["model.safetensors"] == (folder / "model.safetensors").read_bytes()
+    assert files["config.json"] == (folder / "config.json").read_bytes()
+    card = files["README.md"].decode()
+    for key, definition in hub.METRIC_DEFINITIONS.items():
+        if key in RESULTS:
+            assert f"| {key} | {RESULTS[key]} | {definition} |" in card
+    assert "knn_bank" not in card  # not in results.json: no row
+    assert "# Model card for vit-tiny-cifar10-rollout" in card
+    assert card.index("import timm_rollout") < card.index(f'timm.create_model("hf-hub:{REPO}", pretrained=True)')
+    assert "license: apache-2.0" in card and "datasets:\n- cifar10\n" in card
+    assert "Quantifying Attention Flow in Transformers" in card and "2005.00928" in card and "Abnar" in card
+    assert "Optimizer: adamw, lr 0.001, weight decay 0.05" in card and "Seed: 0" in card
+    assert "depth 2, 4 heads" in card and "Pooling:** rollout" in card
+    n_params = sum(v.numel() for v in load_file(folder / "model.safetensors").values())
+    assert f"Params (M):** {n_params / 1e6:.3f}" in card
+    assert "uploaded README.md" in capsys.readouterr().out
+
+    # the dry run writes the same folder and builds no Hub client at all
+    monkeypatch.setattr(hub, "HfApi", None)
+    dry = tmp_path / "dry"
+    push_main()([str(folder), "--repo-id", REPO, "--eval", str(eval_dir), "--dry-run", "--output", str(dry)])
+    assert {p.name: p.read_bytes() for p in dry.iterdir()} == files
+    assert "nothing uploaded" in capsys.readouterr().out
+
+
+def test_card_tolerates_missing_optional_files():
+    facts = hub.describe_model(timm.create_model("vit_tiny_cifar_cls", depth=1))
+    text = hub.render_card(hub.model_card("me/tiny", facts), "me/tiny", {"top1": 0.5})
+    assert "| top1 | 0.5 |" in text and "| top5" not in text
+    assert "Training recipe" not in text and "datasets:" not in text and "Pooling:** token" in text
+    assert hub.render_card(hub.model_card("me/tiny", facts), "me/tiny").count("## Evaluation") == 0
+
+
+def test_normalisation_mismatch_is_named():
+    config = {"pretrained_cfg": {"mean": [0.5, 0.5, 0.5], "std": list(STD)}}
+    assert hub.normalisation_mismatch(config, TRAIN_ARGS) == (
+        f"config.json mean [0.5, 0.5, 0.5] differs from the training mean {list(MEAN)}"
+    )
+    assert hub.normalisation_mismatch({"pretrained_cfg": {"mean": list(MEAN), "std": list(STD)}}, TRAIN_ARGS) is None
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("no_weights", "has no model.safetensors; pass a finished training output folder"),
+        ("no_results", "has no results.json; run python -m harness.eval --output"),
+        ("dry_no_output", "--dry-run needs --output DIR"),
+        ("busy_output", "already holds other files (notes.txt); choose an empty --output"),
+        ("offline", "HF_HUB_OFFLINE is set: unset it to upload, or use --dry-run --output DIR"),
+        ("no_token", "no Hugging Face token: run `hf auth login` or set HF_TOKEN"),
+        ("hub_fails", f"upload to {REPO} failed (ConnectionError: no route to host); check the network"),
+    ],
+)
+def test_errors_are_one_line(tmp_path, run, eval_dir, fake_hub, monkeypatch, capsys, case, message):
+    folder, _ = run
+    argv = [str(folder), "--repo-id", REPO]
+    if case == "no_weights":
+        (tmp_path / "config.json").write_text("{}")
+        argv[0] = str(tmp_path)
+    elif case == "no_results":
+        argv += ["--eval", str(tmp_path)]
+    elif case == "dry_no_output":
+        argv += ["--dry-run"]
+    elif case == "busy_output":
+        (tmp_path / "notes.txt").write_text("mine")
+        argv += ["--dry-run", "--output", str(tmp_path)]
+    elif case == "offline":
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    elif case == "no_token":
+        monkeypatch.delenv("HF_TOKEN")
+        monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+        monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    elif case == "hub_fails":
+        def fail(self, *args, **kwargs):
+            raise ConnectionError("no route to host")
+
+        monkeypatch.setattr(FakeHfApi, "upload_folder", fail)
+    with pytest.raises(SystemExit) as e:
+        run_cli(push_main(), argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2
+    assert err[-1].startswith("error: ") and message in err[-1]
+    assert not [c for c in fake_hub if c[0] == "upload_folder"]

@@ -1,0 +1,336 @@
+"""Share a training output folder on the Hugging Face Hub: model card, upload folder, upload.
+
+The uploaded folder holds exactly ``model.safetensors`` and ``config.json`` as the training run wrote
+them with ``timm.models.save_for_hf`` (timm's format, loadable with ``hf-hub:``/``local-dir:``), plus a
+``README.md`` model card. timm's ``push_to_hf_hub`` is not used for the upload because it re-serialises
+the model (pickled ``.bin`` too, by default) and never replaces an existing card; its ``generate_readme``
+writes the card's metadata header, details and usage sections.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import HfApi, constants, get_token
+from timm.models._hub import generate_readme
+
+from .atomic import atomic_path, write_text
+from .errors import UserError
+
+__all__ = [
+    "METRIC_DEFINITIONS",
+    "UPLOAD_FILES",
+    "describe_model",
+    "model_card",
+    "normalisation_mismatch",
+    "prepare_upload_folder",
+    "read_eval",
+    "read_run",
+    "render_card",
+    "upload_folder",
+]
+
+WEIGHTS_NAME, CONFIG_NAME, README_NAME = "model.safetensors", "config.json", "README.md"
+UPLOAD_FILES = (WEIGHTS_NAME, CONFIG_NAME, README_NAME)
+
+POOLING_SHORT = {"token": "its [CLS] token", "rollout": "attention-rollout-weighted patch tokens"}
+POOLING_TEXT = {
+    "token": "the final [CLS] token",
+    "rollout": (
+        "the mean of the final (normed) patch tokens weighted by the [CLS] row of the attention rollout "
+        "(head-averaged attention plus identity, row-normalised, multiplied over layers; [CLS] column dropped "
+        "and the row renormalised)"
+    ),
+}
+
+# Definitions of the harness metrics (python -m harness.eval), all on L2-normalised pooled features.
+METRIC_DEFINITIONS = {
+    "top1": "top-1 accuracy of the model's own classifier head",
+    "top5": "top-5 accuracy of the model's own classifier head",
+    "knn_loo": (
+        "leave-one-out k-NN accuracy inside the evaluated set (cosine similarity, k = 5 unless stated, majority "
+        "vote, ties to the larger summed similarity; a query is never its own neighbour)"
+    ),
+    "knn_bank": (
+        "k-NN accuracy of the evaluated images against a bank of train-split features (k = 20, votes weighted "
+        "by exp(similarity / 0.07), as in DINO)"
+    ),
+    "intra": "mean over classes of the mean Euclidean distance of each feature to its class centroid (lower: tighter)",
+    "inter": "mean over class pairs of the cosine distance (1 - cosine similarity) between class centroids",
+    "ratio": "inter / intra (higher means better separated classes)",
+    "silhouette": "scikit-learn silhouette score, Euclidean on the normalised features (in [-1, 1])",
+}
+
+ABNAR_ZUIDEMA_2020 = """@inproceedings{abnar-zuidema-2020-quantifying,
+  title = {Quantifying Attention Flow in Transformers},
+  author = {Abnar, Samira and Zuidema, Willem},
+  booktitle = {Proceedings of the 58th Annual Meeting of the Association for Computational Linguistics (ACL)},
+  year = {2020},
+  pages = {4190--4197},
+  doi = {10.18653/v1/2020.acl-main.385},
+  eprint = {2005.00928},
+  archivePrefix = {arXiv}
+}"""
+
+TIMM_CITATION = """@misc{rw2019timm,
+  author = {Ross Wightman},
+  title = {PyTorch Image Models},
+  year = {2019},
+  publisher = {GitHub},
+  journal = {GitHub repository},
+  doi = {10.5281/zenodo.4414861},
+  howpublished = {\\url{https://github.com/huggingface/pytorch-image-models}}
+}"""
+
+LICENSE = "apache-2.0"
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); re-create the {what}") from None
+
+
+def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The files of a training output folder that the card uses: config, train_args, summary (optional ones None)."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise UserError(f"run folder {run} does not exist; pass a training output folder (--output of training)")
+    missing = [name for name in (WEIGHTS_NAME, CONFIG_NAME) if not (run / name).is_file()]
+    if missing:
+        raise UserError(
+            f"{run} has no {' or '.join(missing)}; pass a finished training output folder "
+            "(written by timm.models.save_for_hf)"
+        )
+    optional = {name: run / f"{name}.json" for name in ("train_args", "summary")}
+    return {
+        "config": _read_json(run / CONFIG_NAME, "model export"),
+        **{k: _read_json(p, k) if p.is_file() else None for k, p in optional.items()},
+    }
+
+
+def read_eval(eval_dir: str | os.PathLike) -> dict[str, Any]:
+    """``results.json`` of a harness evaluation folder."""
+    path = Path(eval_dir) / "results.json"
+    if not path.is_file():
+        raise UserError(f"{eval_dir} has no results.json; run python -m harness.eval --output {eval_dir} first")
+    return _read_json(path, "evaluation")
+
+
+def describe_model(model: torch.nn.Module) -> dict[str, Any]:
+    """Architecture facts of a timm ViT for the card: pooling, sizes, parameter count."""
+    block = model.blocks[0]
+    return {
+        "architecture": model.pretrained_cfg.get("architecture", type(model).__name__),
+        "pooling": str(model.global_pool),
+        "params": sum(p.numel() for p in model.parameters()),
+        "img_size": tuple(model.patch_embed.img_size),
+        "patch_size": tuple(model.patch_embed.patch_size),
+        "embed_dim": model.embed_dim,
+        "depth": len(model.blocks),
+        "num_heads": block.attn.num_heads,
+        "mlp_hidden": block.mlp.fc1.out_features,
+        "num_classes": model.num_classes,
+    }
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_fmt(v)}" for k, v in value.items() if isinstance(v, (int, float, str)))
+    return str(value)
+
+
+def _phrase(args: dict[str, Any], parts: list[tuple[str, str]]) -> str | None:
+    """'label value, label value' for the keys of ``args`` that are present (None when none is)."""
+    found = [f"{label} {_fmt(args[key])}".strip() for key, label in parts if args.get(key) is not None]
+    return ", ".join(found) or None
+
+
+def _dataset_id(dataset: str) -> str:
+    """Hub-style data set name: a local folder path is reduced to its folder name."""
+    local = dataset.startswith((".", "/", "~")) or ("/" in dataset and Path(dataset).exists())
+    return Path(dataset).name if local else dataset
+
+
+def _recipe(train_args: dict[str, Any]) -> dict[str, str]:
+    rows = {
+        "Epochs": _phrase(train_args, [("epochs", "")]),
+        "Batch size": _phrase(train_args, [("batch_size", "")]),
+        "Optimizer": _phrase(train_args, [("opt", ""), ("lr", "lr"), ("weight_decay", "weight decay")]),
+        "Schedule": _phrase(train_args, [("sched", ""), ("warmup_epochs", "warmup epochs"), ("min_lr", "min lr")]),
+        "Regularisation": _phrase(
+            train_args,
+            [("smoothing", "label smoothing"), ("mixup", "mixup alpha"), ("cutmix", "cutmix alpha"),
+             ("model_ema", "EMA")],
+        ),
+        "Precision": _phrase(train_args, [("amp", "amp")]),
+        "Seed": _phrase(train_args, [("seed", "")]),
+        "Images": ", ".join(
+            f"{k} {_fmt(v)}" for k, v in train_args.items() if ("images" in k or "samples" in k) and v is not None
+        ) or None,
+        "Normalisation": _phrase(train_args, [("mean", "mean"), ("std", "std")]),
+    }
+    return {k: v for k, v in rows.items() if v}
+
+
+def normalisation_mismatch(config: dict[str, Any], train_args: dict[str, Any] | None) -> str | None:
+    """Why the exported mean/std differ from those training used (None when they agree or are unknown)."""
+    saved = config.get("pretrained_cfg") or {}
+    for key in ("mean", "std"):
+        used, exported = (train_args or {}).get(key), saved.get(key)
+        if used is not None and exported is not None and [round(float(v), 4) for v in used] != [
+            round(float(v), 4) for v in exported
+        ]:
+            return f"config.json {key} {exported} differs from the training {key} {used}"
+    return None
+
+
+def model_card(
+    repo_id: str,
+    facts: dict[str, Any],
+    train_args: dict[str, Any] | None = None,
+    summary: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A card in the dict format of timm's ``generate_readme`` (tags, licence, description, details, usage)."""
+    train_args = train_args or {}
+    pooling = facts["pooling"]
+    pool_text = POOLING_TEXT.get(pooling, f"timm global pooling {pooling!r}")
+    details: dict[str, Any] = {
+        "Model Type": "Image classification / feature backbone",
+        "Architecture": (
+            f"{facts['architecture']}: timm VisionTransformer, patch {facts['patch_size'][0]}, "
+            f"dim {facts['embed_dim']}, depth {facts['depth']}, {facts['num_heads']} heads, "
+            f"MLP {facts['mlp_hidden']}, pre-norm, LayerNorm eps 1e-5, exact GELU, qkv bias"
+        ),
+        "Pooling": f"{pooling}: {pool_text}",
+        "Params (M)": f"{facts['params'] / 1e6:.3f}",
+        "Image size": "x".join(str(s) for s in facts["img_size"]),
+        "Classes": facts["num_classes"],
+    }
+    if train_args.get("dataset"):
+        details["Dataset"] = _dataset_id(str(train_args["dataset"]))
+    recipe = _recipe(train_args)
+    if recipe:
+        details["Training recipe"] = recipe
+    results = {k: v for k, v in (summary or {}).items() if isinstance(v, (int, float, str))}
+    if results:
+        details["Final training metrics"] = {k: _fmt(v) for k, v in results.items()}
+    if isinstance(train_args.get("versions"), dict):
+        details["Software"] = train_args["versions"]
+    details["Papers"] = ["Quantifying Attention Flow in Transformers (Abnar & Zuidema, ACL 2020): "
+                         "https://arxiv.org/abs/2005.00928"]
+    return {
+        "tags": ["image-classification", "timm", "vision-transformer", "attention-rollout"],
+        "license": LICENSE,
+        "description": (
+            f"A tiny Vision Transformer for {details['Image size']} images that classifies from "
+            f"{POOLING_SHORT.get(pooling, pool_text)}. "
+            "It is one of the two models of the timm-rollout study (does attention-rollout pooling help a tiny ViT?), "
+            "which differ only in pooling."
+        ),
+        "details": details,
+        "usage": _usage(repo_id),
+    }
+
+
+def _usage(repo_id: str) -> str:
+    return f"""The architecture lives in the `timm_rollout` package: import it before creating the model, so that
+timm knows `vit_tiny_cifar_cls` / `vit_tiny_cifar_rollout`.
+
+```python
+import timm
+import torch
+import timm_rollout  # registers the architecture with timm
+
+model = timm.create_model("hf-hub:{repo_id}", pretrained=True).eval()
+transform = timm.data.create_transform(**timm.data.resolve_data_config({{}}, model=model))
+labels = model.pretrained_cfg.get("label_names")
+
+with torch.no_grad():
+    probs = model(transform(img).unsqueeze(0)).softmax(-1)  # img: a PIL image
+    features = model.forward_head(model.forward_features(transform(img).unsqueeze(0)), pre_logits=True)
+```
+
+Evaluate it with the project's harness: `python -m harness.eval --model hf-hub:{repo_id} --dataset cifar10`.
+"""
+
+
+def _evaluation(results: dict[str, Any]) -> str:
+    rows = [
+        f"| {key} | {_fmt(results[key])} | {definition} |"
+        for key, definition in METRIC_DEFINITIONS.items()
+        if results.get(key) is not None
+    ]
+    where = _phrase(results, [("dataset", "data set"), ("split", "split")])
+    text = "\n## Evaluation\n\n"
+    text += "Metrics of `python -m harness.eval`" + (f" ({where})" if where else "") + ", "
+    text += "computed on the L2-normalised pooled features `forward_head(forward_features(x), pre_logits=True)`.\n\n"
+    if rows:
+        text += "| Metric | Value | Definition |\n|---|---|---|\n" + "\n".join(rows) + "\n"
+    else:
+        text += "results.json holds none of the harness metrics.\n"
+    return text
+
+
+def render_card(card: dict[str, Any], repo_id: str, results: dict[str, Any] | None = None) -> str:
+    """README.md text: timm's card sections, then evaluation (if any), licence and citations."""
+    text = generate_readme(card, repo_id.split("/")[-1])
+    if results is not None:
+        text += _evaluation(results)
+    text += (
+        f"\n## License\n\nThe weights are released under the {card['license']} licence. "
+        "The training images keep their own terms.\n"
+    )
+    text += "\n## Citation\n\nAttention rollout:\n```bibtex\n" + ABNAR_ZUIDEMA_2020 + "\n```\n"
+    text += "timm:\n```bibtex\n" + TIMM_CITATION + "\n```\n"
+    return text
+
+
+def prepare_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike, readme: str) -> list[Path]:
+    """Write the exact upload folder: the run's weights and config, and the card. Returns the files, sorted."""
+    run, out = Path(run_dir).resolve(), Path(out_dir).resolve()
+    if out == run:
+        raise UserError("the upload folder must differ from the run folder; choose another --output")
+    if out.is_dir():
+        others = sorted(p.name for p in out.iterdir() if p.name not in UPLOAD_FILES)
+        if others:
+            raise UserError(f"{out} already holds other files ({', '.join(others[:5])}); choose an empty --output")
+    out.mkdir(parents=True, exist_ok=True)
+    for name in (WEIGHTS_NAME, CONFIG_NAME):
+        with atomic_path(out / name) as tmp:
+            shutil.copyfile(run / name, tmp)
+    write_text(out / README_NAME, readme)
+    return sorted(out / name for name in UPLOAD_FILES)
+
+
+def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, commit_message: str = "") -> str:
+    """Create ``repo_id`` if needed and upload ``folder`` to it; returns the repository URL.
+
+    Offline mode and a missing token are one-line errors before any request; so is any failure of the Hub.
+    """
+    if constants.HF_HUB_OFFLINE:
+        raise UserError("HF_HUB_OFFLINE is set: unset it to upload, or use --dry-run --output DIR to write the folder")
+    token = get_token()
+    if not token:
+        raise UserError("no Hugging Face token: run `hf auth login` or set HF_TOKEN (a token with write access)")
+    api = HfApi(token=token, library_name="timm-rollout")
+    try:
+        url = api.create_repo(repo_id, private=private, exist_ok=True)
+        api.upload_folder(
+            repo_id=url.repo_id, folder_path=str(folder), commit_message=commit_message or "Upload model"
+        )
+    except Exception as e:  # network, auth, permission, rate limit: nothing local to debug
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(
+            f"upload to {repo_id} failed ({type(e).__name__}: {reason}); check the network, the token's write "
+            "access and the repo id"
+        ) from e
+    return str(url)
