@@ -54,26 +54,25 @@ _BLOCK_RULES = [
     (r"head\.(weight|bias)", r"head.\1"),
 ]
 
-# (original key regex, timm key template) per layout; the first rule that fully matches a key wins.
-_LAYOUT_RULES = {
-    "new": [
-        (r"patch\.(weight|bias)", r"patch_embed.proj.\1"),
-        (r"cls", "cls_token"),
-        (r"pos", "pos_embed"),
-        (r"blocks\.(\d+)\.n1\.(weight|bias)", r"blocks.\1.norm1.\2"),
-        (r"blocks\.(\d+)\.n2\.(weight|bias)", r"blocks.\1.norm2.\2"),
-        *_BLOCK_RULES,
-    ],
-    "old": [
-        (r"patch_embed\.(weight|bias)", r"patch_embed.proj.\1"),
-        (r"cls_token", "cls_token"),
-        (r"pos_embed", "pos_embed"),
-        (r"blocks\.(\d+)\.norm1\.(weight|bias)", r"blocks.\1.norm1.\2"),
-        (r"blocks\.(\d+)\.norm2\.(weight|bias)", r"blocks.\1.norm2.\2"),
-        *_BLOCK_RULES,
-    ],
+# Names of the patch embedding, [CLS] token, position embedding and the two block norms per layout.
+_LAYOUT_NAMES = {
+    "new": dict(patch="patch", cls="cls", pos="pos", n1="n1", n2="n2"),
+    "old": dict(patch="patch_embed", cls="cls_token", pos="pos_embed", n1="norm1", n2="norm2"),
 }
-_LAYOUT_MARKERS = {"new": "patch.weight", "old": "patch_embed.weight"}
+
+
+def _layout_rules(layout: str) -> list[tuple[re.Pattern, str]]:
+    """(original key regex, timm key template) pairs; the first rule that fully matches a key wins."""
+    n = _LAYOUT_NAMES[layout]
+    rules = [
+        (rf"{n['patch']}\.(weight|bias)", r"patch_embed.proj.\1"),
+        (n["cls"], "cls_token"),
+        (n["pos"], "pos_embed"),
+        (rf"blocks\.(\d+)\.{n['n1']}\.(weight|bias)", r"blocks.\1.norm1.\2"),
+        (rf"blocks\.(\d+)\.{n['n2']}\.(weight|bias)", r"blocks.\1.norm2.\2"),
+        *_BLOCK_RULES,
+    ]
+    return [(re.compile(pattern), template) for pattern, template in rules]
 
 
 def _short_list(names: list[str], limit: int = 8) -> str:
@@ -120,8 +119,8 @@ def load_original(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def detect_layout(state_dict: dict[str, torch.Tensor]) -> str:
     """``'new'`` (``patch.weight``) or ``'old'`` (``patch_embed.weight``) key layout."""
-    for layout, marker in _LAYOUT_MARKERS.items():
-        if marker in state_dict:
+    for layout, names in _LAYOUT_NAMES.items():
+        if f"{names['patch']}.weight" in state_dict:
             return layout
     raise UserError(
         "not an original-study state dict: neither patch.weight nor patch_embed.weight found "
@@ -132,7 +131,7 @@ def detect_layout(state_dict: dict[str, torch.Tensor]) -> str:
 def map_keys(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename the original keys to timm ``VisionTransformer`` keys; unknown keys are a :class:`UserError`."""
     layout = detect_layout(state_dict)
-    rules = [(re.compile(pattern), template) for pattern, template in _LAYOUT_RULES[layout]]
+    rules = _layout_rules(layout)
     out, unknown = {}, []
     for key, value in state_dict.items():
         for pattern, template in rules:
