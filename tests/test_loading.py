@@ -1,0 +1,127 @@
+"""timm_rollout.loading: round trips through save_for_hf folders and files, and every user-error path."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+from timm.models import save_for_hf
+
+import timm_rollout  # noqa: F401  (registers the models)
+from timm_rollout.errors import UserError
+from timm_rollout.loading import load_model
+
+MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
+LABELS = [f"class{i}" for i in range(10)]
+
+
+@pytest.fixture(scope="module")
+def cls_folder(tmp_path_factory):
+    """A depth-2 [CLS] model saved the way training saves it: save_for_hf with safetensors."""
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=2,
+                              pretrained_cfg_overlay=dict(mean=MEAN, std=STD)).eval()
+    folder = tmp_path_factory.mktemp("run") / "c10-cls"
+    save_for_hf(model, folder, model_config=dict(label_names=LABELS), safe_serialization=True)
+    return model, folder
+
+
+def test_folder_round_trip_carries_weights_and_config(cls_folder):
+    model, folder = cls_folder
+    loaded, info = load_model("vit_tiny_cifar_cls", folder)
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    x = torch.randn(3, 3, 32, 32)
+    with torch.inference_mode():
+        assert torch.equal(model(x), loaded(x))
+    weights = folder / "model.safetensors"
+    assert info["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert info["num_classes"] == 10 and info["label_names"] == LABELS
+    assert info["mean"] == pytest.approx(MEAN) and info["std"] == pytest.approx(STD)
+    assert tuple(loaded.pretrained_cfg["mean"]) == pytest.approx(MEAN)
+    assert info["model_args"]["depth"] == 2 and not loaded.training
+
+
+def test_file_and_local_dir_load_the_same_weights(cls_folder):
+    model, folder = cls_folder
+    from_file, info = load_model("vit_tiny_cifar_cls", folder / "model.safetensors", depth=2)
+    from_dir, dir_info = load_model(f"local-dir:{folder}")
+    assert info["num_classes"] == 10 and dir_info["architecture"] == "vit_tiny_cifar_cls"
+    x = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        assert torch.equal(from_file(x), model(x))
+        assert torch.equal(from_dir(x), model(x))
+
+
+def test_cls_checkpoint_loads_into_rollout_model(cls_folder):
+    model, folder = cls_folder
+    rollout, info = load_model("vit_tiny_cifar_rollout", folder)
+    assert info["global_pool"] == "rollout" and info["checkpoint_architecture"] == "vit_tiny_cifar_cls"
+    x = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        tokens = model.forward_features(x)
+        assert torch.equal(rollout.forward_features(x), tokens)  # same weights, only the pooling differs
+        pooled = rollout.forward_head(rollout.forward_features(x), pre_logits=True)
+    assert not torch.allclose(pooled, tokens[:, 0])
+
+
+def test_untrained_registered_model():
+    model, info = load_model("vit_tiny_cifar_rollout", num_classes=7, depth=1)
+    assert model.num_classes == 7 and info["sha256"] is None and info["weights"] is None
+
+
+def _error(*args, **kwargs) -> str:
+    with pytest.raises(UserError) as e:
+        load_model(*args, **kwargs)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_errors_name_the_mismatch_and_the_fix(cls_folder, tmp_path):
+    _, folder = cls_folder
+    assert "did you mean vit_tiny_cifar_rollout" in _error("vit_tiny_cifar_rolout")
+    assert _error("vit_tiny_cifar_cls", folder, num_classes=100) == (
+        "checkpoint has 10 classes, model built with 100; pass --num-classes 10 or drop it")
+    deeper = _error("vit_tiny_cifar_cls", folder / "model.safetensors")  # file has no config: depth 6 is built
+    assert "does not match vit_tiny_cifar_cls" in deeper and "blocks.2." in deeper
+    wider = _error("vit_tiny_cifar_cls", folder / "model.safetensors", depth=2, embed_dim=64)
+    assert "shapes differ (checkpoint vs model)" in wider and "blocks.0.attn.qkv.bias (384,) vs (192,)" in wider
+    data = (folder / "model.safetensors").read_bytes()
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(data[: len(data) // 2])
+    assert "not a readable safetensors file" in _error("vit_tiny_cifar_cls", truncated)
+    corrupt = tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(b"\xff" * 64)
+    assert "not a readable safetensors file" in _error("vit_tiny_cifar_cls", corrupt)
+    pickled = tmp_path / "model.pth"
+    pickled.write_bytes(b"not read")
+    assert "scripts/convert_checkpoint.py" in _error("vit_tiny_cifar_cls", pickled)
+    bin_folder = tmp_path / "bin_only"
+    bin_folder.mkdir()
+    (bin_folder / "config.json").write_text((folder / "config.json").read_text())
+    (bin_folder / "pytorch_model.bin").write_bytes(b"not read")
+    assert "pytorch_model.bin" in _error("vit_tiny_cifar_cls", bin_folder)
+    assert "does not exist" in _error("vit_tiny_cifar_cls", tmp_path / "missing.safetensors")
+    assert "local-dir:" in _error(str(tmp_path / "folder"))
+
+
+def test_head_less_safetensors_file_uses_requested_classes(tmp_path):
+    model = timm.create_model("vit_tiny_cifar_cls", num_classes=0, depth=1)
+    path = tmp_path / "backbone.safetensors"
+    save_file(model.state_dict(), str(path))
+    assert "missing from the checkpoint (e.g. head.bias" in _error("vit_tiny_cifar_cls", path, num_classes=10, depth=1)
+    loaded, info = load_model("vit_tiny_cifar_cls", path, num_classes=0, depth=1)
+    assert info["num_classes"] == 0 and loaded.num_classes == 0
+
+
+def test_hf_hub_name_offline_and_not_cached(monkeypatch):
+    """Offline (no network is touched) and not in the cache: a one-line error naming both ways out."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    message = _error("hf-hub:nobody/not-a-cached-model")
+    assert "not in the local Hugging Face cache" in message and "local-dir:PATH" in message
