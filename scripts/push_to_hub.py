@@ -21,6 +21,7 @@ import timm
 import timm_rollout  # noqa: F401  (registers the architectures with timm)
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.hub import (
+    check_eval_matches,
     describe_model,
     model_card,
     normalisation_mismatch,
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     run = Path(args.run)
     record = read_run(run)
     results = read_eval(args.eval) if args.eval else None
+    if results is not None:
+        check_eval_matches(run, results)
     if record["summary"] is None:
         print(f"warning: {run} has no summary.json (unfinished run?); the card has no final metrics", file=sys.stderr)
     mismatch = normalisation_mismatch(record["config"], record["train_args"])

@@ -26,9 +26,15 @@ PUSH = ROOT / "scripts" / "push_to_hub.py"
 REPO = "org/vit-tiny-cifar10-rollout"
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
+METRICS = {
+    "top1": 0.8125, "top5": 0.9875, "knn_loo": 0.7625, "knn_bank": None, "intra": 0.6125, "inter": 0.5375,
+    "ratio": 0.8775, "silhouette": 0.1125,
+}
+# results.json as python -m harness.eval writes it (metrics, provenance sections); model.sha256 set per run
 RESULTS = {
-    "top1": 0.8125, "top5": 0.9875, "knn_loo": 0.7625, "intra": 0.6125, "inter": 0.5375, "ratio": 0.8775,
-    "silhouette": 0.1125, "dataset": "cifar10", "split": "test", "seed": 0, "model": {"name": "x"},
+    "metrics": METRICS,
+    "data": {"dataset": "/work/shared/data/cifar10", "split": "test", "num_images": 200},
+    "config": {"seed": 0, "k": 7, "bank_k": 20, "temperature": 0.07},
 }
 TRAIN_ARGS = {
     "model": "vit_tiny_cifar_rollout", "dataset": "/work/shared/data/cifar10", "epochs": 3, "batch_size": 128,
@@ -69,9 +75,10 @@ def run(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
 
 
 @pytest.fixture(scope="module")
-def eval_dir(tmp_path_factory) -> Path:
+def eval_dir(tmp_path_factory, run) -> Path:
     folder = tmp_path_factory.mktemp("eval")
-    (folder / "results.json").write_text(json.dumps(RESULTS))
+    sha = hashlib.sha256((run[0] / "model.safetensors").read_bytes()).hexdigest()
+    (folder / "results.json").write_text(json.dumps({**RESULTS, "model": {"name": "local-dir:x", "sha256": sha}}))
     return folder
 
 
@@ -173,9 +180,9 @@ class FakeHfApi:
         self.calls.append(("create_repo", repo_id, private, exist_ok, self.token))
         return _RepoUrl(repo_id)
 
-    def upload_folder(self, repo_id, folder_path, commit_message=None, **kwargs):
+    def upload_folder(self, repo_id, folder_path, commit_message=None, delete_patterns=None, **kwargs):
         files = {p.name: p.read_bytes() for p in Path(folder_path).rglob("*") if p.is_file()}
-        self.calls.append(("upload_folder", repo_id, files, commit_message))
+        self.calls.append(("upload_folder", repo_id, files, commit_message, delete_patterns))
 
 
 class _RepoUrl(str):
@@ -198,16 +205,19 @@ def test_push_uploads_exactly_the_model_and_card(tmp_path, run, eval_dir, fake_h
     folder, _ = run
     push_main()([str(folder), "--repo-id", REPO, "--eval", str(eval_dir), "--private"])
     assert fake_hub[0] == ("create_repo", REPO, True, True, "hf_test_token")
-    upload, repo_id, files, message = fake_hub[1]
+    upload, repo_id, files, message, deleted = fake_hub[1]
     assert upload == "upload_folder" and repo_id == REPO and "vit_tiny_cifar_rollout" in message
+    assert "*.bin" in deleted and "*.pth" in deleted  # stale pickles from earlier pushes go
     assert sorted(files) == ["README.md", "config.json", "model.safetensors"]
     assert files["model.safetensors"] == (folder / "model.safetensors").read_bytes()
     assert files["config.json"] == (folder / "config.json").read_bytes()
     card = files["README.md"].decode()
     for key, definition in hub.METRIC_DEFINITIONS.items():
-        if key in RESULTS:
-            assert f"| {key} | {RESULTS[key]} | {definition} |" in card
-    assert "knn_bank" not in card  # not in results.json: no row
+        if METRICS[key] is not None:
+            assert f"| {key} | {METRICS[key]} | {definition.format(k=7, bank_k=20, temperature=0.07)} |" in card
+    assert "| knn_bank" not in card  # null in results.json: no row
+    assert "k-NN accuracy inside the evaluated set (cosine similarity, k = 7," in card
+    assert "(data set cifar10, split test, images: 200)" in card
     assert "# Model card for vit-tiny-cifar10-rollout" in card
     assert card.index("import timm_rollout") < card.index(f'timm.create_model("hf-hub:{REPO}", pretrained=True)')
     assert "license: apache-2.0" in card and "datasets:\n- cifar10\n" in card
@@ -228,8 +238,8 @@ def test_push_uploads_exactly_the_model_and_card(tmp_path, run, eval_dir, fake_h
 
 def test_card_tolerates_missing_optional_files():
     facts = hub.describe_model(timm.create_model("vit_tiny_cifar_cls", depth=1))
-    text = hub.render_card(hub.model_card("me/tiny", facts), "me/tiny", {"top1": 0.5})
-    assert "| top1 | 0.5 |" in text and "| top5" not in text
+    text = hub.render_card(hub.model_card("me/tiny", facts), "me/tiny", {"top1": 0.5, "knn_loo": 0.25})
+    assert "| top1 | 0.5 |" in text and "| top5" not in text and "k = 5," in text  # flat results, default k
     assert "Training recipe" not in text and "datasets:" not in text and "Pooling:** token" in text
     assert hub.render_card(hub.model_card("me/tiny", facts), "me/tiny").count("## Evaluation") == 0
 
@@ -247,6 +257,7 @@ def test_normalisation_mismatch_is_named():
     [
         ("no_weights", "has no model.safetensors; pass a finished training output folder"),
         ("no_results", "has no results.json; run python -m harness.eval --output"),
+        ("other_eval", "results.json evaluated other weights (sha256 0123456789ab...) than"),
         ("dry_no_output", "--dry-run needs --output DIR"),
         ("busy_output", "already holds other files (notes.txt); choose an empty --output"),
         ("offline", "HF_HUB_OFFLINE is set: unset it to upload, or use --dry-run --output DIR"),
@@ -261,6 +272,9 @@ def test_errors_are_one_line(tmp_path, run, eval_dir, fake_hub, monkeypatch, cap
         (tmp_path / "config.json").write_text("{}")
         argv[0] = str(tmp_path)
     elif case == "no_results":
+        argv += ["--eval", str(tmp_path)]
+    elif case == "other_eval":
+        (tmp_path / "results.json").write_text(json.dumps({**RESULTS, "model": {"sha256": "0123456789abcdef"}}))
         argv += ["--eval", str(tmp_path)]
     elif case == "dry_no_output":
         argv += ["--dry-run"]

@@ -21,10 +21,13 @@ from timm.models._hub import generate_readme
 
 from .atomic import atomic_path, write_text
 from .errors import UserError
+from .loading import sha256_file
 
 __all__ = [
+    "METRIC_DEFAULTS",
     "METRIC_DEFINITIONS",
     "UPLOAD_FILES",
+    "check_eval_matches",
     "describe_model",
     "model_card",
     "normalisation_mismatch",
@@ -37,6 +40,8 @@ __all__ = [
 
 WEIGHTS_NAME, CONFIG_NAME, README_NAME = "model.safetensors", "config.json", "README.md"
 UPLOAD_FILES = (WEIGHTS_NAME, CONFIG_NAME, README_NAME)
+# pickled weights left in the repo by earlier uploads (e.g. timm's push_to_hf_hub) are deleted in the same commit
+PICKLE_PATTERNS = ("*.bin", "*.pth", "*.pt", "*.ckpt", "*.pkl")
 
 POOLING_SHORT = {"token": "its [CLS] token", "rollout": "attention-rollout-weighted patch tokens"}
 POOLING_TEXT = {
@@ -48,23 +53,25 @@ POOLING_TEXT = {
     ),
 }
 
-# Definitions of the harness metrics (python -m harness.eval), all on L2-normalised pooled features.
+# Definitions of the harness metrics (python -m harness.eval), all on L2-normalised pooled features;
+# {k}, {bank_k} and {temperature} are filled from results.json (harness defaults otherwise).
 METRIC_DEFINITIONS = {
     "top1": "top-1 accuracy of the model's own classifier head",
     "top5": "top-5 accuracy of the model's own classifier head",
     "knn_loo": (
-        "leave-one-out k-NN accuracy inside the evaluated set (cosine similarity, k = 5 unless stated, majority "
-        "vote, ties to the larger summed similarity; a query is never its own neighbour)"
+        "leave-one-out k-NN accuracy inside the evaluated set (cosine similarity, k = {k}, majority vote, ties to "
+        "the larger summed similarity; a query is never its own neighbour)"
     ),
     "knn_bank": (
-        "k-NN accuracy of the evaluated images against a bank of train-split features (k = 20, votes weighted "
-        "by exp(similarity / 0.07), as in DINO)"
+        "k-NN accuracy of the evaluated images against a bank of train-split features (k = {bank_k}, votes "
+        "weighted by exp(similarity / {temperature}), as in DINO)"
     ),
     "intra": "mean over classes of the mean Euclidean distance of each feature to its class centroid (lower: tighter)",
     "inter": "mean over class pairs of the cosine distance (1 - cosine similarity) between class centroids",
     "ratio": "inter / intra (higher means better separated classes)",
     "silhouette": "scikit-learn silhouette score, Euclidean on the normalised features (in [-1, 1])",
 }
+METRIC_DEFAULTS = {"k": 5, "bank_k": 20, "temperature": 0.07}
 
 ABNAR_ZUIDEMA_2020 = """@inproceedings{abnar-zuidema-2020-quantifying,
   title = {Quantifying Attention Flow in Transformers},
@@ -97,6 +104,11 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
         raise UserError(f"{path} is not valid JSON ({e}); re-create the {what}") from None
 
 
+def _section(results: dict[str, Any], key: str) -> dict[str, Any]:
+    """``results[key]`` when the harness nests it there, else the flat ``results``."""
+    return results[key] if isinstance(results.get(key), dict) else results
+
+
 def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     """The files of a training output folder that the card uses: config, train_args, summary (optional ones None)."""
     run = Path(run_dir)
@@ -121,6 +133,16 @@ def read_eval(eval_dir: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{eval_dir} has no results.json; run python -m harness.eval --output {eval_dir} first")
     return _read_json(path, "evaluation")
+
+
+def check_eval_matches(run_dir: str | os.PathLike, results: dict[str, Any]) -> None:
+    """Refuse an evaluation whose recorded weights hash differs from the run's ``model.safetensors``."""
+    recorded = _section(results, "model").get("sha256")
+    if recorded and recorded != sha256_file(Path(run_dir) / WEIGHTS_NAME):
+        raise UserError(
+            f"results.json evaluated other weights (sha256 {str(recorded)[:12]}...) than {run_dir}/{WEIGHTS_NAME}; "
+            "pass the --eval folder of this run"
+        )
 
 
 def describe_model(model: torch.nn.Module) -> dict[str, Any]:
@@ -264,12 +286,16 @@ Evaluate it with the project's harness: `python -m harness.eval --model hf-hub:{
 
 
 def _evaluation(results: dict[str, Any]) -> str:
+    metrics, data = _section(results, "metrics"), _section(results, "data")
+    config = {k: v for k, v in _section(results, "config").items() if k in METRIC_DEFAULTS and v is not None}
+    params = {**METRIC_DEFAULTS, **config}
     rows = [
-        f"| {key} | {_fmt(results[key])} | {definition} |"
+        f"| {key} | {_fmt(metrics[key])} | {definition.format(**params)} |"
         for key, definition in METRIC_DEFINITIONS.items()
-        if results.get(key) is not None
+        if metrics.get(key) is not None
     ]
-    where = _phrase(results, [("dataset", "data set"), ("split", "split")])
+    data = {**data, "dataset": _dataset_id(str(data["dataset"]))} if data.get("dataset") else data
+    where = _phrase(data, [("dataset", "data set"), ("split", "split"), ("num_images", "images:")])
     text = "\n## Evaluation\n\n"
     text += "Metrics of `python -m harness.eval`" + (f" ({where})" if where else "") + ", "
     text += "computed on the L2-normalised pooled features `forward_head(forward_features(x), pre_logits=True)`.\n\n"
@@ -312,7 +338,7 @@ def prepare_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike
 
 
 def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, commit_message: str = "") -> str:
-    """Create ``repo_id`` if needed and upload ``folder`` to it; returns the repository URL.
+    """Create ``repo_id`` if needed and upload ``folder`` to it, deleting pickled weights; returns the repo URL.
 
     Offline mode and a missing token are one-line errors before any request; so is any failure of the Hub.
     """
@@ -325,7 +351,10 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True)
         api.upload_folder(
-            repo_id=url.repo_id, folder_path=str(folder), commit_message=commit_message or "Upload model"
+            repo_id=url.repo_id,
+            folder_path=str(folder),
+            commit_message=commit_message or "Upload model",
+            delete_patterns=list(PICKLE_PATTERNS),
         )
     except Exception as e:  # network, auth, permission, rate limit: nothing local to debug
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
