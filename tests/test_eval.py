@@ -1,0 +1,211 @@
+"""harness.eval end to end on a small slice of real CIFAR-10, heatmap maps, harness.compare, and error paths."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from timm.models import save_for_hf
+
+from harness import compare, metrics
+from harness import eval as harness_eval
+from harness.features import attention_maps
+from timm_rollout import rollout_cls_row
+from timm_rollout.data import load_image_set, normalize
+from timm_rollout.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+CIFAR10 = ROOT.parent / "shared" / "data" / "cifar10"
+pytestmark = pytest.mark.skipif(not CIFAR10.is_dir(), reason=f"real CIFAR-10 not found at {CIFAR10}")
+MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
+
+
+def _save(tmp_path_factory, name: str, num_classes: int) -> Path:
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=num_classes, depth=2, pretrained_cfg_overlay=dict(mean=MEAN, std=STD))
+    folder = tmp_path_factory.mktemp("runs") / name
+    save_for_hf(model, folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """An untrained depth-2 [CLS] model saved as a training output folder."""
+    return _save(tmp_path_factory, "vit_tiny_cifar_cls", 10)
+
+
+def _args(checkpoint: Path, output: Path, *extra: str) -> list[str]:
+    return ["--model", "vit_tiny_cifar_rollout", "--checkpoint", str(checkpoint), "--dataset", str(CIFAR10),
+            "--output", str(output), *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint, tmp_path_factory) -> list[Path]:
+    """The same seeded evaluation twice (CLS weights read out by rollout pooling)."""
+    outputs = []
+    for i in range(2):
+        out = tmp_path_factory.mktemp(f"eval{i}")
+        harness_eval.main(_args(checkpoint, out, "--per-class", "10", "--seed", "3", "--bank-split", "train",
+                                "--bank-per-class", "20", "--heatmaps", "2", "--save-features",
+                                "--cosine-classes", "cat", "dog", "ship"))
+        outputs.append(out)
+    return outputs
+
+
+def test_results_json_has_metrics_and_provenance(runs, checkpoint):
+    results = json.loads((runs[0] / "results.json").read_text())
+    assert set(results["metrics"]) == {"top1", "top5", "knn_loo", "knn_bank", "intra", "inter", "ratio", "silhouette"}
+    assert all(isinstance(v, float) for v in results["metrics"].values())
+    model, data, config = results["model"], results["data"], results["config"]
+    assert model["architecture"] == "vit_tiny_cifar_rollout"
+    assert model["checkpoint_architecture"] == "vit_tiny_cifar_cls"
+    assert model["sha256"] and model["checkpoint"] == str(checkpoint) and model["mean"] == pytest.approx(MEAN)
+    assert data["split"] == "test" and data["fingerprint"] and data["num_images"] == 100
+    assert data["per_class_counts"] == {name: 10 for name in data["class_names"]} and len(data["class_names"]) == 10
+    assert data["bank"]["split"] == "train" and data["bank"]["num_images"] == 200
+    assert config["k"] == 5 and config["bank_k"] == 20 and config["seed"] == 3
+    assert config["silhouette_sample_size"] is None
+    assert results["cosine_matrix"]["classes"] == ["cat", "dog", "ship"]
+    assert np.allclose(np.diag(results["cosine_matrix"]["matrix"]), 1.0)
+    env = results["environment"]
+    assert env["device"] == "cpu" and env["packages"]["faiss-cpu"] and env["packages"]["timm"] == timm.__version__
+    assert {"load_data", "load_model", "extract", "extract_bank", "metrics", "figures", "total"} <= set(
+        results["timing"])
+
+
+def test_features_file_reproduces_the_metrics(runs):
+    results = json.loads((runs[0] / "results.json").read_text())
+    saved = load_file(str(runs[0] / "features.safetensors"))
+    feats, labels = saved["features"], saved["labels"]
+    assert feats.dtype == torch.float32 and feats.shape == (100, 128)
+    assert labels.dtype == torch.int64 and torch.bincount(labels).tolist() == [10] * 10
+    assert metrics.knn_loo(feats.numpy(), labels.numpy(), 5) == results["metrics"]["knn_loo"]
+    assert metrics.centroid_metrics(feats, labels)["ratio"] == pytest.approx(results["metrics"]["ratio"])
+
+
+def test_figures_are_written(runs):
+    for name in ("cosine_matrix.png", "heatmaps.png"):
+        with Image.open(runs[0] / name) as img:
+            assert img.format == "PNG" and img.size[0] > 200
+
+
+def test_same_seed_gives_identical_results(runs):
+    first, second = (json.loads((r / "results.json").read_text()) for r in runs)
+    for key in ("metrics", "cosine_matrix", "data", "config"):
+        assert first[key] == second[key], key
+    a, b = (load_file(str(r / "features.safetensors")) for r in runs)
+    assert torch.equal(a["features"], b["features"]) and torch.equal(a["labels"], b["labels"])
+
+
+def test_compare_groups_runs_and_writes_report(runs, tmp_path):
+    groups = compare.main([str(r) for r in runs] + ["--output", str(tmp_path)])
+    assert len(groups) == 1 and groups[0].n == 2 and groups[0].std["knn_loo"] == 0.0
+    report = (tmp_path / "report.md").read_text()
+    assert "vit_tiny_cifar_rollout (vit_tiny_cifar_cls weights) on cifar10/test (n=2)" in report
+    assert "| knn_loo |" in report and (tmp_path / "comparison.png").is_file()
+
+
+def test_summarise_mean_std_and_deltas():
+    def result(model, value):
+        return {"model": {"name": model, "architecture": model}, "data": {"argument": "cifar10", "split": "test"},
+                "metrics": {"knn_loo": value, "knn_bank": None}}
+
+    groups = compare.summarise([result("a", 0.5), result("b", 0.7), result("a", 0.7)], ["knn_loo", "knn_bank"])
+    assert [g.label for g in groups] == ["a on cifar10/test", "b on cifar10/test"]
+    assert groups[0].mean["knn_loo"] == pytest.approx(0.6) and groups[0].std["knn_loo"] == pytest.approx(0.1414214)
+    assert groups[1].std["knn_loo"] is None and groups[0].mean["knn_bank"] is None
+    table = compare.render_markdown(groups, ["knn_loo", "knn_bank"])
+    assert "| knn_loo | 0.6000 ± 0.1414 | 0.7000 | +0.1000 |" in table and "knn_bank" not in table
+
+
+@pytest.fixture(scope="module")
+def images() -> torch.Tensor:
+    return load_image_set(str(CIFAR10), "test").images[:4]
+
+
+def _manual_attentions(model, x: torch.Tensor) -> list[torch.Tensor]:
+    """Each block's softmax(q k^T / sqrt(d)) recomputed from that block's own input, block by block."""
+    out = []
+    h = model.norm_pre(model._pos_embed(model.patch_embed(x)))
+    for block in model.blocks:
+        attn = block.attn
+        b, n, _ = h.shape
+        qkv = attn.qkv(block.norm1(h)).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = attn.q_norm(qkv[0]), attn.k_norm(qkv[1])
+        out.append(((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1))
+        h = block(h)
+    return out
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_cifar_rollout", "vit_tiny_cifar_cls"])
+def test_heatmap_maps_use_every_layers_real_attention(name, images):
+    torch.manual_seed(1)
+    model = timm.create_model(name, num_classes=10, depth=3).eval()
+    maps = attention_maps(model, images, MEAN, STD, device=torch.device("cpu"))
+    x = normalize(images, MEAN, STD)
+    with torch.inference_mode():
+        attentions = _manual_attentions(model, x)
+        tokens = model.forward_features(x)
+    expected = rollout_cls_row(attentions)[:, 1:]
+    assert torch.allclose(maps.rollout, expected / expected.sum(dim=1, keepdim=True), atol=1e-5)
+    assert torch.allclose(maps.last_cls, attentions[-1].mean(dim=1)[:, 0, 1:], atol=1e-5)
+    assert torch.allclose(maps.rollout.sum(dim=1), torch.ones(4), atol=1e-5)
+    if name == "vit_tiny_cifar_rollout":
+        # The heatmap weights are the model's own pooling weights: they reproduce its pooled features.
+        own = model.rollout_weights()
+        assert torch.allclose(maps.rollout, own, atol=1e-6)
+        pooled = torch.bmm(maps.rollout.unsqueeze(1), tokens[:, 1:]).squeeze(1)
+        assert torch.allclose(maps.features, pooled, atol=1e-5)
+
+
+def _synthetic_folder(root: Path, with_labels: bool) -> Path:
+    """A tiny saved data set: 8 images of classes a and b, ClassLabel names a-d (c and d have no images)."""
+    rng = np.random.default_rng(0)
+    columns = {"image": [Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in range(8)]}
+    features = {"image": datasets.Image()}
+    if with_labels:
+        columns["label"] = [0, 1] * 4
+        features["label"] = datasets.ClassLabel(names=["a", "b", "c", "d"])
+    folder = root / ("labelled" if with_labels else "unlabelled")
+    datasets.Dataset.from_dict(columns, features=datasets.Features(features)).save_to_disk(str(folder))
+    return folder
+
+
+def _user_error(argv: list[str]) -> str:
+    with pytest.raises(UserError) as e:
+        harness_eval.main(argv)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_user_errors(checkpoint, tmp_path, tmp_path_factory):
+    out = str(tmp_path / "out")
+    message = _user_error(_args(checkpoint, out, "--classes", "cat", "unicorn"))
+    assert "unicorn" in message and "valid: airplane, automobile, bird" in message
+    assert "only 1000 images" in _user_error(_args(checkpoint, out, "--per-class", "1001"))
+    c100 = _save(tmp_path_factory, "vit_tiny_cifar_cls", 100)
+    assert "checkpoint has 100 classes" in _user_error(_args(c100, out))
+    base = ["--model", "vit_tiny_cifar_rollout", "--split", "train", "--output", out]
+    labelled = str(_synthetic_folder(tmp_path, True))
+    assert "selection is empty" in _user_error([*base, "--dataset", labelled, "--classes", "c", "d"])
+    unlabelled = str(_synthetic_folder(tmp_path, False))
+    assert "label column" in _user_error([*base, "--dataset", unlabelled])
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_cli_exits_2_with_one_line(checkpoint, tmp_path):
+    argv = _args(checkpoint, tmp_path / "out", "--classes", "unicorn")
+    proc = subprocess.run([sys.executable, "-m", "harness.eval", *argv], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: unknown class name(s) for --classes: unicorn")
