@@ -30,6 +30,7 @@ __all__ = [
     "normalization_stats",
     "normalize",
     "resolve_dataset",
+    "split_names",
 ]
 
 SAMPLE_DIR = Path(__file__).parent / "data" / "cifar10_sample"
@@ -199,6 +200,11 @@ def _decoded_tensors(
     except OSError:
         pass  # a read-only cache only costs the decode next time
     return images, labels
+
+
+def split_names(dataset: str) -> list[str]:
+    """The splits of ``dataset`` (alias, Hub id or local folder)."""
+    return list(_load_splits(resolve_dataset(dataset), dataset))
 
 
 def load_image_set(

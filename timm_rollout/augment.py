@@ -1,0 +1,31 @@
+"""Batched augmentation of uint8 image tensors on the training device (no per-image PIL work).
+
+Random crop with zero padding and horizontal flip, as torchvision's ``RandomCrop(size, padding)`` +
+``RandomHorizontalFlip`` do per image, done for a whole (B, C, H, W) batch with one ``gather``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["random_crop_flip"]
+
+
+def random_crop_flip(
+    images: torch.Tensor, padding: int = 4, hflip: float = 0.5, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Pad each image by ``padding`` zero pixels, crop it back to (H, W) at a random offset, flip with prob ``hflip``.
+
+    ``images``: (B, C, H, W) of any dtype on any device; offsets and flips are drawn on the CPU from
+    ``generator`` (seeded runs are reproducible across devices). Returns a new tensor of the same shape.
+    """
+    b, c, h, w = images.shape
+    offsets = torch.randint(0, 2 * padding + 1, (2, b), generator=generator).to(images.device)
+    flips = (torch.rand(b, generator=generator) < hflip).to(images.device)
+    padded = F.pad(images, (padding, padding, padding, padding)) if padding else images
+    rows = offsets[0, :, None] + torch.arange(h, device=images.device)  # (B, H)
+    cols = torch.arange(w, device=images.device).expand(b, w)
+    cols = torch.where(flips[:, None], cols.flip(1), cols) + offsets[1, :, None]  # (B, W)
+    index = (rows[:, :, None] * (w + 2 * padding) + cols[:, None, :]).view(b, 1, h * w).expand(b, c, h * w)
+    return padded.reshape(b, c, -1).gather(2, index).view(b, c, h, w)

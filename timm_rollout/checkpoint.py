@@ -1,0 +1,120 @@
+"""Crash-safe training checkpoints with no pickle: timm's HF export and a one-file resume state.
+
+``save_model`` writes ``model.safetensors`` + ``config.json`` with timm's ``save_for_hf`` into a temporary
+folder and renames each file into place, so ``timm.create_model("local-dir:<out>", pretrained=True)``
+always finds a complete model. ``save_resume`` writes model, EMA and optimizer tensors into one
+``resume.safetensors`` whose metadata holds the JSON part (epoch, step, optimizer hyper-parameters, grad
+scaler, log history): one atomic rename, so tensors and bookkeeping can never disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from timm.models import save_for_hf
+from torch import nn
+
+from .atomic import atomic_path
+
+__all__ = ["MODEL_FILES", "RESUME_FILE", "load_resume", "save_model", "save_resume"]
+
+RESUME_FILE = "resume.safetensors"
+MODEL_FILES = ("model.safetensors", "config.json")
+
+
+def save_model(
+    out: str | os.PathLike, model: nn.Module, class_names: Sequence[str], mean: Sequence[float],
+    std: Sequence[float],
+) -> None:
+    """Export ``model`` to ``out`` as timm's HF layout, recording class names and the training mean/std."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_config = {"label_names": list(class_names)} if len(class_names) == model.num_classes else None
+    tmp = Path(tempfile.mkdtemp(dir=out, prefix=".export-"))
+    try:
+        save_for_hf(model, tmp, model_config=model_config, safe_serialization=True,
+                    data_config={"mean": tuple(mean), "std": tuple(std)})
+        for name in MODEL_FILES:
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _split_optimizer(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors, scalars = {}, {}
+    for idx, per_param in state["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim.{idx}.{key}"] = value
+            else:
+                scalars[f"{idx}.{key}"] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def save_resume(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    ema: nn.Module | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> None:
+    """Atomically write everything needed to continue training into one safetensors file."""
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    if ema is not None:
+        tensors.update({f"ema.{k}": v for k, v in ema.state_dict().items()})
+    optim_tensors, optim_json = _split_optimizer(optimizer.state_dict())
+    tensors.update(optim_tensors)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    doc = {"meta": meta, "optimizer": optim_json, "scaler": scaler.state_dict() if scaler is not None else None}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"resume": json.dumps(doc)})
+
+
+def load_resume(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ema: nn.Module | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> dict[str, Any]:
+    """Restore the states written by :func:`save_resume` in place; returns its ``meta`` dict."""
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        doc = json.loads(f.metadata()["resume"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+
+    def part(prefix: str) -> dict[str, torch.Tensor]:
+        return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+    model.load_state_dict(part("model."))
+    if ema is not None:
+        ema.load_state_dict(part("ema."))
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in part("optim.").items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    for key, value in doc["optimizer"]["scalars"].items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    groups = doc["optimizer"]["param_groups"]
+    for group in groups:
+        for k, v in group.items():
+            if k != "params" and isinstance(v, list):
+                group[k] = tuple(v)  # JSON turned tuples (e.g. Adam's betas) into lists
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    if scaler is not None and doc["scaler"] is not None:
+        scaler.load_state_dict(doc["scaler"])
+    return doc["meta"]
