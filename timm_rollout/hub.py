@@ -188,10 +188,10 @@ def _recipe(train_args: dict[str, Any]) -> dict[str, str]:
         "Batch size": _phrase(train_args, [("batch_size", "")]),
         "Optimizer": _phrase(train_args, [("opt", ""), ("lr", "lr"), ("weight_decay", "weight decay")]),
         "Schedule": _phrase(train_args, [("sched", ""), ("warmup_epochs", "warmup epochs"), ("min_lr", "min lr")]),
-        "Regularisation": _phrase(
+        "Augmentation and regularisation": _phrase(
             train_args,
-            [("smoothing", "label smoothing"), ("mixup", "mixup alpha"), ("cutmix", "cutmix alpha"),
-             ("model_ema", "EMA")],
+            [("crop_padding", "random crop with padding"), ("hflip", "hflip p"), ("smoothing", "label smoothing"),
+             ("mixup", "mixup alpha"), ("cutmix", "cutmix alpha"), ("drop_path", "drop path"), ("model_ema", "EMA")],
         ),
         "Precision": _phrase(train_args, [("amp", "amp")]),
         "Seed": _phrase(train_args, [("seed", "")]),
