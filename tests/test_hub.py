@@ -5,9 +5,6 @@ import hashlib
 import json
 import os
 import runpy
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import ClassVar
 
@@ -15,11 +12,13 @@ import pytest
 import timm
 import torch
 from huggingface_hub import constants
-from safetensors.torch import load_file, save_file
+from huggingface_hub.errors import LocalEntryNotFoundError
+from safetensors.torch import load_file
 
 import timm_rollout
 from timm_rollout import hub
-from timm_rollout.errors import run_cli
+from timm_rollout.errors import UserError, run_cli
+from timm_rollout.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PUSH = ROOT / "scripts" / "push_to_hub.py"
@@ -114,58 +113,29 @@ def populate_hub_cache(cache: Path, repo_id: str, files: list[Path]) -> None:
         (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
 
 
-HUB_CHILD = textwrap.dedent("""
-    import json, sys
-    import timm, torch
-    from safetensors.torch import load_file, save_file
-    import timm_rollout
-    from timm_rollout.errors import UserError
-    from timm_rollout.loading import load_model
-
-    x = load_file(sys.argv[1])["x"]
-    model = timm.create_model("hf-hub:%(repo)s", pretrained=True).eval()
-    harness_model, info = load_model("hf-hub:%(repo)s")
-    with torch.no_grad():
-        save_file({"timm": model(x), "harness": harness_model(x)}, sys.argv[2])
-    print(json.dumps({"labels": model.pretrained_cfg["label_names"], "mean": model.pretrained_cfg["mean"],
-                      "hub_id": model.pretrained_cfg.get("hf_hub_id"), "weights": info["weights"]}))
-    try:
-        load_model("hf-hub:org/not-in-cache")
-    except UserError as e:
-        print("load_model:", e)
-    try:
-        timm.create_model("hf-hub:org/not-in-cache", pretrained=True)
-    except Exception as e:
-        print("timm:", type(e).__name__)
-""")
-
-
-def test_hf_hub_from_offline_cache(tmp_path, run, images):
+def test_hf_hub_from_offline_cache(tmp_path, run, images, monkeypatch):
+    """What HF_HUB_OFFLINE=1 HF_HUB_CACHE=... do, set on the constants huggingface_hub reads at call time."""
     folder, model = run
     cache = tmp_path / "hub"
     populate_hub_cache(cache, REPO, [folder / "config.json", folder / "model.safetensors"])
-    save_file({"x": images}, tmp_path / "x.safetensors")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home"),
-           "OMP_NUM_THREADS": "1"}
-    env.pop("HF_TOKEN", None)
-    done = subprocess.run(
-        [sys.executable, "-c", HUB_CHILD % {"repo": REPO}, str(tmp_path / "x.safetensors"), str(tmp_path / "y")],
-        env=env, capture_output=True, text=True, timeout=120, check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.strip().splitlines()
-    info = json.loads(lines[0])
-    assert info["labels"] == CLASSES and tuple(info["mean"]) == MEAN and info["hub_id"] == REPO
-    assert info["weights"].startswith(str(cache))
-    out = load_file(tmp_path / "y")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    loaded = timm.create_model(f"hf-hub:{REPO}", pretrained=True).eval()
+    harness_model, info = load_model(f"hf-hub:{REPO}")
     with torch.no_grad():
         want = model(images)
-    assert torch.equal(out["timm"], want) and torch.equal(out["harness"], want)
-    assert lines[1] == (
-        "load_model: hf-hub:org/not-in-cache is not in the local Hugging Face cache and the Hub is unreachable "
-        "(offline); download it where there is network or use local-dir:PATH"
+        assert torch.equal(loaded(images), want) and torch.equal(harness_model(images), want)
+    assert loaded.pretrained_cfg["label_names"] == CLASSES and tuple(loaded.pretrained_cfg["mean"]) == MEAN
+    assert loaded.pretrained_cfg["hf_hub_id"] == REPO and info["weights"].startswith(str(cache))
+
+    with pytest.raises(UserError) as e:
+        load_model("hf-hub:org/not-in-cache")
+    assert str(e.value) == (
+        "hf-hub:org/not-in-cache is not in the local Hugging Face cache and the Hub is unreachable (offline); "
+        "download it where there is network or use local-dir:PATH"
     )
-    assert lines[2] == "timm: LocalEntryNotFoundError"
+    with pytest.raises(LocalEntryNotFoundError):  # what timm itself raises
+        timm.create_model("hf-hub:org/not-in-cache", pretrained=True)
 
 
 class FakeHfApi:
