@@ -18,6 +18,7 @@ __all__ = [
     "centroid_metrics",
     "centroids",
     "cosine_matrix",
+    "default_threads",
     "knn_bank",
     "knn_loo",
     "l2_normalize",
@@ -35,9 +36,9 @@ def _numpy(x: ArrayLike) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
-def _set_faiss_threads() -> None:
-    """One OpenMP thread per core faiss may use, never more than torch uses (they share the same cores)."""
-    faiss.omp_set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+def default_threads() -> int:
+    """faiss OpenMP threads: one per core, never more than torch uses (they share the same cores)."""
+    return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
 
 
 def l2_normalize(features: ArrayLike) -> np.ndarray:
@@ -49,14 +50,16 @@ def l2_normalize(features: ArrayLike) -> np.ndarray:
     return np.ascontiguousarray(x / np.maximum(norms, 1e-12), dtype=np.float32)
 
 
-def search(bank: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def search(
+    bank: np.ndarray, queries: np.ndarray, k: int, threads: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-``k`` inner-product search of ``queries`` in ``bank`` (both normalised float32).
 
-    Returns (similarities, indices), each (Q, k), best first.
+    Returns (similarities, indices), each (Q, k), best first. ``threads`` defaults to :func:`default_threads`.
     """
     if k > bank.shape[0]:
         raise ValueError(f"k={k} neighbours requested from a bank of {bank.shape[0]} features")
-    _set_faiss_threads()
+    faiss.omp_set_num_threads(threads or default_threads())
     index = faiss.IndexFlatIP(bank.shape[1])
     index.add(bank)
     return index.search(queries, k)

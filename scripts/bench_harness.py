@@ -1,0 +1,128 @@
+"""Benchmark the evaluation harness: (a) feature extraction images/s, (b) the metric stage, faiss vs scikit-learn.
+
+    python scripts/bench_harness.py [--images 2048] [--queries 10000] [--bank 50000]
+
+(a) times ``harness.features.extract`` for both CIFAR models on real CIFAR-10 test images (random images if
+the data is missing). (b) times the bank k-NN (k=20, exp(sim/0.07) votes) and the leave-one-out 5-NN on
+random clustered features, faiss (``harness.metrics``) against scikit-learn's brute-force
+``KNeighborsClassifier`` doing the same search and vote, checks they agree, and prints the speed ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import timm
+import torch
+from sklearn.neighbors import KNeighborsClassifier
+
+import timm_rollout  # noqa: F401  (registers the models)
+from harness import metrics
+from harness.features import extract
+from timm_rollout.device import resolve_amp, resolve_device
+
+CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
+MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+def _images(n: int) -> tuple[torch.Tensor, str]:
+    if CIFAR10.is_dir():
+        from timm_rollout.data import load_image_set
+
+        return load_image_set(str(CIFAR10), "test").images[:n], "CIFAR-10 test"
+    return torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8), "random"
+
+
+def bench_extraction(n: int, batch_size: int) -> None:
+    images, source = _images(n)
+    device = resolve_device("auto")
+    amp = resolve_amp("auto", device)
+    print(f"(a) feature extraction: {len(images)} {source} images, batch {batch_size}, {device}, "
+          f"{amp or 'fp32'}, {torch.get_num_threads()} threads")
+    for name in ("vit_tiny_cifar_cls", "vit_tiny_cifar_rollout"):
+        model = timm.create_model(name, num_classes=10).to(device).eval()
+        extract(model, images[:batch_size], MEAN, STD, device=device, amp_dtype=amp, batch_size=batch_size)  # warm-up
+        start = time.perf_counter()
+        extract(model, images, MEAN, STD, device=device, amp_dtype=amp, batch_size=batch_size, desc=name)
+        seconds = time.perf_counter() - start
+        print(f"    {name:24s} {len(images) / seconds:7.0f} img/s  ({seconds:.2f} s)")
+
+
+def _features(n: int, dim: int, classes: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Gaussian clusters around random class centres: k-NN accuracy well between chance and 1."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, classes, size=n)
+    centres = rng.normal(size=(classes, dim))
+    return (centres[labels] * 0.35 + rng.normal(size=(n, dim))).astype(np.float32), labels
+
+
+def _sklearn_bank(bank, bank_y, queries, query_y, k: int, temperature: float) -> float:
+    clf = KNeighborsClassifier(n_neighbors=k, algorithm="brute", metric="cosine",
+                               weights=lambda d: np.exp((1.0 - d) / temperature)).fit(bank, bank_y)
+    return float((clf.predict(queries) == query_y).mean())
+
+
+def _sklearn_loo(features, labels, k: int) -> float:
+    """Leave-one-out k-NN with scikit-learn: k+1 neighbours, drop self by index, majority vote, ties by sum."""
+    clf = KNeighborsClassifier(n_neighbors=k + 1, algorithm="brute", metric="cosine").fit(features, labels)
+    dist, ids = clf.kneighbors(features)
+    n = len(features)
+    drop = ids == np.arange(n)[:, None]
+    drop[~drop.any(axis=1), -1] = True
+    ids, sims = ids[~drop].reshape(n, k), 1.0 - dist[~drop].reshape(n, k)
+    classes = int(labels.max()) + 1
+    counts = np.zeros((n, classes))
+    summed = np.zeros((n, classes))
+    rows = np.repeat(np.arange(n), k)
+    np.add.at(counts, (rows, labels[ids].ravel()), 1.0)
+    np.add.at(summed, (rows, labels[ids].ravel()), sims.ravel())
+    pred = np.where(counts == counts.max(axis=1, keepdims=True), summed, -np.inf).argmax(axis=1)
+    return float((pred == labels).mean())
+
+
+def _timed(fn, *args) -> tuple[float, float]:
+    start = time.perf_counter()
+    value = fn(*args)
+    return value, time.perf_counter() - start
+
+
+def bench_metrics(queries: int, bank: int, dim: int) -> None:
+    x, y = _features(queries + bank, dim, 10)
+    xq, yq, xb, yb = x[:queries], y[:queries], x[queries:], y[queries:]
+    print(f"(b) metric stage: {queries} queries, {bank} bank features, dim {dim}, 10 classes")
+    rows = [
+        ("bank k-NN (k=20, T=0.07)", lambda: metrics.knn_bank(xb, yb, xq, yq, 20, 0.07),
+         lambda: _sklearn_bank(xb, yb, xq, yq, 20, 0.07)),
+        ("leave-one-out 5-NN", lambda: metrics.knn_loo(xq, yq, 5), lambda: _sklearn_loo(xq, yq, 5)),
+    ]
+    for label, ours, theirs in rows:
+        a, t_faiss = _timed(ours)
+        b, t_sklearn = _timed(theirs)
+        agree = "agree" if abs(a - b) < 1e-3 else f"DIFFER ({a:.4f} vs {b:.4f})"
+        print(f"    {label:26s} faiss {t_faiss:6.2f} s   sklearn {t_sklearn:6.2f} s   "
+              f"ratio {t_sklearn / t_faiss:5.1f}x   accuracy {a:.4f} ({agree})")
+    nb, nq = metrics.l2_normalize(xb), metrics.l2_normalize(xq)
+    times = {t: _timed(metrics.search, nb, nq, 20, t)[1] for t in sorted({1, metrics.default_threads()})}
+    print("    bank search alone by faiss threads: " + ", ".join(f"{t}: {s:.2f} s" for t, s in times.items()))
+    _, t_centroid = _timed(metrics.centroid_metrics, xq, yq)
+    _, t_sil = _timed(metrics.silhouette, xq, yq)
+    print(f"    centroid metrics {t_centroid:.2f} s, silhouette {t_sil:.2f} s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--images", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--queries", type=int, default=10_000)
+    p.add_argument("--bank", type=int, default=50_000)
+    p.add_argument("--dim", type=int, default=128)
+    args = p.parse_args()
+    bench_extraction(args.images, args.batch_size)
+    bench_metrics(args.queries, args.bank, args.dim)
+
+
+if __name__ == "__main__":
+    main()
