@@ -159,6 +159,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     device = resolve_device(args.device)
     amp_dtype = resolve_amp(args.amp, device)
 
+    if args.bank_split == args.split:
+        raise UserError(f"--bank-split {args.bank_split} is the evaluated split; use another split (e.g. train)")
     with clock.stage("load_data"):
         full = load_image_set(args.dataset, args.split, image_column=args.image_column, label_column=args.label_column)
         class_ids = select_classes(full.class_names, args.classes, args.num_classes)
@@ -177,6 +179,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     with clock.stage("load_model"):
         prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
         default_classes = None if args.checkpoint or prefixed else full.num_classes
+        torch.manual_seed(args.seed)  # an untrained model's initial weights are reproducible too
         model, info = load_model(args.model, args.checkpoint, num_classes=default_classes, device=device)
         _check_head(info, full)
     mean, std = info["mean"], info["std"]

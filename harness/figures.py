@@ -26,13 +26,15 @@ def _save(fig: Figure, path: str | Path) -> Path:
 def plot_cosine_matrix(matrix: np.ndarray, class_names: Sequence[str], path: str | Path, title: str) -> Path:
     """Class-by-class cosine similarity of centroids, annotated when there are at most 20 classes."""
     c = len(class_names)
-    size = max(4.0, 0.45 * c + 2.0)
+    size = min(20.0, max(4.0, 0.45 * c + 2.0))
     fig = Figure(figsize=(size + 1.0, size))
     ax = fig.subplots()
     im = ax.imshow(matrix, cmap="viridis", vmin=min(0.0, float(matrix.min())), vmax=1.0)
     ticks = range(c)
-    ax.set_xticks(ticks, class_names, rotation=90 if c > 10 else 45, ha="right" if c <= 10 else "center")
-    ax.set_yticks(ticks, class_names)
+    fontsize = 9 if c <= 20 else 6
+    ax.set_xticks(ticks, class_names, rotation=90 if c > 10 else 45, ha="right" if c <= 10 else "center",
+                  fontsize=fontsize)
+    ax.set_yticks(ticks, class_names, fontsize=fontsize)
     ax.set_xlabel("class")
     ax.set_ylabel("class")
     if c <= 20:

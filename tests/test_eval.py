@@ -192,6 +192,7 @@ def test_user_errors(checkpoint, tmp_path, tmp_path_factory):
     message = _user_error(_args(checkpoint, out, "--classes", "cat", "unicorn"))
     assert "unicorn" in message and "valid: airplane, automobile, bird" in message
     assert "only 1000 images" in _user_error(_args(checkpoint, out, "--per-class", "1001"))
+    assert "is the evaluated split" in _user_error(_args(checkpoint, out, "--bank-split", "test"))
     c100 = _save(tmp_path_factory, "vit_tiny_cifar_cls", 100)
     assert "checkpoint has 100 classes" in _user_error(_args(c100, out))
     base = ["--model", "vit_tiny_cifar_rollout", "--split", "train", "--output", out]
