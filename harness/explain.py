@@ -1,0 +1,175 @@
+"""Draw every saliency map of a timm ViT-family model for one image, in one figure.
+
+    python -m harness.explain --model vit_tiny_cifar_rollout --checkpoint runs/c10-rollout \\
+        --dataset ../shared/data/cifar10 --index 17 --output fig/
+    python -m harness.explain --model vit_small_patch16_224 --image photo.jpg --output fig/
+
+Panels: the input (de-normalised with the model's mean/std), the readout's attention at the last, first and
+middle layers, rollout with mean/max/min head fusion, rollout with discard ratios 0.5 and 0.9, Chefer's
+gradient-weighted rollout for the predicted (or ``--target-class``) class, attention flow (``--no-flow``
+skips it), and the rollout after each layer. Writes ``explain_<image>.png`` into ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+from PIL import Image, UnidentifiedImageError
+from timm.data import create_transform, resolve_data_config
+from timm.utils import ParseKwargs
+
+from timm_rollout.atomic import atomic_path
+from timm_rollout.device import resolve_device
+from timm_rollout.errors import UserError, run_cli
+from timm_rollout.explain import Explanation, explain
+from timm_rollout.loading import load_model
+
+__all__ = ["build_parser", "denormalize", "main", "plot_explanation", "prepare_image"]
+
+COLUMNS = 5
+
+
+def _key_value(value: str) -> str:
+    if "=" not in value:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m harness.explain", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="registered timm name, hf-hub:org/name or local-dir:PATH")
+    p.add_argument("--checkpoint", help=".safetensors file or training output folder (model.safetensors + config)")
+    p.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, type=_key_value, metavar="KEY=VALUE",
+                   help="extra timm.create_model arguments, e.g. depth=2")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--image", help="an image file of any size and mode (converted to RGB and resized)")
+    src.add_argument("--dataset", help="data set alias, Hub id or local folder; pick the image with --index")
+    p.add_argument("--split", default="test", help="split of --dataset (default: test)")
+    p.add_argument("--index", type=int, default=0, help="image index in --dataset's split (default 0)")
+    p.add_argument("--target-class", type=int, help="class explained by the gradient map (default: predicted)")
+    p.add_argument("--no-flow", action="store_true", help="skip attention flow (one max-flow per patch)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, auto ...")
+    p.add_argument("--output", required=True, help="folder for the figure")
+    return p
+
+
+def prepare_image(image: Image.Image, model: torch.nn.Module) -> tuple[torch.Tensor, str]:
+    """RGB-convert and resize/crop ``image`` with timm's eval transform for ``model``: ((3, H, W), note)."""
+    cfg = resolve_data_config(model=model)
+    transform = create_transform(**cfg, is_training=False)
+    _, h, w = cfg["input_size"]
+    steps = []
+    if image.mode != "RGB":
+        steps.append(f"converted {image.mode} to RGB" + (" (alpha dropped)" if "A" in image.mode else ""))
+        image = image.convert("RGB")
+    if image.size != (w, h):
+        steps.append(f"resized {image.width}x{image.height} (shorter side to {int(h / cfg['crop_pct'])}, "
+                     f"{cfg['interpolation']}) and centre-cropped to {w}x{h} with timm's eval transform")
+    note = "; ".join(steps) if steps else f"RGB {w}x{h}, the model's input size: used as is"
+    return transform(image), note
+
+
+def denormalize(x: torch.Tensor, mean, std) -> np.ndarray:
+    """Normalised (3, H, W) -> (H, W, 3) float image in [0, 1]."""
+    m = torch.tensor(mean).view(3, 1, 1)
+    s = torch.tensor(std).view(3, 1, 1)
+    return (x.cpu() * s + m).clamp(0, 1).permute(1, 2, 0).numpy()
+
+
+def _load_input(args: argparse.Namespace) -> tuple[Image.Image, str, str, list[str] | None]:
+    """(PIL image, source description, file stem, class names or None)."""
+    if args.image:
+        path = Path(args.image)
+        try:
+            image = Image.open(path)
+            image.load()
+        except FileNotFoundError:
+            raise UserError(f"--image {path} does not exist; pass an image file") from None
+        except (UnidentifiedImageError, OSError) as e:
+            raise UserError(f"--image {path} is not an image PIL can read ({e}); pass a JPEG, PNG, ...") from None
+        return image, path.name, path.stem, None
+    from timm_rollout.data import load_image_set
+
+    data = load_image_set(args.dataset, args.split)
+    if not -len(data) <= args.index < len(data):
+        raise UserError(f"--index {args.index} is outside {args.split} ({len(data)} images); pass 0..{len(data) - 1}")
+    label = data.class_names[int(data.labels[args.index])]
+    array = data.images[args.index].permute(1, 2, 0).numpy()
+    stem = f"{Path(args.dataset).name}_{args.split}_{args.index}"
+    return Image.fromarray(array), f"{args.dataset} {args.split} #{args.index} (label: {label})", stem, \
+        data.class_names
+
+
+def _class_name(names: list[str] | None, index: int) -> str:
+    return f"{names[index]} ({index})" if names and index < len(names) else str(index)
+
+
+def _overlay(fig: Figure, ax, rgb: np.ndarray, values: torch.Tensor, grid: tuple[int, int], title: str) -> None:
+    h, w = rgb.shape[:2]
+    ax.imshow(rgb, interpolation="nearest")
+    im = ax.imshow(values.view(grid).numpy(), cmap="inferno", alpha=0.6, interpolation="nearest",
+                   extent=(0, w, h, 0))
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    ax.set_title(title, fontsize=8)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: str, path: str | Path) -> Path:
+    """One figure: the input, every map of ``ex`` (image 0) and its rollout build-up, each with a colour bar."""
+    panels = [(name, values[0]) for name, values in ex.maps.items()]
+    panels += [(f"rollout through layer {i + 1}", ex.buildup[0, i]) for i in range(ex.buildup.shape[1])]
+    rows = -(-(len(panels) + 1) // COLUMNS)
+    fig = Figure(figsize=(3.2 * COLUMNS, 3.0 * rows))
+    axes = fig.subplots(rows, COLUMNS, squeeze=False).ravel()
+    axes[0].imshow(rgb, interpolation="nearest")
+    axes[0].set_title(input_title, fontsize=8)
+    axes[0].set_xlabel("x (pixels)", fontsize=7)
+    axes[0].set_ylabel("y (pixels)", fontsize=7)
+    for ax, (name, values) in zip(axes[1:], panels, strict=False):
+        _overlay(fig, ax, rgb, values.float().cpu(), ex.grid, name)
+    for ax in axes[len(panels) + 1:]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
+    return Path(path)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    device = resolve_device(args.device)
+    image, source, stem, class_names = _load_input(args)
+    prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
+    num_classes = len(class_names) if class_names and not args.checkpoint and not prefixed else None
+    model, info = load_model(args.model, args.checkpoint, num_classes=num_classes, device=device, **args.model_kwargs)
+    names = info.get("label_names") or class_names
+    if args.target_class is not None and not 0 <= args.target_class < info["num_classes"]:
+        raise UserError(f"--target-class {args.target_class} is outside the model's {info['num_classes']} classes; "
+                        f"pass 0..{info['num_classes'] - 1}")
+    x, note = prepare_image(image, model)
+    print(f"{source}: {note}")
+    try:
+        ex = explain(model, x[None].to(device), target_class=args.target_class, flow=not args.no_flow)
+    except ValueError as e:
+        raise UserError(f"cannot explain {args.model}: {e}") from None
+    probs = ex.logits[0].softmax(dim=0)
+    pred, target = int(probs.argmax()), int(ex.target[0])
+    rgb = denormalize(x, info["mean"], info["std"])
+    input_title = (f"input: {source}\npred {_class_name(names, pred)} p={probs[pred]:.2f}; "
+                   f"gradient map for {_class_name(names, target)}")
+    title = f"{info['name']}: attention maps ({ex.grid[0]}x{ex.grid[1]} patches, readout {ex.readout})"
+    out = plot_explanation(ex, rgb, title, input_title, Path(args.output) / f"explain_{stem}.png")
+    print(f"wrote {out} ({len(ex.maps) + ex.buildup.shape[1]} maps; predicted {_class_name(names, pred)}, "
+          f"p={probs[pred]:.3f})")
+    return {"figure": str(out), "predicted": pred, "target": target, "note": note, "maps": list(ex.maps)}
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,292 @@
+"""Saliency maps of timm ViT-family models, batched over images: attention, rollout variants, gradient rollout.
+
+Every map is a (B, P) tensor over the patch grid (prefix tokens such as [CLS] and registers dropped),
+read out for the model's *readout*: the [CLS] token when the model has one, else the mean of the patch
+tokens (what ``global_pool='avg'`` models classify). Maps:
+
+- ``cls_attention``: one layer's attention from the readout to each patch, mean over heads (raw, not
+  renormalised).
+- ``rollout_map``: attention rollout (Abnar & Zuidema 2020) with ``mean``/``max``/``min`` head fusion and an
+  optional discard ratio, from :func:`timm_rollout.rollout.rollout_layers` (identity added, rows
+  renormalised), patch columns renormalised to sum 1. With mean fusion and no discard this is exactly the
+  rollout model's pooling weights (``model.rollout_weights()``).
+- ``rollout_buildup``: the same rollout truncated after layer 1, 2, ..., L (how it builds up).
+- ``gradient_rollout``: Chefer et al. 2021 ("Generic Attention-model Explainability", the rule of their
+  ViT code): per layer ``Ā_l = mean_heads((∂y_t/∂A_l ⊙ A_l)⁺)`` for the target-class *logit* ``y_t``
+  (predicted class by default), then ``R = I; R ← R + Ā_l R`` for l = 1..L, i.e.
+  ``R = (I + Ā_L) ... (I + Ā_1)``. Unlike attention rollout the identity is added but rows are **not**
+  renormalised (Chefer's rule has no normalisation); the readout row of ``R`` over the patch columns is
+  returned unnormalised. The gradient is that of the model's forward function: for the rollout-pooled
+  model it includes the path through the pooling weights (``rollout_grad`` is switched on for the pass).
+- ``attention_flow``: the max-flow variant of Abnar & Zuidema for one image, with
+  ``scipy.sparse.csgraph.maximum_flow`` on the layered graph of the mean-fused, residual-augmented,
+  row-normalised attention (capacities quantised to integers as scipy requires).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from .capture import capture_attention
+from .rollout import HEAD_FUSIONS, fuse_heads, patch_weights, rollout_layers
+
+__all__ = [
+    "AttentionPass",
+    "Explanation",
+    "attention_flow",
+    "chefer_row",
+    "cls_attention",
+    "explain",
+    "forward_with_attention",
+    "gradient_layers",
+    "gradient_pass",
+    "gradient_rollout",
+    "patch_grid",
+    "readout_row",
+    "rollout_buildup",
+    "rollout_map",
+]
+
+DISCARD_RATIOS = (0.0, 0.5, 0.9)
+FLOW_SCALE = 1 << 20  # integer capacity of a weight of 1.0 in the max-flow graph
+
+
+@dataclass
+class AttentionPass:
+    """One forward pass: logits and every block's attention (float32, detached) plus token layout."""
+
+    logits: torch.Tensor  # (B, C)
+    attentions: list[torch.Tensor]  # L x (B, heads, N, N)
+    num_prefix_tokens: int
+    has_class_token: bool
+    grid: tuple[int, int]
+
+
+def patch_grid(model: nn.Module, image_size: Sequence[int], num_patches: int) -> tuple[int, int]:
+    """(rows, cols) of the patch grid for images of ``image_size`` (H, W); checks it has ``num_patches``."""
+    embed = getattr(model, "patch_embed", None)
+    if embed is not None and hasattr(embed, "dynamic_feat_size"):
+        grid = tuple(int(g) for g in embed.dynamic_feat_size(tuple(image_size)))
+    elif embed is not None and getattr(embed, "grid_size", None) is not None:
+        grid = tuple(int(g) for g in embed.grid_size)
+    else:
+        side = math.isqrt(num_patches)
+        grid = (side, side)
+    if grid[0] * grid[1] != num_patches:
+        raise ValueError(f"patch grid {grid} does not hold the {num_patches} patch tokens of the attention")
+    return grid
+
+
+def _has_class_token(model: nn.Module) -> bool:
+    return getattr(model, "cls_token", None) is not None
+
+
+def readout_row(num_tokens: int, num_prefix_tokens: int, has_class_token: bool, device=None) -> torch.Tensor:
+    """(N,) weights of the output tokens the model reads: one-hot [CLS], or uniform over the patch tokens."""
+    row = torch.zeros(num_tokens, dtype=torch.float32, device=device)
+    if has_class_token:
+        row[0] = 1.0
+    else:
+        row[num_prefix_tokens:] = 1.0 / (num_tokens - num_prefix_tokens)
+    return row
+
+
+@contextmanager
+def _rollout_grad(model: nn.Module) -> Iterator[None]:
+    """Let gradients flow through a rollout-pooled model's pooling weights for the duration."""
+    had = getattr(model, "rollout_grad", None)
+    if had is not None:
+        model.rollout_grad = True
+    try:
+        yield
+    finally:
+        if had is not None:
+            model.rollout_grad = had
+
+
+def _pass(model: nn.Module, x: torch.Tensor, cap, logits: torch.Tensor) -> AttentionPass:
+    attentions = [a.detach().float() for a in cap.attentions]
+    n = attentions[0].shape[-1]
+    prefix = cap.num_prefix_tokens
+    grid = patch_grid(model, x.shape[-2:], n - prefix)
+    return AttentionPass(logits.detach().float(), attentions, prefix, _has_class_token(model), grid)
+
+
+def forward_with_attention(model: nn.Module, x: torch.Tensor) -> AttentionPass:
+    """Logits and attention of every block for normalised images ``x`` (B, 3, H, W), without gradients."""
+    with torch.inference_mode(), capture_attention(model) as cap:
+        logits = model(x)
+    return _pass(model, x, cap, logits)
+
+
+def _readout(p: AttentionPass) -> torch.Tensor:
+    n = p.attentions[0].shape[-1]
+    return readout_row(n, p.num_prefix_tokens, p.has_class_token, p.attentions[0].device)
+
+
+def cls_attention(p: AttentionPass, layer: int = -1) -> torch.Tensor:
+    """Attention of the readout token(s) to each patch at ``layer`` (0-based, negative from the end): (B, P)."""
+    fused = fuse_heads(p.attentions[layer], "mean")  # (B, N, N)
+    return (_readout(p) @ fused)[:, p.num_prefix_tokens:]
+
+
+def _compose_rows(row: torch.Tensor, layers: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``row @ M_L @ ... @ M_1`` for per-layer (B, N, N) matrices in block order; ``row`` is (N,) or (B, N)."""
+    out = row.expand(layers[0].shape[0], -1).unsqueeze(1)
+    for m in reversed(layers):
+        out = out @ m
+    return out.squeeze(1)
+
+
+def rollout_map(p: AttentionPass, head_fusion: str = "mean", discard_ratio: float = 0.0) -> torch.Tensor:
+    """Readout row of the attention rollout over the patch columns, renormalised to sum 1: (B, P)."""
+    layers = rollout_layers(p.attentions, head_fusion, discard_ratio, p.num_prefix_tokens)
+    return patch_weights(_compose_rows(_readout(p), layers), p.num_prefix_tokens)
+
+
+def rollout_buildup(p: AttentionPass, head_fusion: str = "mean") -> torch.Tensor:
+    """Rollout readout row after each layer, ``Â_l ... Â_1`` for l = 1..L, patch columns renormalised: (B, L, P)."""
+    layers = rollout_layers(p.attentions, head_fusion, 0.0, p.num_prefix_tokens)
+    row = _readout(p)
+    maps = []
+    joint = None
+    for a in layers:
+        joint = a if joint is None else a @ joint
+        maps.append(patch_weights(row @ joint, p.num_prefix_tokens))
+    return torch.stack(maps, dim=1)
+
+
+def gradient_layers(attentions: Sequence[torch.Tensor], gradients: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Chefer's per-layer ``Ā_l = mean_heads((grad_l ⊙ A_l)⁺)``: L x (B, N, N) from L x (B, heads, N, N)."""
+    return [(g.float() * a.float()).clamp(min=0).mean(dim=1) for a, g in zip(attentions, gradients, strict=True)]
+
+
+def chefer_row(layers: Sequence[torch.Tensor], row: torch.Tensor) -> torch.Tensor:
+    """``row @ R`` with ``R = (I + Ā_L) ... (I + Ā_1)`` (Chefer's ``R ← R + Ā R``, no row normalisation): (B, N)."""
+    out = row.expand(layers[0].shape[0], -1).unsqueeze(1)
+    for a in reversed(layers):
+        out = out + out @ a
+    return out.squeeze(1)
+
+
+@dataclass
+class GradientPass(AttentionPass):
+    """An :class:`AttentionPass` with Chefer's gradient-weighted layers and the class they explain."""
+
+    target: torch.Tensor = field(default=None)  # (B,) int64
+    gradient_layers: list[torch.Tensor] = field(default_factory=list)  # L x (B, N, N)
+
+
+def gradient_pass(model: nn.Module, x: torch.Tensor, target_class: int | torch.Tensor | None = None) -> GradientPass:
+    """Forward + one backward of the summed target logits (images are independent, so one batched pass).
+
+    ``target_class``: None for each image's predicted class, an int for all images, or a (B,) tensor.
+    """
+    x = x.detach().clone().requires_grad_(True)  # a graph exists even when the parameters are frozen
+    with torch.enable_grad(), _rollout_grad(model), capture_attention(model) as cap:
+        logits = model(x)
+    if target_class is None:
+        target = logits.detach().argmax(dim=1)
+    else:
+        target = torch.as_tensor(target_class, dtype=torch.int64, device=logits.device).expand(logits.shape[0])
+        if int(target.min()) < 0 or int(target.max()) >= logits.shape[1]:
+            raise ValueError(f"target class {target_class} is outside the model's {logits.shape[1]} classes")
+    score = logits.gather(1, target[:, None]).sum()
+    grads = torch.autograd.grad(score, cap.attentions)
+    base = _pass(model, x, cap, logits)
+    cams = gradient_layers(base.attentions, grads)
+    return GradientPass(**vars(base), target=target.detach(), gradient_layers=cams)
+
+
+def gradient_rollout(p: GradientPass) -> torch.Tensor:
+    """Chefer's gradient-weighted rollout, readout row over the patch columns, unnormalised: (B, P)."""
+    return chefer_row(p.gradient_layers, _readout(p))[:, p.num_prefix_tokens:]
+
+
+def attention_flow(p: AttentionPass, index: int = 0) -> torch.Tensor:
+    """Attention flow (max-flow, Abnar & Zuidema 2020) from the readout to each input patch of image ``index``.
+
+    Nodes are the N tokens at layer 0 (input) to L; an edge from token i at layer l to token j at layer l-1
+    has capacity ``Â_l[i, j]`` (mean heads, identity added, rows renormalised). A super source feeds the
+    readout tokens of layer L (weight 1 for [CLS]); the flow value into each input patch, over all patches,
+    is renormalised to sum 1. Returns (P,). One scipy max-flow per patch.
+    """
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import maximum_flow
+
+    layers = [a[index : index + 1] for a in p.attentions]
+    mats = [m[0].cpu().double().numpy() for m in rollout_layers(layers, "mean", 0.0, p.num_prefix_tokens)]
+    n, depth = mats[0].shape[0], len(mats)
+    source = (depth + 1) * n
+    rows, cols, caps = [], [], []
+    for lay, m in enumerate(mats, start=1):
+        i, j = np.nonzero(m)
+        rows.append(lay * n + i)
+        cols.append((lay - 1) * n + j)
+        caps.append(m[i, j])
+    q = _readout(p).cpu().double().numpy()
+    top = np.nonzero(q)[0]
+    rows.append(np.full(len(top), source))
+    cols.append(depth * n + top)
+    caps.append(q[top])
+    cap = np.rint(np.concatenate(caps) * FLOW_SCALE).astype(np.int32)
+    graph = coo_matrix((cap, (np.concatenate(rows), np.concatenate(cols))), shape=(source + 1, source + 1)).tocsr()
+    flows = [maximum_flow(graph, source, j).flow_value for j in range(p.num_prefix_tokens, n)]
+    values = torch.tensor(flows, dtype=torch.float64)
+    return (values / values.sum()).float()
+
+
+@dataclass
+class Explanation:
+    """Named (B, P) maps in display order, the rollout build-up (B, L, P), and what was explained."""
+
+    maps: dict[str, torch.Tensor]
+    buildup: torch.Tensor
+    logits: torch.Tensor
+    target: torch.Tensor
+    grid: tuple[int, int]
+    readout: str
+
+
+def _layer_indices(depth: int) -> list[int]:
+    return list(dict.fromkeys((0, (depth - 1) // 2, depth - 1)))
+
+
+def explain(
+    model: nn.Module,
+    x: torch.Tensor,
+    *,
+    target_class: int | torch.Tensor | None = None,
+    head_fusions: Sequence[str] = HEAD_FUSIONS,
+    discard_ratios: Sequence[float] = DISCARD_RATIOS,
+    flow: bool = False,
+) -> Explanation:
+    """Every map for normalised images ``x`` (B, 3, H, W) in one forward + backward pass.
+
+    Keys name the maps as figure titles: readout attention at the last, first and middle layers, rollout per
+    head fusion (no discard) and per discard ratio (mean fusion), gradient-weighted rollout, and with
+    ``flow`` the attention flow of each image (slow: one max-flow per patch per image).
+    """
+    model.eval()
+    p = gradient_pass(model, x, target_class)
+    name = "[CLS]" if p.has_class_token else "patch-mean"
+    depth = len(p.attentions)
+    maps: dict[str, torch.Tensor] = {f"last-layer {name} attention (layer {depth})": cls_attention(p, -1)}
+    for layer in _layer_indices(depth)[:-1]:
+        maps[f"{name} attention, layer {layer + 1}"] = cls_attention(p, layer)
+    for fusion in head_fusions:
+        maps[f"rollout, {fusion} of heads"] = rollout_map(p, fusion)
+    for ratio in discard_ratios:
+        if ratio > 0:
+            maps[f"rollout, mean of heads, discard {ratio:g}"] = rollout_map(p, "mean", ratio)
+    maps["gradient-weighted rollout (Chefer)"] = gradient_rollout(p)
+    if flow:
+        maps["attention flow (max-flow)"] = torch.stack([attention_flow(p, i) for i in range(x.shape[0])])
+    return Explanation(maps, rollout_buildup(p), p.logits, p.target, p.grid, name)
