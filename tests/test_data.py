@@ -125,7 +125,7 @@ def test_stats_and_normalize(cifar_test) -> None:
     assert normalization_stats("cifar10-sample") == KNOWN_STATS["cifar10"]
     # Computed stats against a numpy recomputation, and close to the known CIFAR-10 values (JPEG copy).
     np.testing.assert_allclose(compute_stats(cifar_test.images)[1], KNOWN_STATS["cifar10"][1], atol=4e-3)
-    m, s = compute_stats(cifar_test.images[:2000], chunk=300)
+    m, s = compute_stats(cifar_test.images[:2000])
     arr = cifar_test.images[:2000].numpy().astype(np.float64) / 255
     np.testing.assert_allclose(m, arr.mean(axis=(0, 2, 3)), atol=1e-9)
     np.testing.assert_allclose(s, arr.std(axis=(0, 2, 3)), atol=1e-9)

@@ -286,17 +286,13 @@ def balanced_indices(
     return torch.cat(chosen).sort().values.to(torch.int64)
 
 
-def compute_stats(images: torch.Tensor, chunk: int = 4096) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and population std of uint8 (N, 3, H, W) images, in [0, 1] units (float64 sums)."""
-    total = torch.zeros(3, dtype=torch.float64)
-    total_sq = torch.zeros(3, dtype=torch.float64)
-    for start in range(0, len(images), chunk):
-        x = images[start:start + chunk].to(torch.float64)
-        total += x.sum(dim=(0, 2, 3))
-        total_sq += x.square().sum(dim=(0, 2, 3))
-    n = images.shape[0] * images.shape[2] * images.shape[3]
-    mean = total / n
-    std = (total_sq / n - mean.square()).clamp_min(0).sqrt()
+def compute_stats(images: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and population std of uint8 (N, C, H, W) images in [0, 1] units, from exact histograms."""
+    values = torch.arange(256, dtype=torch.float64)
+    hist = torch.stack([torch.bincount(images[:, c].reshape(-1), minlength=256) for c in range(images.shape[1])])
+    hist = hist.double() / hist.sum(dim=1, keepdim=True)
+    mean = hist @ values
+    std = (hist @ values.square() - mean.square()).clamp_min(0).sqrt()
     return tuple((mean / 255).tolist()), tuple((std / 255).tolist())
 
 

@@ -1,0 +1,167 @@
+"""Training on real CIFAR-10 slices: accuracy, output folder contract, kill-and-resume, safety rails, DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import timm_rollout
+from timm_rollout.checkpoint import RESUME_FILE
+from timm_rollout.errors import UserError
+from timm_rollout.train import train
+from timm_rollout.train_log import LOG_COLUMNS, read_log
+
+CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
+QUICK = ["--dataset", str(CIFAR10), "--max-train-samples", "2000", "--max-eval-samples", "1000", "--epochs", "2",
+         "--batch-size", "64", "--lr", "2e-3", "--model-kwargs", "depth=2", "--seed", "0", "--no-progress"]
+TINY = ["--dataset", str(CIFAR10), "--max-train-samples", "256", "--max-eval-samples", "100", "--batch-size", "32",
+        "--model-kwargs", "depth=1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> Path:
+    return train([*QUICK, "--output", str(tmp_path_factory.mktemp("quick") / "run")])
+
+
+def _metrics(rows: list[dict]) -> list[dict]:
+    return [{k: r[k] for k in ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr")} for r in rows]
+
+
+def test_quick_run_learns_and_writes_the_output_contract(quick_run: Path) -> None:
+    rows = read_log(quick_run / "log.csv")
+    assert (quick_run / "log.csv").read_text().splitlines()[0] == ",".join(LOG_COLUMNS)
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert rows[-1]["eval_top1"] > 25.0  # chance is 10 %; 1,000 eval images give a standard error of ~1.4 %
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"] < 2.31
+    assert rows[0]["lr"] < rows[1]["lr"]  # warmup (5 epochs) is clipped to the 2-epoch run: still rising
+    args = json.loads((quick_run / "train_args.json").read_text())
+    assert args["warmup_epochs_used"] == 2 and args["num_classes"] == 10 and args["train_images"] == 2000
+    assert args["class_names"][0] == "airplane" and args["versions"]["timm"] == timm.__version__
+    assert args["amp_dtype"] == "float32" and args["steps_per_epoch"] == 31
+    summary = json.loads((quick_run / "summary.json").read_text())
+    assert summary["eval_top1"] == rows[-1]["eval_top1"] and summary["epochs"] == 2
+    assert (quick_run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+    # The exported model rebuilds from config.json with the training mean/std and class names ...
+    model = timm.create_model(f"local-dir:{quick_run}", pretrained=True).eval()
+    assert model.num_classes == 10 and len(model.blocks) == 2 and model.global_pool == "rollout"
+    assert list(model.pretrained_cfg["mean"]) == pytest.approx(args["mean"])
+    assert list(model.pretrained_cfg["std"]) == pytest.approx(args["std"])
+    assert model.pretrained_cfg.get("label_names", args["class_names"]) == args["class_names"]
+    # ... and reproduces the logged accuracy through timm's own eval transform on the same 1,000 images.
+    from timm_rollout.data import balanced_indices, load_image_set
+
+    test = load_image_set(str(CIFAR10), "test")
+    idx = balanced_indices(test.labels, total=1000, seed=0)
+    mean = torch.tensor(model.pretrained_cfg["mean"]).view(1, 3, 1, 1)
+    std = torch.tensor(model.pretrained_cfg["std"]).view(1, 3, 1, 1)
+    with torch.no_grad():
+        pred = model((test.images[idx].float() / 255 - mean) / std).argmax(1)
+    assert 100 * (pred == test.labels[idx]).float().mean().item() == pytest.approx(rows[-1]["eval_top1"], abs=0.11)
+
+
+def test_no_weight_decay_on_norms_biases_pos_embed_and_cls_token(quick_run: Path) -> None:
+    model = timm.create_model("vit_tiny_cifar_rollout", num_classes=10, depth=2)
+    names = [n for n, _ in model.named_parameters()]
+    expect = {n for n, p in model.named_parameters() if p.ndim <= 1 or n in ("pos_embed", "cls_token")}
+    assert {"pos_embed", "cls_token", "norm.weight", "head.bias", "blocks.0.attn.qkv.bias"} <= expect
+    # The run's saved optimizer: the group without weight decay holds exactly that many parameters ...
+    with safe_open(str(quick_run / RESUME_FILE), "pt") as f:
+        groups = json.loads(f.metadata()["resume"])["optimizer"]["param_groups"]
+    sizes = {g["weight_decay"]: len(g["params"]) for g in groups}
+    assert sizes == {0.0: len(expect), 1e-4: len(names) - len(expect)}
+    # ... and timm's factory, called as training calls it, puts exactly those names there.
+    opt = timm.optim.create_optimizer_v2(model, opt="adamw", lr=5e-4, weight_decay=1e-4)
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    no_decay = {by_id[id(p)] for g in opt.param_groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert no_decay == expect
+
+
+def test_kill_and_resume_equals_uninterrupted_run(quick_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "timm_rollout.train", *QUICK, "--output", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not (out / "log.csv").exists() and proc.poll() is None:  # written last, after the checkpoint
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert not (out / "summary.json").exists(), "the run finished before it could be killed"
+    first = read_log(out / "log.csv")
+    # Same seed, another process: the first epoch is identical to the uninterrupted run's.
+    assert _metrics(first) == _metrics(read_log(quick_run / "log.csv"))[:1]
+    with pytest.raises(UserError, match="unfinished run; add --resume"):
+        train([*QUICK, "--output", str(out)])
+    with pytest.raises(UserError, match=r"--lr 0.1 differs from the saved run's 0.002"):
+        train([*QUICK, "--output", str(out), "--resume", "--lr", "0.1"])
+    train([*QUICK, "--output", str(out), "--resume"])
+    assert _metrics(read_log(out / "log.csv")) == _metrics(read_log(quick_run / "log.csv"))
+    resumed, straight = load_file(out / "model.safetensors"), load_file(quick_run / "model.safetensors")
+    assert resumed.keys() == straight.keys()
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def test_finished_run_is_not_overwritten(quick_run: Path) -> None:
+    before = (quick_run / "model.safetensors").read_bytes()
+    with pytest.raises(UserError, match="finished run; pass --overwrite"):
+        train([*QUICK, "--output", str(quick_run)])
+    assert train([*QUICK, "--output", str(quick_run), "--resume"]) == quick_run  # nothing to do
+    assert (quick_run / "model.safetensors").read_bytes() == before
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    create = timm.create_model
+    calls = {"train": 0}
+
+    def poisoned(*args, **kwargs):
+        """The real model, whose training forward returns NaN from the second epoch (8 steps each) on."""
+        model = create(*args, **kwargs)
+
+        def hook(module, inputs, output):
+            if module.training:
+                calls["train"] += 1
+                if calls["train"] > 8:
+                    return output * float("nan")
+            return output
+
+        model.register_forward_hook(hook)
+        return model
+
+    monkeypatch.setattr(timm, "create_model", poisoned)
+    out = tmp_path / "run"
+    with pytest.raises(UserError, match=r"loss is nan at epoch 2 step 1; the last good checkpoint \(epoch 1\) is kept"):
+        train([*TINY, "--epochs", "3", "--output", str(out)])
+    assert [r["epoch"] for r in read_log(out / "log.csv")] == [1]
+    assert not (out / "summary.json").exists()
+    with safe_open(str(out / RESUME_FILE), "pt") as f:
+        assert json.loads(f.metadata()["resume"])["meta"]["epoch"] == 1
+    weights = load_file(out / "model.safetensors")
+    assert all(torch.isfinite(v).all() for v in weights.values())
+
+
+def test_ddp_two_cpu_processes(tmp_path: Path) -> None:
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "timm_rollout.train", *TINY, "--epochs", "1", "--output", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    args = json.loads((out / "train_args.json").read_text())
+    assert args["world_size"] == 2 and args["steps_per_epoch"] == 4  # 256 images / (32 per rank x 2 ranks)
+    rows = read_log(out / "log.csv")
+    assert len(rows) == 1 and 0 <= rows[0]["eval_top1"] <= 100 and rows[0]["train_loss"] > 0
+    assert (out / "summary.json").exists()
+    model = timm.create_model(f"local-dir:{out}", pretrained=True)
+    assert isinstance(model, timm_rollout.RolloutVisionTransformer)
