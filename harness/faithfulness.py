@@ -40,6 +40,7 @@ from timm_rollout.explain import cls_attention, gradient_pass, gradient_rollout,
 __all__ = [
     "MAP_LABELS",
     "evaluate_faithfulness",
+    "faithfulness_curves",
     "perturbation_probabilities",
     "plot_faithfulness",
     "ranks",
@@ -150,36 +151,29 @@ def _curve(first: torch.Tensor, middle: torch.Tensor, last: torch.Tensor) -> tor
     return torch.cat([first[:, None], middle, last[:, None]], dim=1)
 
 
-def evaluate_faithfulness(
+def faithfulness_curves(
     model: nn.Module,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    mean: Sequence[float],
-    std: Sequence[float],
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    maps: Mapping[str, torch.Tensor],
+    grid: tuple[int, int],
     *,
-    batch_size: int = 512,
-    map_batch_size: int = 128,
     seeds: Sequence[int] = (0, 1, 2),
+    batch_size: int = 512,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """Deletion/insertion curves and AUCs of the maps for uint8 ``images`` (N, 3, H, W); JSON-ready dict.
+    """Deletion/insertion curves and AUCs for named (B, P) ``maps`` and random orders (one per seed).
 
-    ``mean``/``std`` are the model's normalisation (removed patches get the mean colour). ``labels`` only
-    give the accuracy of the original predictions, for context.
+    ``x``: normalised images (B, 3, H, W); ``logits``: the model's logits on them, which fix the class
+    tracked and the 0%/100% points.
     """
-    if len(images) == 0:
-        raise ValueError("no images to score")
     if not seeds:
         raise ValueError("give at least one seed for the random baseline")
-    start_time = time.perf_counter()
     device = torch.device(device)
-    model.eval()
-    x = normalize(images, mean, std)
-    logits, maps, grid = _maps(model, x, batch_size=map_batch_size, device=device, dtype=dtype)
     n, p = len(x), grid[0] * grid[1]
-    pred = logits.argmax(dim=1)
-    clean = logits.softmax(dim=1).gather(1, pred[:, None]).squeeze(1)
+    pred = logits.argmax(dim=1).cpu()
+    clean = logits.float().softmax(dim=1).cpu().gather(1, pred[:, None]).squeeze(1)
     with torch.inference_mode(), autocast(device, dtype):
         empty_probs = model(torch.zeros(1, *x.shape[1:], device=device)).float().softmax(dim=1)[0].cpu()
     empty = empty_probs[pred]
@@ -191,7 +185,7 @@ def evaluate_faithfulness(
     masks = []
     k_inner = torch.tensor(inner)
     for name, scores in maps.items():
-        r = ranks(scores)[:, None, :]
+        r = ranks(scores.cpu())[:, None, :]
         masks += [r < k_inner[None, :, None], r >= k_inner[None, :, None]]
         kinds += [(name, "deletion", inner), (name, "insertion", inner)]
     k_random = torch.tensor(random_counts)
@@ -225,7 +219,6 @@ def evaluate_faithfulness(
         for name in maps
     }
     perturbed = int(removed.shape[0] * removed.shape[1])
-    seconds = time.perf_counter() - start_time
     return {
         "num_images": n,
         "num_patches": p,
@@ -234,18 +227,52 @@ def evaluate_faithfulness(
         "fractions": [round(f, 5) for f in fractions.tolist()],
         "score": "softmax probability of the class predicted on the intact image",
         "fill": "model mean colour per channel (0 after normalisation)",
-        "original_top1": round(float((pred == labels.cpu()).float().mean()), 5),
         "original_probability": round(float(clean.mean()), 5),
         "all_removed_probability": round(float(empty.mean()), 5),
         "maps": results,
         "vs_random": vs_random,
-        "labels": dict(MAP_LABELS),
-        "forward_passes": {"forward_backward": n, "perturbed": perturbed, "all_removed": 1,
-                           "total_forward": n + perturbed + 1},
+        "labels": {name: MAP_LABELS.get(name, name) for name in [*maps, "random"]},
+        "forward_passes": {"perturbed": perturbed, "all_removed": 1},
         "seeds": list(seeds),
-        "wall_time_s": round(seconds, 2),
-        "images_per_second": round((n + perturbed + 1) / seconds, 1),
     }
+
+
+def evaluate_faithfulness(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    mean: Sequence[float],
+    std: Sequence[float],
+    *,
+    batch_size: int = 512,
+    map_batch_size: int = 128,
+    seeds: Sequence[int] = (0, 1, 2),
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> dict[str, Any]:
+    """Deletion/insertion curves and AUCs of the three maps and random orders for uint8 ``images`` (N, 3, H, W).
+
+    ``mean``/``std`` are the model's normalisation (removed patches get the mean colour). ``labels`` only
+    give the accuracy of the original predictions, for context. Returns a JSON-ready dict with wall time and
+    the number of forward passes.
+    """
+    if len(images) == 0:
+        raise ValueError("no images to score")
+    start_time = time.perf_counter()
+    device = torch.device(device)
+    model.eval()
+    x = normalize(images, mean, std)
+    logits, maps, grid = _maps(model, x, batch_size=map_batch_size, device=device, dtype=dtype)
+    result = faithfulness_curves(model, x, logits, maps, grid, seeds=seeds, batch_size=batch_size,
+                                 device=device, dtype=dtype)
+    seconds = time.perf_counter() - start_time
+    n = len(x)
+    total = n + result["forward_passes"]["perturbed"] + 1
+    result["original_top1"] = round(float((logits.argmax(dim=1) == labels.cpu()).float().mean()), 5)
+    result["forward_passes"].update({"forward_backward": n, "total_forward": total})
+    result["wall_time_s"] = round(seconds, 2)
+    result["forward_passes_per_second"] = round(total / seconds, 1)
+    return result
 
 
 def _random_summary(per_seed: list[dict[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
@@ -285,8 +312,8 @@ def plot_faithfulness(result: Mapping[str, Any], path: str | Path, title: str = 
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{title}: {result['num_images']} images, {result['num_patches']} patches, "
-                 f"{result['wall_time_s']:.0f} s")
+    timing = f", {result['wall_time_s']:.0f} s" if "wall_time_s" in result else ""
+    fig.suptitle(f"{title}: {result['num_images']} images, {result['num_patches']} patches{timing}")
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")

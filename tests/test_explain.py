@@ -1,0 +1,164 @@
+"""Saliency maps: Chefer's rule by hand, rollout maps vs independent routes, batching, flow, and the explain CLI."""
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+
+from harness.explain import denormalize, main, prepare_image
+from timm_rollout import attention_rollout, capture_attention
+from timm_rollout import explain as E
+from timm_rollout.errors import run_cli
+
+
+def tiny(name: str = "vit_tiny_cifar_rollout", **kwargs) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(name, num_classes=10, **{"depth": 2, **kwargs}).eval()
+
+
+@pytest.fixture(scope="module")
+def cifar() -> torch.Tensor:
+    """Four real CIFAR-10 test images from the shipped sample, normalised with the model's mean/std."""
+    from timm_rollout.data import load_image_set, normalize
+
+    data = load_image_set("cifar10-sample", "test")
+    cfg = tiny().pretrained_cfg
+    return normalize(data.images[:4], cfg["mean"], cfg["std"])
+
+
+def test_gradient_rollout_matches_hand_computed_example():
+    # two tokens ([CLS], one patch), two heads, two layers; (grad * A)+ averaged over heads, by hand:
+    # layer 1: [[1, 0], [.2, .8]] and [[0, 0], [0, .5]] -> [[.5, 0], [.1, .65]]
+    # layer 2: [[.6, .4], [.3, .7]] and [[0, 0], [1, 0]] -> [[.3, .2], [.65, .35]]
+    a1 = torch.tensor([[[0.5, 0.5], [0.2, 0.8]], [[1.0, 0.0], [0.0, 1.0]]])
+    g1 = torch.tensor([[[2.0, -1.0], [1.0, 1.0]], [[-1.0, 4.0], [0.5, 0.5]]])
+    a2 = torch.tensor([[[0.6, 0.4], [0.3, 0.7]], [[0.1, 0.9], [0.5, 0.5]]])
+    g2 = torch.tensor([[[1.0, 1.0], [1.0, 1.0]], [[0.0, -1.0], [2.0, 0.0]]])
+    layers = E.gradient_layers([a1[None], a2[None]], [g1[None], g2[None]])
+    torch.testing.assert_close(layers[0][0], torch.tensor([[0.5, 0.0], [0.1, 0.65]]))
+    torch.testing.assert_close(layers[1][0], torch.tensor([[0.3, 0.2], [0.65, 0.35]]))
+    # R = (I + Ā2)(I + Ā1): row 0 = [1.3, .2] @ [[1.5, 0], [.1, 1.65]] = [1.97, .33] (no row normalisation)
+    row = E.chefer_row(layers, torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(row, torch.tensor([[1.97, 0.33]]))
+    # Chefer's own loop: R = I; R += Ā R, block by block
+    r = np.eye(2)
+    for a in layers:
+        r = r + a[0].double().numpy() @ r
+    np.testing.assert_allclose(row[0].numpy(), r[0], rtol=1e-6)
+
+
+def test_gradient_pass_differentiates_the_target_logit(cifar):
+    model = tiny()
+    p = E.gradient_pass(model, cifar[:1], target_class=3)
+    assert p.target.tolist() == [3]
+    # independent route: autograd of logit 3 w.r.t. the captured attention, outside gradient_pass
+    model.rollout_grad = True
+    with capture_attention(model) as cap:
+        logit = model(cifar[:1])[0, 3]
+    model.rollout_grad = False
+    grads = torch.autograd.grad(logit, cap.attentions)
+    want = [(g * a).clamp(min=0).mean(dim=1) for a, g in zip(cap.attentions, grads, strict=True)]
+    for got, exp in zip(p.gradient_layers, want, strict=True):
+        torch.testing.assert_close(got, exp.detach())
+    assert model.rollout_grad is False  # restored
+    with pytest.raises(ValueError, match="outside"):
+        E.gradient_pass(model, cifar[:1], target_class=10)
+
+
+def test_rollout_maps_agree_with_independent_routes(cifar):
+    model = tiny(depth=3)
+    p = E.forward_with_attention(model, cifar)
+    with torch.no_grad():
+        model.forward_features(cifar)
+        pooling = model.rollout_weights()
+    torch.testing.assert_close(E.rollout_map(p, "mean"), pooling)  # the model's own pooling weights
+    full = attention_rollout(p.attentions, "max", 0.5)[:, 0, 1:]
+    torch.testing.assert_close(E.rollout_map(p, "max", 0.5), full / full.sum(dim=1, keepdim=True))
+    buildup = E.rollout_buildup(p)
+    assert buildup.shape == (4, 3, 64)
+    for layer in range(3):
+        row = attention_rollout(p.attentions[: layer + 1])[:, 0, 1:]
+        torch.testing.assert_close(buildup[:, layer], row / row.sum(dim=1, keepdim=True))
+    torch.testing.assert_close(E.cls_attention(p, 1), p.attentions[1].mean(dim=1)[:, 0, 1:])
+
+
+def test_batched_maps_equal_one_image_at_a_time(cifar):
+    model = tiny()
+    batched = E.explain(model, cifar[:3])
+    for i in (0, 2):
+        single = E.explain(model, cifar[i:i + 1])
+        assert list(single.maps) == list(batched.maps)
+        for name, values in single.maps.items():
+            torch.testing.assert_close(batched.maps[name][i:i + 1], values, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(batched.buildup[i:i + 1], single.buildup, rtol=1e-4, atol=1e-6)
+        assert int(batched.target[i]) == int(single.target[0])
+
+
+def test_attention_flow_of_one_layer_is_the_attention_row(cifar):
+    # with one layer the only path from [CLS] to input patch j has capacity Â[0, j]: flow = rollout row
+    model = tiny(depth=1)
+    p = E.forward_with_attention(model, cifar[:2])
+    flow = E.attention_flow(p, 1)
+    torch.testing.assert_close(flow, E.rollout_map(p)[1], atol=1e-5, rtol=1e-4)
+
+
+def test_register_model_without_class_token_reads_the_patch_mean():
+    model = timm.create_model("vit_base_patch16_reg4_gap_256", img_size=64, depth=2, embed_dim=48,
+                              num_heads=3).eval()
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    ex = E.explain(model, x, flow=True)
+    assert ex.readout == "patch-mean" and ex.grid == (4, 4)
+    assert all(v.shape == (2, 16) for v in ex.maps.values())
+    p = E.forward_with_attention(model, x)
+    full = attention_rollout(p.attentions, num_prefix_tokens=4)[:, 4:, 4:].mean(dim=1)  # mean of patch rows
+    torch.testing.assert_close(ex.maps["rollout, mean of heads"], full / full.sum(dim=1, keepdim=True))
+
+
+def test_prepare_image_handles_odd_modes_and_sizes():
+    model = tiny()
+    gen = np.random.default_rng(0)
+    gray = Image.fromarray(gen.integers(0, 255, (30, 50), dtype=np.uint8), "L")
+    rgba = Image.fromarray(gen.integers(0, 255, (40, 24, 4), dtype=np.uint8), "RGBA")
+    x, note = prepare_image(gray, model)
+    assert x.shape == (3, 32, 32) and "L to RGB" in note and "50x30" in note and "32x32" in note
+    rgb = denormalize(x, model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
+    np.testing.assert_allclose(rgb[..., 0], rgb[..., 1], atol=1e-6)  # grey stays grey once de-normalised
+    x, note = prepare_image(rgba, model)
+    assert x.shape == (3, 32, 32) and "alpha dropped" in note
+    x, note = prepare_image(Image.new("RGB", (32, 32)), model)
+    assert "used as is" in note
+
+
+def test_explain_cli_on_ours_with_the_sample(tmp_path, capsys):
+    out = main(["--model", "vit_tiny_cifar_rollout", "--model-kwargs", "depth=2", "--dataset", "cifar10-sample",
+                "--index", "5", "--output", str(tmp_path)])
+    assert (tmp_path / "explain_cifar10-sample_test_5.png").stat().st_size > 10_000
+    assert "attention flow (max-flow)" in out["maps"] and len(out["maps"]) == 9  # 2 layers: 2 attention panels
+    assert "used as is" in capsys.readouterr().out
+
+
+def test_explain_cli_on_stock_vit_at_224_with_a_grayscale_photo(tmp_path, capsys):
+    path = tmp_path / "photo.png"
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (90, 160), dtype=np.uint8), "L").save(path)
+    out = main(["--model", "vit_small_patch16_224", "--model-kwargs", "depth=2", "--image", str(path),
+                "--target-class", "7", "--no-flow", "--output", str(tmp_path)])
+    assert out["target"] == 7 and (tmp_path / "explain_photo.png").exists()
+    assert "centre-cropped to 224x224" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--image", "missing.jpg"], "does not exist"),
+        (["--dataset", "cifar10-sample", "--index", "5000"], "--index 5000 is outside"),
+        (["--dataset", "cifar10-sample", "--target-class", "10"], "--target-class 10 is outside"),
+    ],
+)
+def test_explain_cli_errors_are_one_line(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        run_cli(main, ["--model", "vit_tiny_cifar_rollout", "--model-kwargs", "depth=1", *args,
+                       "--output", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
