@@ -4,7 +4,8 @@
         --dataset cifar10 --bank-split train --heatmaps 8 --output eval/c10-rollout
 
 Writes ``results.json`` (metrics + provenance), ``cosine_matrix.png``, ``heatmaps.png`` and, with
-``--save-features``, ``features.safetensors`` into ``--output``.
+``--save-features``, ``features.safetensors`` into ``--output``; ``--faithfulness`` adds deletion/insertion
+curves of the saliency maps (``results.json["faithfulness"]``, ``faithfulness.png``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from harness import metrics
+from harness.faithfulness import evaluate_faithfulness, plot_faithfulness
 from harness.features import attention_maps, extract
 from harness.figures import plot_cosine_matrix, plot_heatmaps
 from timm_rollout.atomic import atomic_path, write_json
@@ -71,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cosine-classes", nargs="+", metavar="NAME", help="classes of the cosine matrix (default: all)")
     p.add_argument("--heatmaps", type=_non_negative, default=8, metavar="N", help="images in heatmaps.png (0: none)")
     p.add_argument("--save-features", action="store_true", help="write features.safetensors (features, labels)")
+    p.add_argument("--faithfulness", action="store_true", help="deletion/insertion curves of saliency maps")
+    p.add_argument("--faithfulness-images", type=_positive, default=1000, metavar="N",
+                   help="score the first N evaluated images (default 1000)")
     p.add_argument("--batch-size", type=_positive, default=512)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="autocast dtype (auto: bf16 only where native)")
@@ -201,6 +206,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                                     batch_size=args.batch_size, desc=f"{bank.split} bank features")
 
     with clock.stage("metrics"):
+        faiss_threads = metrics.default_threads()
         labels = data.labels
         results_metrics: dict[str, float | None] = {
             "top1": metrics.topk_accuracy(logits, labels, 1),
@@ -223,6 +229,16 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         if args.heatmaps:
             figures.append(_heatmap_figure(model, data, info, args, device, amp_dtype, out).name)
 
+    faithfulness = None
+    if args.faithfulness:
+        with clock.stage("faithfulness"):
+            n = min(args.faithfulness_images, len(data))
+            faithfulness = evaluate_faithfulness(model, data.images[:n], data.labels[:n], mean, std,
+                                                 batch_size=args.batch_size, seeds=[args.seed + i for i in range(3)],
+                                                 device=device, dtype=amp_dtype)
+            figures.append(plot_faithfulness(faithfulness, out / "faithfulness.png",
+                                             f"{info['name']}: faithfulness ({data.split})").name)
+
     if args.save_features:
         with clock.stage("save_features"), atomic_path(out / "features.safetensors") as tmp:
             save_file({"features": feats.contiguous(), "labels": labels.contiguous()}, str(tmp),
@@ -233,6 +249,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     results = {
         "metrics": results_metrics,
         "cosine_matrix": {"classes": cos_names, "matrix": cos.round(6).tolist()},
+        "faithfulness": faithfulness,
         "model": {**info, "pretrained_cfg": {k: v for k, v in model.pretrained_cfg.items() if k != "state_dict"}},
         "data": {
             "dataset": data.dataset, "argument": args.dataset, "split": data.split, "fingerprint": full.fingerprint,
@@ -250,7 +267,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         },
         "environment": {
             "device": str(device), "dtype": str(amp_dtype or torch.float32).replace("torch.", ""),
-            "torch_threads": torch.get_num_threads(), "packages": _versions(), "argv": sys.argv[1:],
+            "torch_threads": torch.get_num_threads(), "faiss_threads": faiss_threads, "packages": _versions(),
+            "argv": sys.argv[1:],
         },
         "outputs": {"figures": figures, "features": "features.safetensors" if args.save_features else None},
         "timing": {**clock.seconds, "total": round(time.perf_counter() - start, 3)},

@@ -7,6 +7,8 @@ are exact (faiss ``IndexFlatIP`` on float32).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import faiss
 import numpy as np
@@ -19,6 +21,7 @@ __all__ = [
     "centroids",
     "cosine_matrix",
     "default_threads",
+    "faiss_threads",
     "knn_bank",
     "knn_loo",
     "l2_normalize",
@@ -36,9 +39,32 @@ def _numpy(x: ArrayLike) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
+@contextmanager
+def faiss_threads(threads: int) -> Iterator[None]:
+    """Run faiss with ``threads`` OpenMP threads, then restore the previous count.
+
+    When torch is imported before faiss, both use torch's OpenMP runtime, so ``faiss.omp_set_num_threads``
+    also sets torch's intra-op threads: leaving it changed would silently slow later forward passes.
+    """
+    previous = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(threads)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(previous)
+
+
 def default_threads() -> int:
-    """faiss OpenMP threads: one per core, never more than torch uses (they share the same cores)."""
-    return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+    """faiss OpenMP threads: one per core torch uses, but 1 while the machine is oversubscribed.
+
+    faiss's OpenMP threads wait for each other at every barrier; when other processes already keep the cores
+    busy (1-minute load above the core count), two threads measured 2x slower than one on a shared 2-core
+    machine, while one thread loses at most the parallel speed-up on an idle one.
+    """
+    cores = os.cpu_count() or 1
+    if os.getloadavg()[0] > cores:
+        return 1
+    return max(1, min(torch.get_num_threads(), cores))
 
 
 def l2_normalize(features: ArrayLike) -> np.ndarray:
@@ -59,10 +85,10 @@ def search(
     """
     if k > bank.shape[0]:
         raise ValueError(f"k={k} neighbours requested from a bank of {bank.shape[0]} features")
-    faiss.omp_set_num_threads(threads or default_threads())
-    index = faiss.IndexFlatIP(bank.shape[1])
-    index.add(bank)
-    return index.search(queries, k)
+    with faiss_threads(threads or default_threads()):
+        index = faiss.IndexFlatIP(bank.shape[1])
+        index.add(bank)
+        return index.search(queries, k)
 
 
 def _vote(neighbour_labels: np.ndarray, weights: np.ndarray, num_classes: int) -> np.ndarray:

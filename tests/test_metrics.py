@@ -147,3 +147,13 @@ def test_topk_accuracy_matches_loops():
         expected = np.mean([y in np.argsort(-row)[:k] for row, y in zip(logits, labels, strict=True)])
         assert metrics.topk_accuracy(logits, labels, k) == pytest.approx(expected)
     assert metrics.topk_accuracy(logits[:, :3], labels, 5) is None
+
+
+def test_faiss_thread_setting_leaves_torch_threads_alone(data):
+    """torch and faiss can share one OpenMP runtime: the search must restore the thread count it changed."""
+    import torch
+
+    before = torch.get_num_threads()
+    x = metrics.l2_normalize(data[0])
+    metrics.search(x, x, 3, threads=1)
+    assert torch.get_num_threads() == before
