@@ -1,5 +1,7 @@
 """Deletion/insertion curves: a planted-evidence model checked by plain loops, and the full run on a real ViT."""
 
+import json
+
 import numpy as np
 import pytest
 import timm
@@ -129,3 +131,15 @@ def test_evaluate_faithfulness_on_a_real_vit(tmp_path):
     assert result["all_removed_probability"] == pytest.approx(float(probs[pred].mean()), abs=1e-5)
     path = plot_faithfulness(result, tmp_path / "faithfulness.png", "tiny ViT")
     assert path.stat().st_size > 10_000
+
+
+def test_eval_cli_writes_faithfulness(tmp_path):
+    from harness.eval import main
+
+    out = tmp_path / "eval"
+    results = main(["--model", "vit_tiny_cifar_rollout", "--dataset", "cifar10-sample", "--per-class", "2",
+                    "--heatmaps", "0", "--faithfulness", "--faithfulness-images", "3", "--output", str(out)])
+    faith = results["faithfulness"]
+    assert faith["num_images"] == 3 and faith["seeds"] == [0, 1, 2]
+    assert json.loads((out / "results.json").read_text())["faithfulness"]["maps"].keys() == faith["maps"].keys()
+    assert (out / "faithfulness.png").exists() and "faithfulness.png" in results["outputs"]["figures"]
