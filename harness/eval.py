@@ -263,8 +263,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "config": {
             "seed": args.seed, "per_class": args.per_class, "k": args.k, "bank_k": args.bank_k,
             "temperature": args.temperature, "silhouette_sample_size": sample, "heatmaps": args.heatmaps,
-            "batch_size": args.batch_size, "feature_dim": int(feats.shape[1]), "args": vars(args),
+            "batch_size": args.batch_size, "feature_dim": int(feats.shape[1]),
         },
+        "args": vars(args),
         "environment": {
             "device": str(device), "dtype": str(amp_dtype or torch.float32).replace("torch.", ""),
             "torch_threads": torch.get_num_threads(), "faiss_threads": faiss_threads, "packages": _versions(),
