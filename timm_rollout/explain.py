@@ -1,8 +1,9 @@
 """Saliency maps of timm ViT-family models, batched over images: attention, rollout variants, gradient rollout.
 
 Every map is a (B, P) tensor over the patch grid (prefix tokens such as [CLS] and registers dropped),
-read out for the model's *readout*: the [CLS] token when the model has one, else the mean of the patch
-tokens (what ``global_pool='avg'`` models classify). Maps:
+read out for the model's *readout*: the [CLS] token when the model classifies from it (``global_pool``
+``'token'``, or ``'rollout'``, which pools by the [CLS] rollout row), else the mean of the patch tokens (what
+``global_pool='avg'`` models classify). Maps:
 
 - ``cls_attention``: one layer's attention from the readout to each patch, mean over heads (raw, not
   renormalised).
@@ -85,7 +86,9 @@ def patch_grid(model: nn.Module, image_size: Sequence[int], num_patches: int) ->
 
 
 def _has_class_token(model: nn.Module) -> bool:
-    return getattr(model, "cls_token", None) is not None
+    """True when the model classifies from its [CLS] token (or pools by its rollout row), else patch-mean readout."""
+    pool = getattr(model, "global_pool", "token")
+    return getattr(model, "cls_token", None) is not None and pool in ("token", "rollout")
 
 
 def readout_row(num_tokens: int, num_prefix_tokens: int, has_class_token: bool, device=None) -> torch.Tensor:
