@@ -218,10 +218,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         results_metrics.update(metrics.centroid_metrics(feats, labels))
         sil, sample = metrics.silhouette(feats, labels, seed=args.seed)
         results_metrics["silhouette"] = sil
-        keep = torch.isin(labels, torch.tensor(cosine_ids))
-        cos_classes, cents = metrics.centroids(feats[keep], labels[keep])
-        cos = metrics.cosine_matrix(cents)
-    cos_names = [full.class_names[int(c)] for c in cos_classes]
+        present, cents = metrics.centroids(feats, labels)
+        row = {int(c): i for i, c in enumerate(present)}
+        cos_ids = [c for c in cosine_ids if c in row]  # in the order asked for
+        cos = metrics.cosine_matrix(cents[[row[c] for c in cos_ids]])
+    cos_names = [full.class_names[c] for c in cos_ids]
 
     with clock.stage("figures"):
         figures = [plot_cosine_matrix(cos, cos_names, out / "cosine_matrix.png",

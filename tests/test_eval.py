@@ -56,7 +56,7 @@ def runs(checkpoint, tmp_path_factory) -> list[Path]:
         out = tmp_path_factory.mktemp(f"eval{i}")
         harness_eval.main(_args(checkpoint, out, "--per-class", "10", "--seed", "3", "--bank-split", "train",
                                 "--bank-per-class", "20", "--heatmaps", "2", "--save-features",
-                                "--cosine-classes", "cat", "dog", "ship"))
+                                "--cosine-classes", "ship", "cat", "dog"))
         outputs.append(out)
     return outputs
 
@@ -74,7 +74,7 @@ def test_results_json_has_metrics_and_provenance(runs, checkpoint):
     assert data["bank"]["split"] == "train" and data["bank"]["num_images"] == 200
     assert config["k"] == 5 and config["bank_k"] == 20 and config["seed"] == 3
     assert config["silhouette_sample_size"] is None
-    assert results["cosine_matrix"]["classes"] == ["cat", "dog", "ship"]
+    assert results["cosine_matrix"]["classes"] == ["ship", "cat", "dog"]  # the order asked for
     assert np.allclose(np.diag(results["cosine_matrix"]["matrix"]), 1.0)
     env = results["environment"]
     assert env["device"] == "cpu" and env["packages"]["faiss-cpu"] and env["packages"]["timm"] == timm.__version__
@@ -90,6 +90,10 @@ def test_features_file_reproduces_the_metrics(runs):
     assert labels.dtype == torch.int64 and torch.bincount(labels).tolist() == [10] * 10
     assert metrics.knn_loo(feats.numpy(), labels.numpy(), 5) == results["metrics"]["knn_loo"]
     assert metrics.centroid_metrics(feats, labels)["ratio"] == pytest.approx(results["metrics"]["ratio"])
+    unit = feats.double() / feats.double().norm(dim=1, keepdim=True)
+    cents = torch.stack([unit[labels == c].mean(dim=0) for c in (8, 3, 5)])  # ship, cat, dog
+    cents = cents / cents.norm(dim=1, keepdim=True)
+    assert np.allclose(results["cosine_matrix"]["matrix"], (cents @ cents.T).numpy(), atol=1e-5)
 
 
 def test_figures_are_written(runs):
