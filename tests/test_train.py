@@ -24,9 +24,10 @@ from timm_rollout.train_log import LOG_COLUMNS, read_log
 
 CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
 QUICK = ["--dataset", str(CIFAR10), "--max-train-samples", "2000", "--max-eval-samples", "1000", "--epochs", "2",
-         "--batch-size", "64", "--lr", "2e-3", "--model-kwargs", "depth=2", "--seed", "0", "--no-progress"]
+         "--batch-size", "64", "--lr", "2e-3", "--model-kwargs", "depth=2", "embed_dim=64", "--seed", "0",
+         "--workers", "1", "--no-progress"]
 TINY = ["--dataset", str(CIFAR10), "--max-train-samples", "256", "--max-eval-samples", "100", "--batch-size", "32",
-        "--model-kwargs", "depth=1", "--no-progress"]
+        "--model-kwargs", "depth=1", "embed_dim=64", "--workers", "1", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_quick_run_learns_and_writes_the_output_contract(quick_run: Path) -> Non
     rows = read_log(quick_run / "log.csv")
     assert (quick_run / "log.csv").read_text().splitlines()[0] == ",".join(LOG_COLUMNS)
     assert [r["epoch"] for r in rows] == [1, 2]
-    assert rows[-1]["eval_top1"] > 25.0  # chance is 10 %; 1,000 eval images give a standard error of ~1.4 %
+    assert rows[-1]["eval_top1"] > 20.0  # chance is 10 %; 1,000 eval images give a standard error of ~1.4 %
     assert rows[-1]["train_loss"] < rows[0]["train_loss"] < 2.31
     assert rows[0]["lr"] < rows[1]["lr"]  # warmup (5 epochs) is clipped to the 2-epoch run: still rising
     args = json.loads((quick_run / "train_args.json").read_text())
@@ -72,7 +73,7 @@ def test_quick_run_learns_and_writes_the_output_contract(quick_run: Path) -> Non
 
 
 def test_no_weight_decay_on_norms_biases_pos_embed_and_cls_token(quick_run: Path) -> None:
-    model = timm.create_model("vit_tiny_cifar_rollout", num_classes=10, depth=2)
+    model = timm.create_model("vit_tiny_cifar_rollout", num_classes=10, depth=2, embed_dim=64)
     names = [n for n, _ in model.named_parameters()]
     expect = {n for n, p in model.named_parameters() if p.ndim <= 1 or n in ("pos_embed", "cls_token")}
     assert {"pos_embed", "cls_token", "norm.weight", "head.bias", "blocks.0.attn.qkv.bias"} <= expect

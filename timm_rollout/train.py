@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="auto: bf16 where it pays, else fp32")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
-    g.add_argument("--workers", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--workers", type=int, default=None,
+                   help="CPU threads for torch (default: torch's choice; 1 is far faster on a busy machine)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the run in --output (a finished run is kept)")
@@ -258,9 +259,11 @@ def train(argv: list[str] | None = None) -> Path:
     parser = build_parser()
     args = parser.parse_args(argv)
     d = _init_distributed(args.device)
+    threads = torch.get_num_threads()
     try:
         return _train(args, parser, d)
     finally:
+        torch.set_num_threads(threads)
         if d.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
