@@ -107,6 +107,8 @@ def test_errors_name_the_mismatch_and_the_fix(cls_folder, tmp_path):
     assert "pytorch_model.bin" in _error("vit_tiny_cifar_cls", bin_folder)
     assert "does not exist" in _error("vit_tiny_cifar_cls", tmp_path / "missing.safetensors")
     assert "local-dir:" in _error(str(tmp_path / "folder"))
+    (bin_folder / "config.json").write_text("{}")
+    assert "names no architecture" in _error(f"local-dir:{bin_folder}")
 
 
 def test_head_less_safetensors_file_uses_requested_classes(tmp_path):

@@ -201,7 +201,9 @@ def load_model(
         if not folder.is_dir():
             raise UserError(f"local-dir:{model_id} is not a folder; pass one holding {CONFIG_NAME} + {WEIGHTS_NAME}")
         config = _read_config(folder)
-        arch = str(config.get("architecture", ""))
+        arch = str(config.get("architecture") or "")
+        if not arch:
+            raise UserError(f"{folder / CONFIG_NAME} names no architecture; re-export with timm.models.save_for_hf")
         if checkpoint is None:
             weights = _weights_in(folder)
     _check_registered(arch)
