@@ -152,6 +152,17 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, mo
     assert all(torch.isfinite(v).all() for v in weights.values())
 
 
+def test_mixup_smoothing_and_ema_export_the_ema_weights(tmp_path: Path) -> None:
+    out = train([*TINY, "--epochs", "1", "--mixup", "0.8", "--cutmix", "1.0", "--smoothing", "0.1", "--model-ema",
+                 "--model-ema-decay", "0.9", "--output", str(tmp_path / "run")])
+    rows = read_log(out / "log.csv")
+    assert len(rows) == 1 and 0 < rows[0]["train_loss"] < 10
+    exported = load_file(out / "model.safetensors")
+    state = load_file(out / RESUME_FILE)
+    assert all(torch.equal(exported[k], state[f"ema.{k}"]) for k in exported)
+    assert not torch.equal(exported["head.weight"], state["model.head.weight"])
+
+
 def test_ddp_two_cpu_processes(tmp_path: Path) -> None:
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -40,7 +40,15 @@ from . import __version__
 from .atomic import write_json
 from .augment import random_crop_flip
 from .checkpoint import MODEL_FILES, RESUME_FILE, load_resume, save_model, save_resume
-from .data import ImageSet, balanced_indices, load_image_set, normalization_stats, normalize, split_names
+from .data import (
+    ImageSet,
+    balanced_indices,
+    load_image_set,
+    normalization_stats,
+    normalize,
+    resolve_dataset,
+    split_names,
+)
 from .device import AMP_CHOICES, autocast, resolve_amp, resolve_device
 from .dropout import use_fast_dropout
 from .errors import UserError, run_cli
@@ -293,7 +301,8 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -
     if steps == 0:
         raise UserError(f"{len(train_set)} training images do not fill one batch of {args.batch_size} per process; "
                         "lower --batch-size")
-    hflip = args.hflip if args.hflip is not None else (0.0 if args.dataset == "svhn" else 0.5)
+    digits = resolve_dataset(args.dataset).stats_key == "svhn"
+    hflip = args.hflip if args.hflip is not None else (0.0 if digits else 0.5)
     warmup = min(args.warmup_epochs, args.epochs)
     amp_dtype = resolve_amp(args.amp, d.device)
 
