@@ -17,6 +17,8 @@ and 100% points are shared by every order (the intact image; the all-mean image,
 images), so each order costs 9 passes per curve. A random order's insertion curve is read from the
 deletion passes of the same permutation, reversed (the reverse of a uniform random order is one too, and
 revealing its top k is deleting the top P - k of the original), so each seed costs 9 passes per image.
+That insertion curve is the deletion curve mirrored, so a seed's random deletion and insertion AUCs are
+equal by construction (in expectation they are equal for random orders anyway).
 """
 
 from __future__ import annotations
