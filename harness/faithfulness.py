@@ -24,7 +24,8 @@ equal by construction (in expectation they are equal for random orders anyway).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,27 @@ def _mask_images(x: torch.Tensor, removed: torch.Tensor, grid: tuple[int, int]) 
     return x * keep
 
 
+@contextmanager
+def _fused_attention(model: nn.Module) -> Iterator[bool]:
+    """Use torch's fused attention for the duration unless the model pools by its recorded attention.
+
+    The explicit path (softmax materialised) is only needed by rollout pooling; fused attention gives the
+    same outputs up to float rounding and is ~1.4x faster for the tiny CLS ViT on CPU. Yields whether fused.
+    """
+    modules = [m for m in model.modules() if hasattr(m, "fused_attn")]
+    if getattr(model, "global_pool", None) == "rollout" or not modules:
+        yield False
+        return
+    before = [m.fused_attn for m in modules]
+    try:
+        for m in modules:
+            m.fused_attn = True
+        yield True
+    finally:
+        for m, was in zip(modules, before, strict=True):
+            m.fused_attn = was
+
+
 @torch.inference_mode()
 def perturbation_probabilities(
     model: nn.Module,
@@ -99,7 +121,8 @@ def perturbation_probabilities(
     """Probability of ``target`` (B,) for each of S perturbations of each image: (B, S).
 
     ``x`` (B, 3, H, W) normalised images; ``removed`` (B, S, P) bool masks of the patches to fill with the
-    mean colour. Perturbed inputs are built batch by batch across images and perturbations.
+    mean colour. Perturbed inputs are built batch by batch across images and perturbations; attention runs
+    fused unless the model pools by attention rollout.
     """
     device = torch.device(device)
     b, s, p = removed.shape
@@ -108,7 +131,7 @@ def perturbation_probabilities(
     flat = removed.reshape(b * s, p)
     out = torch.empty(b * s, dtype=torch.float32)
     model.eval()
-    with tqdm(total=b * s, desc=desc, unit="img", leave=False) as bar:
+    with _fused_attention(model), tqdm(total=b * s, desc=desc, unit="img", leave=False) as bar:
         for start in range(0, b * s, batch_size):
             idx = torch.arange(start, min(start + batch_size, b * s))
             image = idx // s

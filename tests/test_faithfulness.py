@@ -13,6 +13,7 @@ from harness.faithfulness import (
     _random_ranks,
     evaluate_faithfulness,
     faithfulness_curves,
+    perturbation_probabilities,
     plot_faithfulness,
     ranks,
     step_counts,
@@ -143,3 +144,17 @@ def test_eval_cli_writes_faithfulness(tmp_path):
     assert faith["num_images"] == 3 and faith["seeds"] == [0, 1, 2]
     assert json.loads((out / "results.json").read_text())["faithfulness"]["maps"].keys() == faith["maps"].keys()
     assert (out / "faithfulness.png").exists() and "faithfulness.png" in results["outputs"]["figures"]
+
+
+def test_perturbed_passes_of_a_cls_model_run_fused_with_the_same_probabilities():
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=2).eval()
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    removed = torch.rand(3, 2, 64, generator=torch.Generator().manual_seed(3)) < 0.5
+    target = torch.tensor([1, 4, 7])
+    got = perturbation_probabilities(model, x, removed, (8, 8), target, batch_size=4)
+    assert all(block.attn.fused_attn is False for block in model.blocks)  # restored: the model's own setting
+    keep = (~removed).view(3, 2, 1, 8, 8).repeat_interleave(4, dim=3).repeat_interleave(4, dim=4).float()
+    with torch.no_grad():
+        want = torch.stack([model(x * keep[:, j]).softmax(dim=1)[torch.arange(3), target] for j in range(2)], dim=1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
