@@ -38,7 +38,6 @@ from tqdm import tqdm
 
 from . import __version__
 from .atomic import write_json
-from .augment import random_crop_flip
 from .checkpoint import MODEL_FILES, RESUME_FILE, load_resume, save_model, save_resume
 from .data import (
     ImageSet,
@@ -53,6 +52,7 @@ from .device import AMP_CHOICES, autocast, resolve_amp, resolve_device
 from .dropout import use_fast_dropout
 from .errors import UserError, run_cli
 from .train_log import plot_curves, write_log
+from .train_step import Batches, optimizer_step
 
 __all__ = ["build_parser", "main", "train"]
 
@@ -350,7 +350,8 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -
                   if amp_dtype else "float32", "versions": _versions()}
         write_json(out / ARGS_FILE, record)
 
-    images, labels = train_set.images.to(d.device), train_set.labels.to(d.device)
+    batches = Batches(train_set.images.to(d.device), train_set.labels.to(d.device), mean, std, args.crop_padding,
+                      hflip, mixup)
     eval_model = ema.module if ema else model
     title = f"{args.model} on {Path(args.dataset).name}"
     for epoch in range(start_epoch, args.epochs):
@@ -365,32 +366,16 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -
                    leave=False, file=sys.stderr)
         for step in bar:
             idx = order[step * args.batch_size:(step + 1) * args.batch_size]
-            x = normalize(random_crop_flip(images[idx], args.crop_padding, hflip, aug_gen), mean, std)
-            y = labels[idx]
-            if mixup is not None:
-                x, y = mixup(x, y)
-            with autocast(d.device, amp_dtype):
-                loss = criterion(net(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-            else:
-                loss.backward()
-            if args.clip_grad:
-                nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+            x, y = batches(idx, aug_gen)
             lr = optimizer.param_groups[0]["lr"]
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
+            loss = optimizer_step(net, x, y, criterion, optimizer, device=d.device, amp_dtype=amp_dtype,
+                                  scaler=scaler, clip_grad=args.clip_grad)
             num_updates += 1
             if scheduler is not None:
                 scheduler.step_update(num_updates)
             if ema is not None:
                 ema.update(model, step=num_updates)
-            value = _reduce(loss.detach().float(), d).item() / d.world
+            value = _reduce(loss.float(), d).item() / d.world
             if not math.isfinite(value):
                 kept = f"the last good checkpoint (epoch {rows[-1]['epoch']}) is kept in {out}" if rows else \
                     "no checkpoint was written"
