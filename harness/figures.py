@@ -13,10 +13,10 @@ from matplotlib.figure import Figure
 
 from timm_rollout.atomic import atomic_path
 
-__all__ = ["plot_comparison", "plot_cosine_matrix", "plot_heatmaps"]
+__all__ = ["plot_comparison", "plot_cosine_matrix", "plot_heatmaps", "save_figure", "upsample_patch_map"]
 
 
-def _save(fig: Figure, path: str | Path) -> Path:
+def save_figure(fig: Figure, path: str | Path) -> Path:
     """Render with matplotlib's Agg canvas (no pyplot state, no display needed) and write atomically."""
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
@@ -44,10 +44,10 @@ def plot_cosine_matrix(matrix: np.ndarray, class_names: Sequence[str], path: str
                         color="white" if matrix[i, j] < 0.6 else "black")
     fig.colorbar(im, ax=ax, label="cosine similarity of class centroids")
     ax.set_title(title)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def _grid(weights: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
+def upsample_patch_map(weights: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
     """(P,) patch weights -> (H, W) map, bilinearly upsampled from the square patch grid."""
     side = math.isqrt(weights.numel())
     grid = weights.float().view(1, 1, side, side)
@@ -78,7 +78,7 @@ def plot_heatmaps(
         for col, maps in ((1, rollout), (2, last_cls)):
             ax = axes[i, col]
             ax.imshow(rgb, interpolation="nearest")
-            im = ax.imshow(_grid(maps[i], (h, w)), cmap="inferno", alpha=0.6)
+            im = ax.imshow(upsample_patch_map(maps[i], (h, w)), cmap="inferno", alpha=0.6)
             bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
             bar.set_label("weight", fontsize=7)
             bar.ax.tick_params(labelsize=6)
@@ -89,7 +89,7 @@ def plot_heatmaps(
             ax.tick_params(labelsize=6)
     fig.suptitle(title)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_comparison(
@@ -116,4 +116,4 @@ def plot_comparison(
     ax.set_title(title)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 
 from harness.compare import METRICS, Group, load_results, summarise
 from harness.features import attention_maps
-from harness.figures import _grid, _save
+from harness.figures import save_figure, upsample_patch_map
 from timm_rollout.atomic import write_json, write_text
 from timm_rollout.data import load_image_set
 from timm_rollout.errors import UserError, run_cli
@@ -150,7 +150,7 @@ def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], pat
         ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_side_by_side(args: argparse.Namespace, runs: dict[str, Path], seed: int, path: Path) -> Path:
@@ -176,14 +176,14 @@ def plot_side_by_side(args: argparse.Namespace, runs: dict[str, Path], seed: int
                                                 ("rollout", "rollout model: pooling weights")), start=1):
             ax = axes[i, col]
             ax.imshow(rgb, interpolation="nearest")
-            im = ax.imshow(_grid(maps[short][i], (h, w)), cmap="inferno", alpha=0.6)
+            im = ax.imshow(upsample_patch_map(maps[short][i], (h, w)), cmap="inferno", alpha=0.6)
             fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label("patch weight", fontsize=7)
             ax.set_title(f"{heading}\npred: {names[int(preds[short][i])]}", fontsize=9)
         for ax in axes[i]:
             ax.set(xlabel="x (pixels)", ylabel="y (pixels)")
     fig.suptitle(f"Same test images under both models (seed {seed})")
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def write_report(args: argparse.Namespace, out: Path, runs: dict[tuple[str, int], Path],

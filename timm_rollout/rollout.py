@@ -64,6 +64,11 @@ def _discard_lowest(fused: torch.Tensor, discard_ratio: float, num_prefix_tokens
     return out
 
 
+def _fuse_and_discard(attn: torch.Tensor, head_fusion: str, discard_ratio: float, prefix: int) -> torch.Tensor:
+    fused = fuse_heads(attn, head_fusion)
+    return _discard_lowest(fused, discard_ratio, prefix) if discard_ratio > 0 else fused
+
+
 def rollout_layers(
     attentions: Sequence[torch.Tensor],
     head_fusion: str = "mean",
@@ -76,9 +81,7 @@ def rollout_layers(
         raise ValueError("attention rollout needs at least one layer of attention")
     layers = []
     for attn in attentions:
-        fused = fuse_heads(attn, head_fusion)
-        if discard_ratio > 0:
-            fused = _discard_lowest(fused, discard_ratio, num_prefix_tokens)
+        fused = _fuse_and_discard(attn, head_fusion, discard_ratio, num_prefix_tokens)
         eye = torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
         a = fused + eye
         layers.append(a / a.sum(dim=-1, keepdim=True))
@@ -122,9 +125,7 @@ def rollout_cls_row(
     row = torch.zeros(first.shape[0], 1, first.shape[-1], dtype=torch.float32, device=first.device)
     row[:, 0, token_index] = 1.0
     for attn in reversed(attentions):
-        fused = fuse_heads(attn, head_fusion)
-        if discard_ratio > 0:
-            fused = _discard_lowest(fused, discard_ratio, num_prefix_tokens)
+        fused = _fuse_and_discard(attn, head_fusion, discard_ratio, num_prefix_tokens)
         # row @ D^-1 (A + I), with D the row sums of A + I
         scaled = row / (fused.sum(dim=-1) + 1.0).unsqueeze(1)
         row = scaled @ fused + scaled
