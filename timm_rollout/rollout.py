@@ -125,10 +125,16 @@ def rollout_cls_row(
     row = torch.zeros(first.shape[0], 1, first.shape[-1], dtype=torch.float32, device=first.device)
     row[:, 0, token_index] = 1.0
     for attn in reversed(attentions):
-        fused = _fuse_and_discard(attn, head_fusion, discard_ratio, num_prefix_tokens)
         # row @ D^-1 (A + I), with D the row sums of A + I
-        scaled = row / (fused.sum(dim=-1) + 1.0).unsqueeze(1)
-        row = scaled @ fused + scaled
+        if head_fusion == "mean" and discard_ratio == 0:
+            # mean over heads commutes with the product: one batched matmul, no fused (B, N, N) copy
+            attn = attn.float()
+            scaled = row / (attn.sum(dim=-1).mean(dim=1) + 1.0).unsqueeze(1)
+            row = (scaled.unsqueeze(1) @ attn).mean(dim=1) + scaled
+        else:
+            fused = _fuse_and_discard(attn, head_fusion, discard_ratio, num_prefix_tokens)
+            scaled = row / (fused.sum(dim=-1) + 1.0).unsqueeze(1)
+            row = scaled @ fused + scaled
     return row.squeeze(1)
 
 
