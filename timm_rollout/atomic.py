@@ -13,7 +13,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "write_json", "write_text"]
+__all__ = ["atomic_path", "publish", "write_json", "write_text"]
+
+
+def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Flush ``tmp`` to disk, give it the usual permissions (umask), and rename it onto ``path`` atomically.
+
+    Writers such as safetensors and ``mkstemp`` create 0600 files; results should be as readable as any other.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
 
 
 @contextmanager
@@ -24,14 +37,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
     os.close(fd)
     tmp = Path(tmp)
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o666 & ~umask)  # mkstemp makes 0600 files; results should be as readable as any other file
     try:
         yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 

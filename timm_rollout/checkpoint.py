@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from timm.models import save_for_hf
 from torch import nn
 
-from .atomic import atomic_path
+from .atomic import atomic_path, publish
 
 __all__ = ["MODEL_FILES", "RESUME_FILE", "load_resume", "save_model", "save_resume"]
 
@@ -44,9 +44,7 @@ def save_model(
         save_for_hf(model, tmp, model_config=model_config, safe_serialization=True,
                     data_config={"mean": tuple(mean), "std": tuple(std)})
         for name in MODEL_FILES:
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp / name, out / name)
+            publish(tmp / name, out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
