@@ -136,7 +136,7 @@ def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: 
     for ax in axes[len(panels) + 1:]:
         ax.axis("off")
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))  # keep the suptitle clear of the panels
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
     return Path(path)

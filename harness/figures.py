@@ -88,7 +88,7 @@ def plot_heatmaps(
             ax.set_ylabel("y (pixels)", fontsize=7)
             ax.tick_params(labelsize=6)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))  # keep the suptitle clear of the panels
     return save_figure(fig, path)
 
 
