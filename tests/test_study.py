@@ -90,6 +90,8 @@ def test_rerun_skips_finished_work_and_redoes_only_what_is_missing(finished, cap
 def test_rerun_with_other_study_flags_is_refused(finished):
     with pytest.raises(UserError, match=r"--epochs 1 \(now 2\)"):
         study.main(_argv(finished, epochs=2))
+    with pytest.raises(UserError, match="--jobs must be at least 1"):
+        study.main([*_argv(finished), "--jobs", "0"])
 
 
 def test_spread_verdicts():
