@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deletion/insertion faithfulness on N evaluated images (0: off)")
     p.add_argument("--heatmaps", type=int, default=6, help="test images in the side-by-side heatmap grid")
     p.add_argument("--jobs", type=int, default=1,
-                   help="seeds run side by side, the CPU cores split between them (2 on a 2-core CPU is ~10%% faster)")
+                   help="seeds run side by side, the CPU cores split between them")
     p.add_argument("--device", default="auto")
     return p
 
