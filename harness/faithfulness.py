@@ -1,28 +1,39 @@
-"""Faithfulness of saliency maps: patch-level deletion and insertion curves and their areas.
+"""Faithfulness of saliency maps: patch-level deletion and insertion curves, paired against random orders.
 
-For each image, patches are ranked by a map (most salient first). The *deletion* curve removes the top
-k patches, the *insertion* curve removes all but the top k, for k = 0, 10%, ..., 100% of the patches
-(``round(i * P / 10)``). A removed patch is filled with the model's per-channel mean colour (its
-normalisation mean, the data set mean it was trained with), i.e. exactly 0 after normalisation. Each
-point is the softmax probability of the class the model predicted on the intact image; each curve is
-summarised by its area (trapezoid over the fraction of patches, 0..1), averaged over images. A faithful
-map has a *lower* deletion AUC and a *higher* insertion AUC than a random order.
+For each image, patches are ranked by a map (most salient first; ties broken at random with a seeded
+generator, never by patch index). The *deletion* curve removes the top k patches, the *insertion* curve
+removes all but the top k, for k = 0, 10%, ..., 100% of the patches (``round(i * P / 10)``). Two ways to
+remove a patch:
 
-Maps: the rollout pooling weights (mean head fusion, no discard: the rollout model's own pooling weights,
-a post-hoc readout for other models), last-layer [CLS] attention (mean of heads), Chefer's
-gradient-weighted rollout for the predicted class, and random orders (mean and std over seeds).
+- ``mean`` fill: the patch gets the model's per-channel mean colour (0 after normalisation). Patches are
+  embedded independently, so this is done on the patch tokens: a removed patch's token is the embedding of
+  an all-mean-colour patch (computed once), then position embeddings are added as usual.
+- ``drop``: the patch token leaves the sequence. Position embeddings are added to every token first, then
+  the removed patch tokens are dropped before the blocks; the readout covers the kept tokens (the patch
+  mean or the rollout weights over the kept patches; with no patch left, a pooling over patches is the
+  empty sum, 0).
 
-Forward passes: the maps and the original prediction come from one forward + backward per image. The 0%
-and 100% points are shared by every order (the intact image; the all-mean image, one pass for all
-images), so each order costs 9 passes per curve. A random order's insertion curve is read from the
-deletion passes of the same permutation, reversed (the reverse of a uniform random order is one too, and
-revealing its top k is deleting the top P - k of the original), so each seed costs 9 passes per image.
-That insertion curve is the deletion curve mirrored, so a seed's random deletion and insertion AUCs are
-equal by construction (in expectation they are equal for random orders anyway).
+Each point is the softmax probability of the class predicted on the intact image; each curve's area is the
+trapezoid over the fraction of patches (0..1). Maps: :data:`timm_rollout.explain.MAP_LABELS` (each explains
+the model's own readout), and random orders (one per seed) as the baseline.
+
+Paired score, per image and per map and curve: ``(AUC_map - mean over seeds of AUC_random) / (p_intact -
+p_all_removed)``. The denominator is the probability the model loses when every patch is removed; images
+where it loses less than ``min_drop`` (default 0.05) carry no usable signal (the curves span almost no
+range, or removing everything raises the probability) and are left out of the score, counted under
+``excluded``. The score's mean over the remaining images is reported with a 95% t-interval (scipy) over
+images. A faithful map has a negative deletion score and a positive insertion score.
+
+Forward passes per image and fill: 9 inner points per curve; the 0% and 100% points are the intact
+prediction (from the maps' own forward pass) and the all-removed input (one pass for all images). A
+map's insertion curve is the deletion curve of its reversed order. A random order's insertion curve is
+read from the deletion passes of the same permutation (the reverse of a uniform random order is one
+too), so each seed costs 9 passes and its deletion and insertion AUCs are equal by construction.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -32,31 +43,33 @@ from typing import Any
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from scipy import stats
 from torch import nn
 from tqdm.auto import tqdm
 
+from harness.features import saliency_maps
 from timm_rollout.atomic import atomic_path
+from timm_rollout.capture import take_model_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast
-from timm_rollout.explain import cls_attention, gradient_pass, gradient_rollout, rollout_map
+from timm_rollout.explain import MAP_LABELS
 
 __all__ = [
+    "FILLS",
     "MAP_LABELS",
     "evaluate_faithfulness",
     "faithfulness_curves",
-    "perturbation_probabilities",
+    "paired_score",
     "plot_faithfulness",
+    "random_ranks",
     "ranks",
+    "removal_probabilities",
     "step_counts",
 ]
 
 STEPS = 10
-MAP_LABELS = {
-    "rollout_weights": "rollout pooling weights",
-    "last_cls_attention": "last-layer [CLS] attention",
-    "gradient_rollout": "gradient-weighted rollout",
-    "random": "random order",
-}
+FILLS = {"mean": "mean colour fill (0 after normalisation)", "drop": "patch tokens dropped from the sequence"}
+LABELS = {**MAP_LABELS, "random": "random order"}
 
 
 def step_counts(num_patches: int, steps: int = STEPS) -> list[int]:
@@ -64,24 +77,19 @@ def step_counts(num_patches: int, steps: int = STEPS) -> list[int]:
     return [round(i * num_patches / steps) for i in range(steps + 1)]
 
 
-def ranks(scores: torch.Tensor) -> torch.Tensor:
-    """(B, P) rank of each patch, 0 = most salient; ties keep patch order (stable sort)."""
-    order = scores.float().argsort(dim=1, descending=True, stable=True)
+def ranks(scores: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """(B, P) rank of each patch, 0 = most salient, on ``scores``' device; equal scores in a seeded random order."""
+    b, p = scores.shape
+    keys = torch.rand(b, p, generator=torch.Generator().manual_seed(seed)).argsort(dim=1).to(scores.device)
+    shuffled = scores.float().gather(1, keys)  # a random permutation of each row, then a stable sort
+    order = keys.gather(1, shuffled.argsort(dim=1, descending=True, stable=True))
     out = torch.empty_like(order)
-    return out.scatter_(1, order, torch.arange(order.shape[1]).expand_as(order).contiguous())
+    return out.scatter_(1, order, torch.arange(p, device=scores.device).expand(b, p).contiguous())
 
 
-def _random_ranks(num_images: int, num_patches: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return ranks(torch.rand(num_images, num_patches, generator=gen))
-
-
-def _mask_images(x: torch.Tensor, removed: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-    """Zero (= mean colour after normalisation) the removed patches: x (M, 3, H, W), removed (M, P) bool."""
-    m, _, h, w = x.shape
-    keep = (~removed).view(m, 1, grid[0], grid[1]).to(x.dtype)
-    keep = keep.repeat_interleave(h // grid[0], dim=2).repeat_interleave(w // grid[1], dim=3)
-    return x * keep
+def random_ranks(num_images: int, num_patches: int, seed: int) -> torch.Tensor:
+    """A uniform random order per image: the ranks of an all-equal map."""
+    return ranks(torch.zeros(num_images, num_patches), seed)
 
 
 @contextmanager
@@ -89,7 +97,7 @@ def _fused_attention(model: nn.Module) -> Iterator[bool]:
     """Use torch's fused attention for the duration unless the model pools by its recorded attention.
 
     The explicit path (softmax materialised) is only needed by rollout pooling; fused attention gives the
-    same outputs up to float rounding and is ~1.4x faster for the tiny CLS ViT on CPU. Yields whether fused.
+    same outputs up to float rounding and is faster. Yields whether fused.
     """
     modules = [m for m in model.modules() if hasattr(m, "fused_attn")]
     if getattr(model, "global_pool", None) == "rollout" or not modules:
@@ -105,75 +113,174 @@ def _fused_attention(model: nn.Module) -> Iterator[bool]:
             m.fused_attn = was
 
 
+def _check_vit(model: nn.Module) -> None:
+    missing = [a for a in ("patch_embed", "_pos_embed", "norm_pre", "blocks", "norm", "forward_head")
+               if not hasattr(model, a)]
+    if missing or getattr(model, "dynamic_img_size", False):
+        raise ValueError(f"{type(model).__name__} is not a timm VisionTransformer with fixed-size (B, P, D) patch "
+                         "tokens; faithfulness perturbs its patch tokens")
+
+
 @torch.inference_mode()
-def perturbation_probabilities(
+def embed_patches(model: nn.Module, x: torch.Tensor, *, batch_size: int, device: torch.device,
+                  dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Patch tokens (B, P, D) of normalised images on ``device``, and those (1, P, D) of an all-mean-colour image."""
+    _check_vit(model)
+    with autocast(device, dtype):
+        tokens = torch.cat([model.patch_embed(x[s:s + batch_size].to(device)) for s in range(0, len(x), batch_size)])
+        fill = model.patch_embed(torch.zeros(1, *x.shape[1:], device=device))
+    return tokens, fill
+
+
+def _sequence(model: nn.Module, tokens: torch.Tensor, fill: torch.Tensor, rank: torch.Tensor, k: int,
+              mode: str) -> torch.Tensor:
+    """Input sequence of the blocks with the patches ranked below ``k`` removed (mean fill or dropped)."""
+    if mode == "mean":
+        return model._pos_embed(torch.where((rank < k)[..., None], fill, tokens))
+    seq = model._pos_embed(tokens)  # position embeddings on every token, then drop the removed patches
+    b, prefix = len(seq), model.num_prefix_tokens
+    kept = rank.argsort(dim=1)[:, k:].sort(dim=1).values + prefix
+    idx = torch.cat([torch.arange(prefix, device=seq.device).expand(b, prefix), kept], dim=1)
+    return seq.gather(1, idx[..., None].expand(-1, -1, seq.shape[-1]))
+
+
+def _logits(model: nn.Module, seq: torch.Tensor) -> torch.Tensor:
+    h = model.norm(model.blocks(model.norm_pre(seq)))
+    if h.shape[1] == model.num_prefix_tokens and model.global_pool != "token":
+        for block in model.blocks:  # release what a rollout-pooled model recorded: it pools nothing here
+            take_model_attention(block.attn)
+        return model.head(model.head_drop(model.fc_norm(h.new_zeros(h.shape[0], h.shape[2]))))
+    return model.forward_head(h)
+
+
+@torch.inference_mode()
+def removal_probabilities(
     model: nn.Module,
-    x: torch.Tensor,
-    removed: torch.Tensor,
-    grid: tuple[int, int],
+    tokens: torch.Tensor,
+    fill: torch.Tensor,
+    rank: torch.Tensor,
+    counts: Sequence[int],
     target: torch.Tensor,
     *,
+    mode: str = "mean",
     batch_size: int = 512,
-    device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
-    desc: str = "perturbed inputs",
+    bar: tqdm | None = None,
 ) -> torch.Tensor:
-    """Probability of ``target`` (B,) for each of S perturbations of each image: (B, S).
+    """Probability of ``target`` (B,) with the top-k patches of ``rank`` (B, P) removed, per k in ``counts``: (B, K).
 
-    ``x`` (B, 3, H, W) normalised images; ``removed`` (B, S, P) bool masks of the patches to fill with the
-    mean colour. Perturbed inputs are built batch by batch across images and perturbations; attention runs
-    fused unless the model pools by attention rollout.
+    ``tokens`` (B, P, D) and ``fill`` (1, P, D) come from :func:`embed_patches`; ``mode`` is ``'mean'`` or
+    ``'drop'`` (see the module docstring). Every batch holds one k, so dropped sequences have one length.
     """
-    device = torch.device(device)
-    b, s, p = removed.shape
-    if (x.shape[-2] % grid[0]) or (x.shape[-1] % grid[1]) or grid[0] * grid[1] != p:
-        raise ValueError(f"images {tuple(x.shape[-2:])} do not split into a {grid} grid of {p} patches")
-    flat = removed.reshape(b * s, p)
-    out = torch.empty(b * s, dtype=torch.float32)
+    if mode not in FILLS:
+        raise ValueError(f"unknown fill {mode!r}; use one of {', '.join(FILLS)}")
     model.eval()
-    with _fused_attention(model), tqdm(total=b * s, desc=desc, unit="img", leave=False) as bar:
-        for start in range(0, b * s, batch_size):
-            idx = torch.arange(start, min(start + batch_size, b * s))
-            image = idx // s
-            xb = _mask_images(x[image].to(device), flat[idx].to(device), grid)
-            with autocast(device, dtype):
-                logits = model(xb)
-            probs = logits.float().softmax(dim=1)
-            out[idx] = probs.gather(1, target[image].to(device)[:, None]).squeeze(1).cpu()
-            bar.update(len(idx))
-    return out.view(b, s)
-
-
-def _maps(model: nn.Module, x: torch.Tensor, *, batch_size: int, device: torch.device, dtype: torch.dtype | None):
-    """Original logits and the three maps, (B, C) and name -> (B, P), from forward + backward passes."""
-    logits, maps, grid = [], {name: [] for name in MAP_LABELS if name != "random"}, None
-    for start in tqdm(range(0, len(x), batch_size), desc="maps (forward + backward)", leave=False):
-        with autocast(device, dtype):
-            p = gradient_pass(model, x[start:start + batch_size].to(device))
-        grid = p.grid
-        logits.append(p.logits.cpu())
-        maps["rollout_weights"].append(rollout_map(p, "mean").cpu())
-        maps["last_cls_attention"].append(cls_attention(p, -1).cpu())
-        maps["gradient_rollout"].append(gradient_rollout(p).cpu())
-    return torch.cat(logits), {k: torch.cat(v) for k, v in maps.items()}, grid
+    b = len(tokens)
+    out = torch.empty(b, len(counts), dtype=torch.float32, device=tokens.device)
+    target = target.to(tokens.device)
+    with _fused_attention(model):
+        for j, k in enumerate(counts):
+            for s in range(0, b, batch_size):
+                e = min(s + batch_size, b)
+                with autocast(tokens.device, dtype):
+                    logits = _logits(model, _sequence(model, tokens[s:e], fill, rank[s:e].to(tokens.device), k, mode))
+                out[s:e, j] = logits.float().softmax(dim=1).gather(1, target[s:e, None]).squeeze(1)
+                if bar is not None:
+                    bar.update(e - s)
+    return out.cpu()
 
 
 def _auc(curves: torch.Tensor, fractions: np.ndarray) -> np.ndarray:
-    """Trapezoid area under each (B, steps + 1) curve over the fractions of patches."""
+    """Trapezoid area under each (B, steps + 1) curve over the fractions of patches: (B,)."""
     return np.trapezoid(curves.double().numpy(), fractions, axis=1)
 
 
-def _summary(deletion: torch.Tensor, insertion: torch.Tensor, fractions: np.ndarray) -> dict[str, Any]:
-    return {
-        "deletion_auc": round(float(_auc(deletion, fractions).mean()), 5),
-        "insertion_auc": round(float(_auc(insertion, fractions).mean()), 5),
-        "deletion_curve": [round(v, 5) for v in deletion.mean(dim=0).tolist()],
-        "insertion_curve": [round(v, 5) for v in insertion.mean(dim=0).tolist()],
-    }
+def paired_score(map_auc: np.ndarray, random_auc: np.ndarray, p_intact: np.ndarray, p_removed: np.ndarray,
+                 min_drop: float = 0.05) -> dict[str, Any]:
+    """Mean over images of ``(map_auc - random_auc) / (p_intact - p_removed)`` with a 95% t-interval.
+
+    Images with ``p_intact - p_removed < min_drop`` are left out (counted in ``excluded``).
+    """
+    drop = np.asarray(p_intact, dtype=np.float64) - np.asarray(p_removed, dtype=np.float64)
+    ok = drop >= min_drop
+    v = (np.asarray(map_auc, dtype=np.float64) - np.asarray(random_auc, dtype=np.float64))[ok] / drop[ok]
+    n = int(ok.sum())
+    out: dict[str, Any] = {"mean": round(float(v.mean()), 5) if n else None, "ci95": None, "n": n,
+                           "excluded": int((~ok).sum())}
+    if n > 1:
+        half = float(stats.t.ppf(0.975, n - 1) * v.std(ddof=1) / math.sqrt(n))
+        out["ci95"] = [round(float(v.mean()) - half, 5), round(float(v.mean()) + half, 5)]
+    return out
 
 
-def _curve(first: torch.Tensor, middle: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    return torch.cat([first[:, None], middle, last[:, None]], dim=1)
+def _curves(model, tokens, fill, orders, pred, clean, empty, mode, **kw) -> dict[str, dict[str, torch.Tensor]]:
+    """Per-image deletion and insertion curves (B, steps + 1) of every named order (B, P) and random seed."""
+    p = tokens.shape[1]
+    counts = step_counts(p)
+    inner = counts[1:-1]
+    ends = {"deletion": (clean, empty), "insertion": (empty, clean)}
+
+    def curve(kind: str, middle: torch.Tensor) -> torch.Tensor:
+        first, last = ends[kind]
+        return torch.cat([first[:, None], middle, last[:, None]], dim=1)
+
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, rank in orders.items():
+        if name.startswith("random_"):  # its insertion curve: the deletion passes of the reversed order
+            both = sorted(set(inner) | {p - k for k in inner})
+            probs = dict(zip(both, removal_probabilities(model, tokens, fill, rank, both, pred, mode=mode,
+                                                         **kw).unbind(1), strict=True))
+            out[name] = {"deletion": curve("deletion", torch.stack([probs[k] for k in inner], dim=1)),
+                         "insertion": curve("insertion", torch.stack([probs[p - k] for k in inner], dim=1))}
+        else:
+            deletion = removal_probabilities(model, tokens, fill, rank, inner, pred, mode=mode, **kw)
+            insertion = removal_probabilities(model, tokens, fill, p - 1 - rank, [p - k for k in inner], pred,
+                                              mode=mode, **kw)
+            out[name] = {"deletion": curve("deletion", deletion), "insertion": curve("insertion", insertion)}
+    return out
+
+
+def _mean_curve(curves: torch.Tensor, fractions: np.ndarray) -> dict[str, Any]:
+    return {"auc": round(float(_auc(curves, fractions).mean()), 5),
+            "curve": [round(v, 5) for v in curves.mean(dim=0).tolist()]}
+
+
+def _fill_summary(curves: dict[str, dict[str, torch.Tensor]], maps: Sequence[str], seeds: Sequence[int],
+                  clean: torch.Tensor, empty: torch.Tensor, fractions: np.ndarray, min_drop: float) -> dict[str, Any]:
+    """Mean curves and AUCs of every map and of the random orders, and each map's paired score."""
+    summary: dict[str, Any] = {"all_removed_probability": round(float(empty.mean()), 5), "maps": {}, "paired": {}}
+    random_auc = {}
+    for kind in ("deletion", "insertion"):
+        per_seed = np.stack([_auc(curves[f"random_{s}"][kind], fractions) for s in seeds])  # (seeds, B)
+        random_auc[kind] = per_seed.mean(axis=0)
+        summary["maps"].setdefault("random", {"per_seed": {}})
+        rand = summary["maps"]["random"]
+        rand[f"{kind}_auc"] = round(float(per_seed.mean()), 5)
+        rand[f"{kind}_auc_std"] = round(float(per_seed.mean(axis=1).std()), 5)  # spread of the seeds' means
+        stacked = torch.stack([curves[f"random_{s}"][kind].mean(dim=0) for s in seeds])
+        rand[f"{kind}_curve"] = [round(v, 5) for v in stacked.mean(dim=0).tolist()]
+        rand[f"{kind}_curve_std"] = [round(v, 5) for v in stacked.std(dim=0, correction=0).tolist()]
+        for i, s in enumerate(seeds):
+            rand["per_seed"].setdefault(str(s), {})[f"{kind}_auc"] = round(float(per_seed[i].mean()), 5)
+    for name in maps:
+        entry = summary["maps"][name] = {}
+        for kind in ("deletion", "insertion"):
+            mean = _mean_curve(curves[name][kind], fractions)
+            entry[f"{kind}_auc"], entry[f"{kind}_curve"] = mean["auc"], mean["curve"]
+            summary["paired"].setdefault(name, {})[kind] = paired_score(
+                _auc(curves[name][kind], fractions), random_auc[kind], clean.numpy(), empty.numpy(), min_drop)
+    summary["maps"]["random"] = summary["maps"].pop("random")  # random last, after the maps
+    return summary
+
+
+@torch.inference_mode()
+def _all_removed(model: nn.Module, tokens: torch.Tensor, fill: torch.Tensor, mode: str,
+                 dtype: torch.dtype | None) -> torch.Tensor:
+    """(C,) class probabilities with every patch removed: the same input for every image, one pass."""
+    p = tokens.shape[1]
+    with _fused_attention(model), autocast(tokens.device, dtype):
+        seq = _sequence(model, tokens[:1], fill, torch.zeros(1, p, dtype=torch.int64, device=tokens.device), p, mode)
+        return _logits(model, seq).float().softmax(dim=1)[0].cpu()
 
 
 def faithfulness_curves(
@@ -181,84 +288,51 @@ def faithfulness_curves(
     x: torch.Tensor,
     logits: torch.Tensor,
     maps: Mapping[str, torch.Tensor],
-    grid: tuple[int, int],
     *,
-    seeds: Sequence[int] = (0, 1, 2),
+    seeds: Sequence[int] = (1, 2, 3),
+    tie_seed: int = 0,
+    fills: Sequence[str] = tuple(FILLS),
+    min_drop: float = 0.05,
     batch_size: int = 512,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """Deletion/insertion curves and AUCs for named (B, P) ``maps`` and random orders (one per seed).
+    """Deletion/insertion curves, AUCs and paired scores of named (B, P) ``maps`` against random orders.
 
     ``x``: normalised images (B, 3, H, W); ``logits``: the model's logits on them, which fix the class
-    tracked and the 0%/100% points.
+    tracked and the 0% point. Map ties are broken with ``tie_seed``; one random order per ``seeds`` entry.
     """
     if not seeds:
         raise ValueError("give at least one seed for the random baseline")
     device = torch.device(device)
-    n, p = len(x), grid[0] * grid[1]
     pred = logits.argmax(dim=1).cpu()
     clean = logits.float().softmax(dim=1).cpu().gather(1, pred[:, None]).squeeze(1)
-    with torch.inference_mode(), autocast(device, dtype):
-        empty_probs = model(torch.zeros(1, *x.shape[1:], device=device)).float().softmax(dim=1)[0].cpu()
-    empty = empty_probs[pred]
-
-    counts = step_counts(p)
-    inner = counts[1:-1]
-    random_counts = sorted(set(inner) | {p - k for k in inner})
-    kinds: list[tuple[str, str, list[int]]] = []  # (name, curve, counts), in the order of the masks
-    masks = []
-    k_inner = torch.tensor(inner)
-    for name, scores in maps.items():
-        r = ranks(scores.cpu())[:, None, :]
-        masks += [r < k_inner[None, :, None], r >= k_inner[None, :, None]]
-        kinds += [(name, "deletion", inner), (name, "insertion", inner)]
-    k_random = torch.tensor(random_counts)
-    for seed in seeds:
-        masks.append(_random_ranks(n, p, seed)[:, None, :] < k_random[None, :, None])
-        kinds.append((f"random_{seed}", "deletion", random_counts))
-    removed = torch.cat(masks, dim=1)
-    probs = perturbation_probabilities(model, x, removed, grid, pred, batch_size=batch_size, device=device,
-                                       dtype=dtype, desc=f"faithfulness ({n} images x {removed.shape[1]})")
-    chunks = dict(zip([(name, curve) for name, curve, _ in kinds],
-                      probs.split([len(c) for _, _, c in kinds], dim=1), strict=True))
-
-    fractions = np.array(counts, dtype=np.float64) / p
-    results: dict[str, Any] = {}
-    for name in maps:
-        results[name] = _summary(_curve(clean, chunks[name, "deletion"], empty),
-                                 _curve(empty, chunks[name, "insertion"], clean), fractions)
-    per_seed = []
-    for seed in seeds:
-        by_count = dict(zip(random_counts, chunks[f"random_{seed}", "deletion"].unbind(1), strict=True))
-        deletion = _curve(clean, torch.stack([by_count[k] for k in inner], dim=1), empty)
-        insertion = _curve(empty, torch.stack([by_count[p - k] for k in inner], dim=1), clean)
-        per_seed.append(_summary(deletion, insertion, fractions))
-    results["random"] = _random_summary(per_seed, seeds)
-    rand = results["random"]
-    vs_random = {
-        name: {
-            "deletion_auc_lower_by": round(rand["deletion_auc"] - results[name]["deletion_auc"], 5),
-            "insertion_auc_higher_by": round(results[name]["insertion_auc"] - rand["insertion_auc"], 5),
-        }
-        for name in maps
-    }
-    perturbed = int(removed.shape[0] * removed.shape[1])
+    tokens, fill = embed_patches(model, x, batch_size=batch_size, device=device, dtype=dtype)
+    n, p = tokens.shape[:2]
+    orders = {name: ranks(scores, tie_seed) for name, scores in maps.items()}
+    orders.update({f"random_{s}": random_ranks(n, p, s) for s in seeds})
+    inner = len(step_counts(p)) - 2
+    per_fill = inner * (2 * len(maps) + len(seeds))
+    fractions = np.array(step_counts(p), dtype=np.float64) / p
+    result: dict[str, Any] = {}
+    with tqdm(total=n * per_fill * len(fills), desc=f"faithfulness ({n} images)", unit="img", leave=False) as bar:
+        for mode in fills:
+            empty = _all_removed(model, tokens, fill, mode, dtype)[pred]
+            curves = _curves(model, tokens, fill, orders, pred, clean, empty, mode, batch_size=batch_size,
+                             dtype=dtype, bar=bar)
+            result[mode] = {"fill": FILLS[mode],
+                            **_fill_summary(curves, list(maps), seeds, clean, empty, fractions, min_drop)}
     return {
-        "num_images": n,
-        "num_patches": p,
-        "grid": list(grid),
-        "patch_counts": counts,
+        "num_images": n, "num_patches": p, "patch_counts": step_counts(p),
         "fractions": [round(f, 5) for f in fractions.tolist()],
         "score": "softmax probability of the class predicted on the intact image",
-        "fill": "model mean colour per channel (0 after normalisation)",
+        "paired_score": "per image (AUC_map - mean AUC of the random orders) / (p_intact - p_all_removed); "
+                        f"images with p_intact - p_all_removed < {min_drop} left out; mean and 95% t-interval",
         "original_probability": round(float(clean.mean()), 5),
-        "all_removed_probability": round(float(empty.mean()), 5),
-        "maps": results,
-        "vs_random": vs_random,
-        "labels": {name: MAP_LABELS.get(name, name) for name in [*maps, "random"]},
-        "forward_passes": {"perturbed": perturbed, "all_removed": 1},
-        "seeds": list(seeds),
+        "fills": result,
+        "labels": {name: LABELS.get(name, name) for name in [*maps, "random"]},
+        "forward_passes": {"perturbed": n * per_fill * len(fills), "all_removed": len(fills)},
+        "seeds": list(seeds), "tie_seed": tie_seed, "min_drop": min_drop,
     }
 
 
@@ -271,11 +345,14 @@ def evaluate_faithfulness(
     *,
     batch_size: int = 512,
     map_batch_size: int = 128,
-    seeds: Sequence[int] = (0, 1, 2),
+    seeds: Sequence[int] = (1, 2, 3),
+    tie_seed: int = 0,
+    fills: Sequence[str] = tuple(FILLS),
+    min_drop: float = 0.05,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """Deletion/insertion curves and AUCs of the three maps and random orders for uint8 ``images`` (N, 3, H, W).
+    """Curves, AUCs and paired scores of the harness's maps for uint8 ``images`` (N, 3, H, W).
 
     ``mean``/``std`` are the model's normalisation (removed patches get the mean colour). ``labels`` only
     give the accuracy of the original predictions, for context. Returns a JSON-ready dict with wall time and
@@ -287,56 +364,53 @@ def evaluate_faithfulness(
     device = torch.device(device)
     model.eval()
     x = normalize(images, mean, std)
-    logits, maps, grid = _maps(model, x, batch_size=map_batch_size, device=device, dtype=dtype)
-    result = faithfulness_curves(model, x, logits, maps, grid, seeds=seeds, batch_size=batch_size,
-                                 device=device, dtype=dtype)
+    found = saliency_maps(model, x, device=device, amp_dtype=dtype, batch_size=map_batch_size)
+    result = faithfulness_curves(model, x, found.logits, found.maps, seeds=seeds, tie_seed=tie_seed, fills=fills,
+                                 min_drop=min_drop, batch_size=batch_size, device=device, dtype=dtype)
     seconds = time.perf_counter() - start_time
     n = len(x)
-    total = n + result["forward_passes"]["perturbed"] + 1
-    result["original_top1"] = round(float((logits.argmax(dim=1) == labels.cpu()).float().mean()), 5)
-    result["forward_passes"].update({"forward_backward": n, "total_forward": total})
-    result["wall_time_s"] = round(seconds, 2)
-    result["forward_passes_per_second"] = round(total / seconds, 1)
+    passes = result["forward_passes"]
+    passes.update({"forward_backward": n, "total_forward": n + passes["perturbed"] + passes["all_removed"]})
+    result.update({"grid": list(found.grid), "readout": found.readout,
+                   "original_top1": round(float((found.logits.argmax(dim=1) == labels.cpu()).float().mean()), 5),
+                   "wall_time_s": round(seconds, 2),
+                   "forward_passes_per_second": round(passes["total_forward"] / seconds, 1)})
     return result
 
 
-def _random_summary(per_seed: list[dict[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
-    """Mean and (population) std over seeds of the random orders' AUCs and mean curves."""
-    out: dict[str, Any] = {}
-    for key in ("deletion_auc", "insertion_auc"):
-        values = np.array([s[key] for s in per_seed])
-        out[key] = round(float(values.mean()), 5)
-        out[f"{key}_std"] = round(float(values.std()), 5)
-    for key in ("deletion_curve", "insertion_curve"):
-        values = np.array([s[key] for s in per_seed])
-        out[key] = [round(v, 5) for v in values.mean(axis=0).tolist()]
-        out[f"{key}_std"] = [round(v, 5) for v in values.std(axis=0).tolist()]
-    out["per_seed"] = {str(seed): {k: s[k] for k in ("deletion_auc", "insertion_auc")}
-                       for seed, s in zip(seeds, per_seed, strict=True)}
-    return out
+def _legend(name: str, summary: Mapping[str, Any], paired: Mapping[str, Any], curve: str) -> str:
+    label = f"{LABELS.get(name, name)} (AUC {summary[f'{curve}_auc']:.3f}"
+    score = paired.get(name, {}).get(curve)
+    if score and score["ci95"]:
+        lo, hi = score["ci95"]
+        label += f"; paired {score['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+    return label + ")"
 
 
 def plot_faithfulness(result: Mapping[str, Any], path: str | Path, title: str = "Faithfulness") -> Path:
-    """Deletion and insertion curves side by side (random: mean ± std over seeds), AUCs in the legend."""
+    """Deletion and insertion curves (random: mean ± std over seeds), one row per fill; AUCs, paired scores."""
     fractions = np.array(result["fractions"]) * 100
-    fig = Figure(figsize=(11, 4.4))
-    axes = fig.subplots(1, 2)
-    for ax, curve, verb in zip(axes, ("deletion", "insertion"), ("removed", "revealed"), strict=True):
-        for name, summary in result["maps"].items():
-            mean = np.array(summary[f"{curve}_curve"])
-            label = f"{MAP_LABELS.get(name, name)} (AUC {summary[f'{curve}_auc']:.3f})"
-            style = "--" if name == "random" else "-"
-            ax.plot(fractions, mean, style, marker="o", markersize=3, label=label)
-            if name == "random":
-                spread = np.array(summary[f"{curve}_curve_std"])
-                ax.fill_between(fractions, mean - spread, mean + spread, alpha=0.25, color=ax.lines[-1].get_color())
-        better = "lower" if curve == "deletion" else "higher"
-        ax.set_title(f"{curve} ({better} AUC is better)")
-        ax.set_xlabel(f"patches {verb} (%, most salient first)")
-        ax.set_ylabel("probability of the original prediction")
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    fills = result["fills"]
+    fig = Figure(figsize=(12, 4.6 * len(fills)))
+    axes = fig.subplots(len(fills), 2, squeeze=False)
+    for row, block in zip(axes, fills.values(), strict=True):
+        for ax, curve, verb in zip(row, ("deletion", "insertion"), ("removed", "revealed"), strict=True):
+            for name, summary in block["maps"].items():
+                mean = np.array(summary[f"{curve}_curve"])
+                style = "--" if name == "random" else "-"
+                ax.plot(fractions, mean, style, marker="o", markersize=3,
+                        label=_legend(name, summary, block["paired"], curve))
+                if name == "random":
+                    spread = np.array(summary[f"{curve}_curve_std"])
+                    ax.fill_between(fractions, mean - spread, mean + spread, alpha=0.25,
+                                    color=ax.lines[-1].get_color())
+            better = "lower" if curve == "deletion" else "higher"
+            ax.set_title(f"{curve}, {block['fill']} ({better} is better)", fontsize=10)
+            ax.set_xlabel(f"patches {verb} (%, most salient first)")
+            ax.set_ylabel("probability of the original prediction")
+            ax.set_ylim(0, 1)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
     timing = f", {result['wall_time_s']:.0f} s" if "wall_time_s" in result else ""
     fig.suptitle(f"{title}: {result['num_images']} images, {result['num_patches']} patches{timing}")
     fig.tight_layout()

@@ -1,8 +1,9 @@
-"""Forward passes for evaluation: pooled features + logits in batches, and per-layer attention maps.
+"""Forward passes for evaluation: pooled features + logits in batches, and the saliency maps of the harness.
 
 Features are the model's pooled representation, ``forward_head(forward_features(x), pre_logits=True)``;
 logits are its classifier applied to those same features (one forward pass, which matters for the rollout
-model: its pooling consumes the attention recorded during ``forward_features``).
+model: its pooling consumes the attention recorded during ``forward_features``). Both follow the model's
+current ``global_pool``, which ``harness.eval --pool`` assigns for a post-hoc readout.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from timm_rollout import capture_attention, patch_weights, rollout_cls_row
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast
+from timm_rollout.explain import gradient_pass, readout_maps
 
-__all__ = ["AttentionMaps", "attention_maps", "extract"]
+__all__ = ["SaliencyMaps", "extract", "saliency_maps"]
 
 
 def _forward(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,37 +65,34 @@ def extract(
 
 
 @dataclass
-class AttentionMaps:
-    """Per-image maps over the patch grid, from one real forward pass.
+class SaliencyMaps:
+    """The harness's maps (keys of :data:`timm_rollout.explain.MAP_LABELS`) and the logits of the same passes."""
 
-    ``rollout``: the [CLS] row of the attention rollout over every layer's recorded attention, patch columns
-    renormalised to sum 1 (the rollout model's pooling weights; a post-hoc readout for a [CLS] model).
-    ``last_cls``: the last layer's raw [CLS]-to-patch attention, mean over heads (not renormalised).
-    """
-
-    rollout: torch.Tensor  # (B, P)
-    last_cls: torch.Tensor  # (B, P)
-    features: torch.Tensor  # (B, D)
-    logits: torch.Tensor  # (B, C)
+    maps: dict[str, torch.Tensor]  # name -> (B, P), float32 on CPU
+    logits: torch.Tensor  # (B, C), float32 on CPU
+    grid: tuple[int, int]
+    readout: str
 
 
-@torch.inference_mode()
-def attention_maps(
+def saliency_maps(
     model: nn.Module,
-    images: torch.Tensor,
-    mean: Sequence[float],
-    std: Sequence[float],
+    x: torch.Tensor,
     *,
     device: torch.device,
     amp_dtype: torch.dtype | None = None,
-) -> AttentionMaps:
-    """Rollout and last-layer [CLS] attention maps for a small batch of uint8 images."""
+    batch_size: int = 128,
+) -> SaliencyMaps:
+    """:func:`timm_rollout.explain.readout_maps` of normalised images ``x`` (B, 3, H, W), one forward + backward
+    per batch: every map explains the model's own readout (its current ``global_pool``)."""
     model.eval()
-    x = normalize(images.to(device), mean, std).contiguous()
-    with capture_attention(model) as cap, autocast(device, amp_dtype):
-        pooled, logits = _forward(model, x)
-    attentions = cap.attentions
-    prefix = cap.num_prefix_tokens
-    rollout = patch_weights(rollout_cls_row(attentions, num_prefix_tokens=prefix), prefix)
-    last_cls = attentions[-1].float().mean(dim=1)[:, 0, prefix:]
-    return AttentionMaps(rollout.cpu(), last_cls.cpu(), pooled.float().cpu(), logits.float().cpu())
+    maps: dict[str, list[torch.Tensor]] = {}
+    logits, p = [], None
+    for start in tqdm(range(0, len(x), batch_size), desc="maps (forward + backward)", leave=False):
+        with autocast(device, amp_dtype):
+            p = gradient_pass(model, x[start:start + batch_size].to(device))
+        logits.append(p.logits.cpu())
+        for name, values in readout_maps(p).items():
+            maps.setdefault(name, []).append(values.float().cpu())
+    if p is None:
+        raise ValueError("no images to explain")
+    return SaliencyMaps({k: torch.cat(v) for k, v in maps.items()}, torch.cat(logits), p.grid, p.readout_name)

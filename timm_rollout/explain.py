@@ -1,27 +1,31 @@
 """Saliency maps of timm ViT-family models, batched over images: attention, rollout variants, gradient rollout.
 
-Every map is a (B, P) tensor over the patch grid (prefix tokens such as [CLS] and registers dropped),
-read out for the model's *readout*: the [CLS] token when the model classifies from it (``global_pool``
-``'token'``, or ``'rollout'``, which pools by the [CLS] rollout row), else the mean of the patch tokens (what
-``global_pool='avg'`` models classify). Maps:
+Every map is a (B, P) tensor over the patch grid (prefix tokens such as [CLS] and registers dropped) that
+explains the model's own *readout* ``r`` (B, N): the weights with which its classifier reads the final tokens.
 
-- ``cls_attention``: one layer's attention from the readout to each patch, mean over heads (raw, not
+- ``global_pool='token'``: ``r`` is one-hot on [CLS].
+- ``global_pool='rollout'``: ``r = [0, w]`` with ``w`` the model's rollout pooling weights over the patches,
+  computed from the attention of the same pass (:func:`timm_rollout.rollout.rollout_cls_row` +
+  :func:`~timm_rollout.rollout.patch_weights`, exactly what the model pools with).
+- ``global_pool='avg'``: ``r`` is uniform over the patch tokens (the patch mean).
+
+Maps (``A_l``: block *l*'s attention before dropout):
+
+- ``readout_attention``: one layer's attention of the readout, ``r · mean_heads(A_l)`` (raw, not
   renormalised).
-- ``rollout_map``: attention rollout (Abnar & Zuidema 2020) with ``mean``/``max``/``min`` head fusion and an
-  optional discard ratio, from :func:`timm_rollout.rollout.rollout_layers` (identity added, rows
-  renormalised), patch columns renormalised to sum 1. With mean fusion and no discard this is exactly the
-  rollout model's pooling weights (``model.rollout_weights()``).
-- ``rollout_buildup``: the same rollout truncated after layer 1, 2, ..., L (how it builds up).
-- ``gradient_rollout``: Chefer et al. 2021 ("Generic Attention-model Explainability", the rule of their
-  ViT code): per layer ``Ā_l = mean_heads((∂y_t/∂A_l ⊙ A_l)⁺)`` for the target-class *logit* ``y_t``
-  (predicted class by default), then ``R = I; R ← R + Ā_l R`` for l = 1..L, i.e.
-  ``R = (I + Ā_L) ... (I + Ā_1)``. Unlike attention rollout the identity is added but rows are **not**
-  renormalised (Chefer's rule has no normalisation); the readout row of ``R`` over the patch columns is
-  returned unnormalised. The gradient is that of the model's forward function: for the rollout-pooled
-  model it includes the path through the pooling weights (``rollout_grad`` is switched on for the pass).
-- ``attention_flow``: the max-flow variant of Abnar & Zuidema for one image, with
-  ``scipy.sparse.csgraph.maximum_flow`` on the layered graph of the mean-fused, residual-augmented,
-  row-normalised attention (capacities quantised to integers as scipy requires).
+- ``rollout_map``: attention rollout (Abnar & Zuidema 2020) ``r R`` with ``R = Â_L ... Â_1`` from
+  :func:`timm_rollout.rollout.rollout_layers` (``mean``/``max``/``min`` head fusion, optional discard ratio,
+  identity added, rows renormalised), patch columns renormalised to sum 1.
+- ``rollout_buildup``: ``r Â_l ... Â_1`` for l = 1..L (how the rollout builds up), renormalised likewise.
+- ``gradient_rollout``: Chefer et al. 2021 ("Generic Attention-model Explainability", the rule of their ViT
+  code): ``Ā_l = mean_heads((∂y_t/∂A_l ⊙ A_l)⁺)`` for the target-class *logit* ``y_t`` (predicted class by
+  default), ``R = I; R ← R + Ā_l R`` for l = 1..L, i.e. ``R = (I + Ā_L) ... (I + Ā_1)`` (no row
+  normalisation); the map is ``r R`` over the patch columns, unnormalised. The gradient is that of the
+  model's forward function: for rollout pooling it includes the path through the pooling weights
+  (``rollout_grad`` is switched on for the pass).
+- ``attention_flow``: the max-flow variant of Abnar & Zuidema for one image, from the readout tokens
+  (capacities ``r``) through the layered graph of the mean-fused, residual-augmented, row-normalised
+  attention (``scipy.sparse.csgraph.maximum_flow``, capacities quantised to integers as scipy requires).
 """
 
 from __future__ import annotations
@@ -36,20 +40,24 @@ import torch
 from torch import nn
 
 from .capture import capture_attention
-from .rollout import HEAD_FUSIONS, fuse_heads, patch_weights, rollout_layers
+from .rollout import HEAD_FUSIONS, fuse_heads, patch_weights, rollout_cls_row, rollout_layers
 
 __all__ = [
+    "MAP_LABELS",
+    "READOUTS",
     "AttentionPass",
     "Explanation",
     "attention_flow",
     "chefer_row",
-    "cls_attention",
     "explain",
     "forward_with_attention",
     "gradient_layers",
     "gradient_pass",
     "gradient_rollout",
     "patch_grid",
+    "readout_attention",
+    "readout_kind",
+    "readout_maps",
     "readout_row",
     "rollout_buildup",
     "rollout_map",
@@ -57,16 +65,23 @@ __all__ = [
 
 DISCARD_RATIOS = (0.0, 0.5, 0.9)
 FLOW_SCALE = 1 << 20  # integer capacity of a weight of 1.0 in the max-flow graph
+READOUTS = {"token": "[CLS]", "rollout": "rollout-weights", "avg": "patch-mean"}  # global_pool -> readout name
+MAP_LABELS = {  # the maps the harness draws and scores (readout_maps), in display order
+    "rollout": "attention rollout",
+    "gradient_rollout": "gradient-weighted rollout",
+    "last_layer_attention": "last-layer attention",
+}
 
 
 @dataclass
 class AttentionPass:
-    """One forward pass: logits and every block's attention (float32, detached) plus token layout."""
+    """One forward pass: logits, every block's attention (float32, detached), the readout and token layout."""
 
     logits: torch.Tensor  # (B, C)
     attentions: list[torch.Tensor]  # L x (B, heads, N, N)
     num_prefix_tokens: int
-    has_class_token: bool
+    readout: torch.Tensor  # (B, N): weights of the final tokens the classifier reads
+    readout_name: str
     grid: tuple[int, int]
 
 
@@ -85,19 +100,29 @@ def patch_grid(model: nn.Module, image_size: Sequence[int], num_patches: int) ->
     return grid
 
 
-def _has_class_token(model: nn.Module) -> bool:
-    """True when the model classifies from its [CLS] token (or pools by its rollout row), else patch-mean readout."""
+def readout_kind(model: nn.Module) -> str:
+    """The model's pooling as a readout: ``'token'``, ``'rollout'`` or ``'avg'`` (ValueError for others)."""
     pool = getattr(model, "global_pool", "token")
-    return getattr(model, "cls_token", None) is not None and pool in ("token", "rollout")
+    if pool not in READOUTS or getattr(model, "attn_pool", None) is not None \
+            or getattr(model, "pool_include_prefix", False):
+        raise ValueError(f"maps are defined for global_pool 'token', 'avg' or 'rollout', not {pool!r}")
+    if pool == "token" and getattr(model, "cls_token", None) is None:
+        raise ValueError("global_pool='token' without a class token reads no [CLS]; use 'avg'")
+    return pool
 
 
-def readout_row(num_tokens: int, num_prefix_tokens: int, has_class_token: bool, device=None) -> torch.Tensor:
-    """(N,) weights of the output tokens the model reads: one-hot [CLS], or uniform over the patch tokens."""
-    row = torch.zeros(num_tokens, dtype=torch.float32, device=device)
-    if has_class_token:
-        row[0] = 1.0
+def readout_row(kind: str, attentions: Sequence[torch.Tensor], num_prefix_tokens: int) -> torch.Tensor:
+    """(B, N) readout weights: one-hot [CLS], ``[0, w]`` (rollout pooling weights of these attentions) or patch mean."""
+    first = attentions[0]
+    b, n = first.shape[0], first.shape[-1]
+    row = torch.zeros(b, n, dtype=torch.float32, device=first.device)
+    if kind == "token":
+        row[:, 0] = 1.0
+    elif kind == "rollout":
+        weights = rollout_cls_row([a.detach() for a in attentions], num_prefix_tokens=num_prefix_tokens)
+        row[:, num_prefix_tokens:] = patch_weights(weights, num_prefix_tokens)
     else:
-        row[num_prefix_tokens:] = 1.0 / (num_tokens - num_prefix_tokens)
+        row[:, num_prefix_tokens:] = 1.0 / (n - num_prefix_tokens)
     return row
 
 
@@ -119,29 +144,27 @@ def _pass(model: nn.Module, x: torch.Tensor, cap, logits: torch.Tensor) -> Atten
     n = attentions[0].shape[-1]
     prefix = cap.num_prefix_tokens
     grid = patch_grid(model, x.shape[-2:], n - prefix)
-    return AttentionPass(logits.detach().float(), attentions, prefix, _has_class_token(model), grid)
+    kind = readout_kind(model)
+    readout = readout_row(kind, attentions, prefix)
+    return AttentionPass(logits.detach().float(), attentions, prefix, readout, READOUTS[kind], grid)
 
 
 def forward_with_attention(model: nn.Module, x: torch.Tensor) -> AttentionPass:
     """Logits and attention of every block for normalised images ``x`` (B, 3, H, W), without gradients."""
+    readout_kind(model)  # fail before the pass
     with torch.inference_mode(), capture_attention(model) as cap:
         logits = model(x)
     return _pass(model, x, cap, logits)
 
 
-def _readout(p: AttentionPass) -> torch.Tensor:
-    n = p.attentions[0].shape[-1]
-    return readout_row(n, p.num_prefix_tokens, p.has_class_token, p.attentions[0].device)
-
-
-def cls_attention(p: AttentionPass, layer: int = -1) -> torch.Tensor:
-    """Attention of the readout token(s) to each patch at ``layer`` (0-based, negative from the end): (B, P)."""
+def readout_attention(p: AttentionPass, layer: int = -1) -> torch.Tensor:
+    """``r · mean_heads(A_layer)`` over the patches (``layer`` 0-based, negative from the end): (B, P)."""
     fused = fuse_heads(p.attentions[layer], "mean")  # (B, N, N)
-    return (_readout(p) @ fused)[:, p.num_prefix_tokens:]
+    return (p.readout.unsqueeze(1) @ fused).squeeze(1)[:, p.num_prefix_tokens:]
 
 
 def _compose_rows(row: torch.Tensor, layers: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``row @ M_L @ ... @ M_1`` for per-layer (B, N, N) matrices in block order; ``row`` is (N,) or (B, N)."""
+    """``row @ M_L @ ... @ M_1`` for per-layer (B, N, N) matrices in block order; ``row`` is (B, N)."""
     out = row.expand(layers[0].shape[0], -1).unsqueeze(1)
     for m in reversed(layers):
         out = out @ m
@@ -151,18 +174,17 @@ def _compose_rows(row: torch.Tensor, layers: Sequence[torch.Tensor]) -> torch.Te
 def rollout_map(p: AttentionPass, head_fusion: str = "mean", discard_ratio: float = 0.0) -> torch.Tensor:
     """Readout row of the attention rollout over the patch columns, renormalised to sum 1: (B, P)."""
     layers = rollout_layers(p.attentions, head_fusion, discard_ratio, p.num_prefix_tokens)
-    return patch_weights(_compose_rows(_readout(p), layers), p.num_prefix_tokens)
+    return patch_weights(_compose_rows(p.readout, layers), p.num_prefix_tokens)
 
 
 def rollout_buildup(p: AttentionPass, head_fusion: str = "mean") -> torch.Tensor:
-    """Rollout readout row after each layer, ``Â_l ... Â_1`` for l = 1..L, patch columns renormalised: (B, L, P)."""
+    """``r Â_l ... Â_1`` for l = 1..L (the rollout after each layer), patch columns renormalised: (B, L, P)."""
     layers = rollout_layers(p.attentions, head_fusion, 0.0, p.num_prefix_tokens)
-    row = _readout(p)
     maps = []
     joint = None
     for a in layers:
         joint = a if joint is None else a @ joint
-        maps.append(patch_weights(row @ joint, p.num_prefix_tokens))
+        maps.append(patch_weights((p.readout.unsqueeze(1) @ joint).squeeze(1), p.num_prefix_tokens))
     return torch.stack(maps, dim=1)
 
 
@@ -172,7 +194,7 @@ def gradient_layers(attentions: Sequence[torch.Tensor], gradients: Sequence[torc
 
 
 def chefer_row(layers: Sequence[torch.Tensor], row: torch.Tensor) -> torch.Tensor:
-    """``row @ R`` with ``R = (I + Ā_L) ... (I + Ā_1)`` (Chefer's ``R ← R + Ā R``, no row normalisation): (B, N)."""
+    """``row @ R``, ``R = (I + Ā_L) ... (I + Ā_1)`` (Chefer's ``R ← R + Ā R``, no row normalisation): (B, N)."""
     out = row.expand(layers[0].shape[0], -1).unsqueeze(1)
     for a in reversed(layers):
         out = out + out @ a
@@ -192,6 +214,7 @@ def gradient_pass(model: nn.Module, x: torch.Tensor, target_class: int | torch.T
 
     ``target_class``: None for each image's predicted class, an int for all images, or a (B,) tensor.
     """
+    readout_kind(model)  # fail before the pass
     x = x.detach().clone().requires_grad_(True)  # a graph exists even when the parameters are frozen
     with torch.enable_grad(), _rollout_grad(model), capture_attention(model) as cap:
         logits = model(x)
@@ -209,8 +232,14 @@ def gradient_pass(model: nn.Module, x: torch.Tensor, target_class: int | torch.T
 
 
 def gradient_rollout(p: GradientPass) -> torch.Tensor:
-    """Chefer's gradient-weighted rollout, readout row over the patch columns, unnormalised: (B, P)."""
-    return chefer_row(p.gradient_layers, _readout(p))[:, p.num_prefix_tokens:]
+    """Chefer's gradient-weighted rollout ``r R`` over the patch columns, unnormalised: (B, P)."""
+    return chefer_row(p.gradient_layers, p.readout)[:, p.num_prefix_tokens:]
+
+
+def readout_maps(p: GradientPass) -> dict[str, torch.Tensor]:
+    """The maps the harness draws and scores (keys of :data:`MAP_LABELS`), each (B, P): one implementation each."""
+    return {"rollout": rollout_map(p, "mean"), "gradient_rollout": gradient_rollout(p),
+            "last_layer_attention": readout_attention(p, -1)}
 
 
 def attention_flow(p: AttentionPass, index: int = 0) -> torch.Tensor:
@@ -218,8 +247,8 @@ def attention_flow(p: AttentionPass, index: int = 0) -> torch.Tensor:
 
     Nodes are the N tokens at layer 0 (input) to L; an edge from token i at layer l to token j at layer l-1
     has capacity ``Â_l[i, j]`` (mean heads, identity added, rows renormalised). A super source feeds the
-    readout tokens of layer L (weight 1 for [CLS]); the flow value into each input patch, over all patches,
-    is renormalised to sum 1. Returns (P,). One scipy max-flow per patch.
+    readout tokens of layer L with capacities ``r`` (1 for [CLS]); the flow value into each input patch,
+    over all patches, is renormalised to sum 1. Returns (P,). One scipy max-flow per patch.
     """
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import maximum_flow
@@ -234,7 +263,7 @@ def attention_flow(p: AttentionPass, index: int = 0) -> torch.Tensor:
         rows.append(lay * n + i)
         cols.append((lay - 1) * n + j)
         caps.append(m[i, j])
-    q = _readout(p).cpu().double().numpy()
+    q = p.readout[index].cpu().double().numpy()
     top = np.nonzero(q)[0]
     rows.append(np.full(len(top), source))
     cols.append(depth * n + top)
@@ -279,11 +308,11 @@ def explain(
     """
     model.eval()
     p = gradient_pass(model, x, target_class)
-    name = "[CLS]" if p.has_class_token else "patch-mean"
+    name = p.readout_name
     depth = len(p.attentions)
-    maps: dict[str, torch.Tensor] = {f"last-layer {name} attention (layer {depth})": cls_attention(p, -1)}
+    maps: dict[str, torch.Tensor] = {f"last-layer {name} attention (layer {depth})": readout_attention(p, -1)}
     for layer in _layer_indices(depth)[:-1]:
-        maps[f"{name} attention, layer {layer + 1}"] = cls_attention(p, layer)
+        maps[f"{name} attention, layer {layer + 1}"] = readout_attention(p, layer)
     for fusion in head_fusions:
         maps[f"rollout, {fusion} of heads"] = rollout_map(p, fusion)
     for ratio in discard_ratios:
