@@ -25,15 +25,16 @@ from safetensors.torch import save_file
 
 from harness import metrics
 from harness.faithfulness import evaluate_faithfulness, plot_faithfulness
-from harness.features import attention_maps, extract
+from harness.features import extract, saliency_maps
 from harness.figures import plot_cosine_matrix, plot_heatmaps
 from timm_rollout.atomic import atomic_path, write_json
-from timm_rollout.data import ImageSet, balanced_indices, load_image_set
+from timm_rollout.data import ImageSet, balanced_indices, load_image_set, normalize
 from timm_rollout.device import AMP_CHOICES, resolve_amp, resolve_device
 from timm_rollout.errors import UserError, run_cli
+from timm_rollout.explain import MAP_LABELS, READOUTS
 from timm_rollout.loading import load_model
 
-__all__ = ["build_parser", "evaluate", "main", "select_classes"]
+__all__ = ["build_parser", "evaluate", "main", "select_classes", "set_pool"]
 
 PACKAGES = ("torch", "timm", "faiss-cpu", "scikit-learn", "numpy", "datasets", "safetensors", "timm-rollout")
 
@@ -65,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     sel.add_argument("--num-classes", type=_positive, metavar="K", help="evaluate only the first K classes")
     p.add_argument("--per-class", type=_positive, metavar="N", help="N random images per class (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the per-class draws, heatmap picks, silhouette sample")
+    p.add_argument("--pool", choices=tuple(READOUTS), help="read the features out with this pooling instead of the "
+                   "model's own (token: [CLS], avg: patch mean, rollout: rollout weights)")
     p.add_argument("--k", type=_positive, default=5, help="neighbours of the leave-one-out k-NN (default 5)")
     p.add_argument("--bank-split", help="split whose features form the k-NN bank (e.g. train); off by default")
     p.add_argument("--bank-per-class", type=_positive, metavar="N", help="N random bank images per class")
@@ -144,16 +147,31 @@ def _check_head(info: dict[str, Any], data: ImageSet) -> None:
               f"{data.class_names[:3]}...; top1 assumes the same class order", file=sys.stderr)
 
 
+def set_pool(model: torch.nn.Module, pool: str | None) -> str:
+    """Switch the model's readout to ``pool`` (None: keep its own) by assigning ``global_pool``; returns it."""
+    own = getattr(model, "global_pool", None)
+    if pool is None or pool == own:
+        return own
+    if pool == "rollout" and not hasattr(model, "rollout_weights"):
+        raise UserError(f"--pool rollout needs a timm_rollout model; {type(model).__name__} cannot pool by rollout")
+    if not isinstance(getattr(model, "fc_norm", torch.nn.Identity()), torch.nn.Identity):
+        raise UserError(f"the model normalises after pooling (fc_norm), so --pool {pool} would read un-normed "
+                        "tokens; evaluate it with its own pooling")
+    model.global_pool = pool
+    return pool
+
+
 def _heatmap_figure(model, data: ImageSet, info: dict, args, device, amp_dtype, out: Path) -> Path:
     gen = torch.Generator().manual_seed(args.seed)
     pick = torch.randperm(len(data), generator=gen)[: args.heatmaps].sort().values
     images = data.images[pick]
-    maps = attention_maps(model, images, info["mean"], info["std"], device=device, amp_dtype=amp_dtype)
+    found = saliency_maps(model, normalize(images, info["mean"], info["std"]), device=device, amp_dtype=amp_dtype)
     names = data.class_names
     true = [names[int(i)] for i in data.labels[pick]]
-    pred = [names[int(i)] if int(i) < len(names) else str(int(i)) for i in maps.logits.argmax(dim=1)]
-    title = f"{info['name']}: rollout pooling weights vs last-layer [CLS] attention ({data.split})"
-    return plot_heatmaps(images, maps.rollout, maps.last_cls, true, pred, out / "heatmaps.png", title)
+    pred = [names[int(i)] if int(i) < len(names) else str(int(i)) for i in found.logits.argmax(dim=1)]
+    maps = {f"{MAP_LABELS[k]}\n(readout {found.readout})": v for k, v in found.maps.items()}
+    title = f"{info['name']}: maps of its readout ({found.readout}, {data.split})"
+    return plot_heatmaps(images, maps, true, pred, out / "heatmaps.png", title)
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
@@ -187,6 +205,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         torch.manual_seed(args.seed)  # an untrained model's initial weights are reproducible too
         model, info = load_model(args.model, args.checkpoint, num_classes=default_classes, device=device)
         _check_head(info, full)
+        info["pool"] = set_pool(model, args.pool)
     mean, std = info["mean"], info["std"]
 
     with clock.stage("extract"):
@@ -235,8 +254,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         with clock.stage("faithfulness"):
             n = min(args.faithfulness_images, len(data))
             faithfulness = evaluate_faithfulness(model, data.images[:n], data.labels[:n], mean, std,
-                                                 batch_size=args.batch_size, seeds=[args.seed + i for i in range(3)],
-                                                 device=device, dtype=amp_dtype)
+                                                 batch_size=args.batch_size, tie_seed=args.seed,
+                                                 seeds=[args.seed + i for i in range(1, 4)], device=device,
+                                                 dtype=amp_dtype)
             figures.append(plot_faithfulness(faithfulness, out / "faithfulness.png",
                                              f"{info['name']}: faithfulness ({data.split})").name)
 

@@ -1,4 +1,4 @@
-"""PNG figures of an evaluation: centroid cosine matrix, rollout heatmap grid, and a run comparison chart."""
+"""PNG figures of an evaluation: centroid cosine matrix, saliency heatmap grid, and a run comparison chart."""
 
 from __future__ import annotations
 
@@ -56,33 +56,30 @@ def upsample_patch_map(weights: torch.Tensor, size: tuple[int, int]) -> np.ndarr
 
 def plot_heatmaps(
     images: torch.Tensor,
-    rollout: torch.Tensor,
-    last_cls: torch.Tensor,
+    maps: Mapping[str, torch.Tensor],
     true_names: Sequence[str],
     pred_names: Sequence[str],
     path: str | Path,
     title: str,
 ) -> Path:
-    """One row per image: the image, its rollout weights overlaid, its last-layer [CLS] attention overlaid.
+    """One row per image: the image, then each named map overlaid (columns in the order of ``maps``).
 
     ``images`` are uint8 (B, 3, H, W) (the de-normalised inputs); maps are (B, P) over the patch grid.
     """
     b, _, h, w = images.shape
-    fig = Figure(figsize=(9.6, 2.9 * b))
-    axes = fig.subplots(b, 3, squeeze=False)
-    columns = ("image", "rollout pooling weights", "last-layer [CLS] attention (mean of heads)")
+    fig = Figure(figsize=(3.2 * (len(maps) + 1), 2.9 * b))
+    axes = fig.subplots(b, len(maps) + 1, squeeze=False)
     for i in range(b):
         rgb = images[i].permute(1, 2, 0).numpy()
         axes[i, 0].imshow(rgb, interpolation="nearest")
         axes[i, 0].set_title(f"true: {true_names[i]}\npred: {pred_names[i]}", fontsize=9)
-        for col, maps in ((1, rollout), (2, last_cls)):
-            ax = axes[i, col]
+        for ax, (name, values) in zip(axes[i, 1:], maps.items(), strict=True):
             ax.imshow(rgb, interpolation="nearest")
-            im = ax.imshow(upsample_patch_map(maps[i], (h, w)), cmap="inferno", alpha=0.6)
+            im = ax.imshow(upsample_patch_map(values[i], (h, w)), cmap="inferno", alpha=0.6)
             bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
             bar.set_label("weight", fontsize=7)
             bar.ax.tick_params(labelsize=6)
-            ax.set_title(f"{columns[col]}\ntrue: {true_names[i]}, pred: {pred_names[i]}", fontsize=8)
+            ax.set_title(f"{name}\ntrue: {true_names[i]}, pred: {pred_names[i]}", fontsize=8)
         for ax in axes[i]:
             ax.set_xlabel("x (pixels)", fontsize=7)
             ax.set_ylabel("y (pixels)", fontsize=7)

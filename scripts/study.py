@@ -27,11 +27,12 @@ import torch
 from matplotlib.figure import Figure
 
 from harness.compare import METRICS, Group, load_results, summarise
-from harness.features import attention_maps
+from harness.features import saliency_maps
 from harness.figures import save_figure, upsample_patch_map
 from timm_rollout.atomic import write_json, write_text
-from timm_rollout.data import load_image_set
+from timm_rollout.data import load_image_set, normalize
 from timm_rollout.errors import UserError, run_cli
+from timm_rollout.explain import MAP_LABELS
 from timm_rollout.loading import load_model, sha256_file
 from timm_rollout.train_log import read_log
 
@@ -156,34 +157,34 @@ def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], pat
 
 
 def plot_side_by_side(args: argparse.Namespace, runs: dict[str, Path], seed: int, path: Path) -> Path:
-    """The same test images under both models: rollout weights of the CLS model (post-hoc) and of the rollout model."""
+    """The same test images under each model: its attention rollout and gradient-weighted rollout of its own readout."""
     data = load_image_set(args.dataset, "test")
     gen = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(data.labels), generator=gen)[: args.heatmaps].sort().values
     images, labels = data.images[pick], data.labels[pick]
-    maps, preds = {}, {}
+    found = {}
     for short, run in runs.items():
         model, info = load_model(MODELS[short], run)
-        out = attention_maps(model, images, info["mean"], info["std"], device=torch.device("cpu"))
-        maps[short], preds[short] = out.rollout, out.logits.argmax(dim=1)
+        found[short] = saliency_maps(model, normalize(images, info["mean"], info["std"]), device=torch.device("cpu"))
     names = data.class_names
+    columns = [(short, key) for short in runs for key in ("rollout", "gradient_rollout")]
     b, _, h, w = images.shape
-    fig = Figure(figsize=(10, 3.0 * b))
-    axes = fig.subplots(b, 3, squeeze=False)
+    fig = Figure(figsize=(3.3 * (len(columns) + 1), 3.0 * b))
+    axes = fig.subplots(b, len(columns) + 1, squeeze=False)
     for i in range(b):
         rgb = images[i].permute(1, 2, 0).numpy()
         axes[i, 0].imshow(rgb, interpolation="nearest")
         axes[i, 0].set_title(f"test image, true: {names[int(labels[i])]}", fontsize=9)
-        for col, (short, heading) in enumerate((("cls", "CLS model: post-hoc rollout"),
-                                                ("rollout", "rollout model: pooling weights")), start=1):
-            ax = axes[i, col]
+        for ax, (short, key) in zip(axes[i, 1:], columns, strict=True):
             ax.imshow(rgb, interpolation="nearest")
-            im = ax.imshow(upsample_patch_map(maps[short][i], (h, w)), cmap="inferno", alpha=0.6)
+            im = ax.imshow(upsample_patch_map(found[short].maps[key][i], (h, w)), cmap="inferno", alpha=0.6)
             fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label("patch weight", fontsize=7)
-            ax.set_title(f"{heading}\npred: {names[int(preds[short][i])]}", fontsize=9)
+            pred = names[int(found[short].logits[i].argmax())]
+            ax.set_title(f"{short} model: {MAP_LABELS[key]}\n(readout {found[short].readout}), pred: {pred}",
+                         fontsize=8)
         for ax in axes[i]:
             ax.set(xlabel="x (pixels)", ylabel="y (pixels)")
-    fig.suptitle(f"Same test images under both models (seed {seed})")
+    fig.suptitle(f"Same test images under every model, maps of each model's own readout (seed {seed})")
     fig.tight_layout()
     return save_figure(fig, path)
 

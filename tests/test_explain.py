@@ -1,4 +1,5 @@
-"""Saliency maps: Chefer's rule by hand, rollout maps vs independent routes, batching, flow, and the explain CLI."""
+"""Saliency maps of each model's own readout: Chefer's rule by hand, rollout maps vs full matrix products, batching,
+flow, and the explain CLI."""
 
 import numpy as np
 import pytest
@@ -66,21 +67,77 @@ def test_gradient_pass_differentiates_the_target_logit(cifar):
         E.gradient_pass(model, cifar[:1], target_class=10)
 
 
-def test_rollout_maps_agree_with_independent_routes(cifar):
-    model = tiny(depth=3)
+READOUTS = [("vit_tiny_cifar_rollout", {}, "rollout"), ("vit_tiny_cifar_cls", {}, "token"),
+            ("vit_tiny_cifar_cls", {"global_pool": "avg", "fc_norm": False}, "avg")]
+
+
+def _readout_by_hand(model, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """r (B, N): one-hot [CLS], [0, w] with w the model's own pooling weights, or the patch mean."""
+    r = torch.zeros(len(x), 65)
+    if kind == "token":
+        r[:, 0] = 1.0
+    elif kind == "avg":
+        r[:, 1:] = 1.0 / 64
+    else:
+        with torch.no_grad():
+            model.forward_features(x)
+            r[:, 1:] = model.rollout_weights()  # what the classifier really pools with
+    return r
+
+
+@pytest.mark.parametrize(("name", "kwargs", "kind"), READOUTS)
+def test_gradient_rollout_explains_the_models_own_readout(cifar, name, kwargs, kind):
+    model = tiny(name, **kwargs)
+    got = E.gradient_rollout(E.gradient_pass(model, cifar))
+    # independent route: autograd of each image's predicted logit (through the pooling weights for rollout
+    # pooling), Chefer's loop R = I; R += mean_h((dy/dA * A)+) R in float64, then r R over the patches
+    model.rollout_grad = True
+    with capture_attention(model) as cap:
+        logits = model(cifar)
+    model.rollout_grad = False
+    score = logits.gather(1, logits.argmax(dim=1, keepdim=True)).sum()
+    grads = torch.autograd.grad(score, cap.attentions)
+    r = _readout_by_hand(model, cifar, kind).double().numpy()
+    for i in range(len(cifar)):
+        rel = np.eye(65)
+        for a, g in zip(cap.attentions, grads, strict=True):
+            rel = rel + (g[i] * a[i]).clamp(min=0).mean(dim=0).detach().double().numpy() @ rel
+        np.testing.assert_allclose(got[i].numpy(), (r[i] @ rel)[1:], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize(("name", "kwargs", "kind"), READOUTS)
+def test_rollout_and_attention_maps_are_the_readout_times_R(cifar, name, kwargs, kind):
+    model = tiny(name, depth=3, **kwargs)
     p = E.forward_with_attention(model, cifar)
-    with torch.no_grad():
-        model.forward_features(cifar)
-        pooling = model.rollout_weights()
-    torch.testing.assert_close(E.rollout_map(p, "mean"), pooling)  # the model's own pooling weights
-    full = attention_rollout(p.attentions, "max", 0.5)[:, 0, 1:]
-    torch.testing.assert_close(E.rollout_map(p, "max", 0.5), full / full.sum(dim=1, keepdim=True))
+    r = _readout_by_hand(model, cifar, kind)
+    torch.testing.assert_close(p.readout, r)
+    full = attention_rollout(p.attentions)  # (B, N, N), the full matrix product
+    want = (r.unsqueeze(1) @ full).squeeze(1)[:, 1:]
+    torch.testing.assert_close(E.rollout_map(p), want / want.sum(dim=1, keepdim=True))
+    maxed = (r.unsqueeze(1) @ attention_rollout(p.attentions, "max", 0.5)).squeeze(1)[:, 1:]
+    torch.testing.assert_close(E.rollout_map(p, "max", 0.5), maxed / maxed.sum(dim=1, keepdim=True))
     buildup = E.rollout_buildup(p)
     assert buildup.shape == (4, 3, 64)
     for layer in range(3):
-        row = attention_rollout(p.attentions[: layer + 1])[:, 0, 1:]
+        row = (r.unsqueeze(1) @ attention_rollout(p.attentions[: layer + 1])).squeeze(1)[:, 1:]
         torch.testing.assert_close(buildup[:, layer], row / row.sum(dim=1, keepdim=True))
-    torch.testing.assert_close(E.cls_attention(p, 1), p.attentions[1].mean(dim=1)[:, 0, 1:])
+    for layer in (1, -1):
+        want = (r.unsqueeze(1) @ p.attentions[layer].mean(dim=1)).squeeze(1)[:, 1:]
+        torch.testing.assert_close(E.readout_attention(p, layer), want)
+
+
+def test_rollout_map_of_a_cls_model_is_its_post_hoc_rollout_pooling(cifar):
+    model = tiny("vit_tiny_cifar_cls", depth=3)
+    rollout = E.rollout_map(E.forward_with_attention(model, cifar))
+    model.global_pool = "rollout"  # the same weights read out by rollout pooling
+    with torch.no_grad():
+        model.forward_features(cifar)
+        torch.testing.assert_close(rollout, model.rollout_weights())
+
+
+def test_unsupported_pooling_is_refused(cifar):
+    with pytest.raises(ValueError, match="'max'"):
+        E.explain(tiny("vit_tiny_cifar_cls", global_pool="max"), cifar[:1])
 
 
 def test_batched_maps_equal_one_image_at_a_time(cifar):
@@ -97,7 +154,7 @@ def test_batched_maps_equal_one_image_at_a_time(cifar):
 
 def test_attention_flow_of_one_layer_is_the_attention_row(cifar):
     # with one layer the only path from [CLS] to input patch j has capacity Â[0, j]: flow = rollout row
-    model = tiny(depth=1)
+    model = tiny("vit_tiny_cifar_cls", depth=1)
     p = E.forward_with_attention(model, cifar[:2])
     flow = E.attention_flow(p, 1)
     torch.testing.assert_close(flow, E.rollout_map(p)[1], atol=1e-5, rtol=1e-4)
