@@ -57,6 +57,7 @@ from timm_rollout.explain import MAP_LABELS
 __all__ = [
     "FILLS",
     "MAP_LABELS",
+    "embed_patches",
     "evaluate_faithfulness",
     "faithfulness_curves",
     "paired_score",
@@ -158,36 +159,49 @@ def removal_probabilities(
     model: nn.Module,
     tokens: torch.Tensor,
     fill: torch.Tensor,
-    rank: torch.Tensor,
-    counts: Sequence[int],
+    orders: Sequence[torch.Tensor],
+    counts: Sequence[Sequence[int]],
     target: torch.Tensor,
     *,
     mode: str = "mean",
     batch_size: int = 512,
     dtype: torch.dtype | None = None,
     bar: tqdm | None = None,
-) -> torch.Tensor:
-    """Probability of ``target`` (B,) with the top-k patches of ``rank`` (B, P) removed, per k in ``counts``: (B, K).
+) -> list[torch.Tensor]:
+    """Probability of ``target`` (B,) with the top-k patches of each order removed, per k in its counts.
 
-    ``tokens`` (B, P, D) and ``fill`` (1, P, D) come from :func:`embed_patches`; ``mode`` is ``'mean'`` or
-    ``'drop'`` (see the module docstring). Every batch holds one k, so dropped sequences have one length.
+    ``orders``: ranks (B, P) each; ``counts[o]``: the k values of order ``o``. Returns one (B, len(counts[o]))
+    tensor per order. ``tokens`` (B, P, D) and ``fill`` (1, P, D) come from :func:`embed_patches`; ``mode`` is
+    ``'mean'`` or ``'drop'`` (module docstring). Work is grouped by k, so a batch's dropped sequences share
+    one length and batches stay full across orders and images.
     """
     if mode not in FILLS:
         raise ValueError(f"unknown fill {mode!r}; use one of {', '.join(FILLS)}")
     model.eval()
-    b = len(tokens)
-    out = torch.empty(b, len(counts), dtype=torch.float32, device=tokens.device)
-    target = target.to(tokens.device)
+    device, b = tokens.device, len(tokens)
+    stacked = torch.stack([o.to(device) for o in orders])  # (O, B, P)
+    target = target.to(device)
+    jobs: dict[int, list[tuple[int, int]]] = {}  # k -> [(order, column)]
+    for o, ks in enumerate(counts):
+        for j, k in enumerate(ks):
+            jobs.setdefault(k, []).append((o, j))
+    out = [torch.empty(b, len(ks), dtype=torch.float32, device=device) for ks in counts]
     with _fused_attention(model):
-        for j, k in enumerate(counts):
-            for s in range(0, b, batch_size):
-                e = min(s + batch_size, b)
-                with autocast(tokens.device, dtype):
-                    logits = _logits(model, _sequence(model, tokens[s:e], fill, rank[s:e].to(tokens.device), k, mode))
-                out[s:e, j] = logits.float().softmax(dim=1).gather(1, target[s:e, None]).squeeze(1)
+        for k, where in jobs.items():
+            which = torch.tensor([o for o, _ in where], device=device)
+            flat = torch.empty(len(where) * b, dtype=torch.float32, device=device)  # job-major, then image
+            for s in range(0, len(flat), batch_size):
+                rows = torch.arange(s, min(s + batch_size, len(flat)), device=device)
+                job, img = rows // b, rows % b
+                with autocast(device, dtype):
+                    seq = _sequence(model, tokens[img], fill, stacked[which[job], img], k, mode)
+                    logits = _logits(model, seq)
+                flat[s:s + len(rows)] = logits.float().softmax(dim=1).gather(1, target[img, None]).squeeze(1)
                 if bar is not None:
-                    bar.update(e - s)
-    return out.cpu()
+                    bar.update(len(rows))
+            for (o, j), values in zip(where, flat.view(len(where), b), strict=True):
+                out[o][:, j] = values
+    return [t.cpu() for t in out]
 
 
 def _auc(curves: torch.Tensor, fractions: np.ndarray) -> np.ndarray:
@@ -216,27 +230,31 @@ def paired_score(map_auc: np.ndarray, random_auc: np.ndarray, p_intact: np.ndarr
 def _curves(model, tokens, fill, orders, pred, clean, empty, mode, **kw) -> dict[str, dict[str, torch.Tensor]]:
     """Per-image deletion and insertion curves (B, steps + 1) of every named order (B, P) and random seed."""
     p = tokens.shape[1]
-    counts = step_counts(p)
-    inner = counts[1:-1]
-    ends = {"deletion": (clean, empty), "insertion": (empty, clean)}
+    inner = step_counts(p)[1:-1]
+    outer = [p - k for k in inner]
+    both = sorted(set(inner) | set(outer))
+    runs, counts = [], []  # a map's insertion: deletion of its reversed order; a random order's: its own passes
+    for name, rank in orders.items():
+        if name.startswith("random_"):
+            runs += [rank]
+            counts += [both]
+        else:
+            runs += [rank, p - 1 - rank]
+            counts += [inner, outer]
+    probs = iter(removal_probabilities(model, tokens, fill, runs, counts, pred, mode=mode, **kw))
 
-    def curve(kind: str, middle: torch.Tensor) -> torch.Tensor:
-        first, last = ends[kind]
+    def curve(first: torch.Tensor, middle: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         return torch.cat([first[:, None], middle, last[:, None]], dim=1)
 
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for name, rank in orders.items():
-        if name.startswith("random_"):  # its insertion curve: the deletion passes of the reversed order
-            both = sorted(set(inner) | {p - k for k in inner})
-            probs = dict(zip(both, removal_probabilities(model, tokens, fill, rank, both, pred, mode=mode,
-                                                         **kw).unbind(1), strict=True))
-            out[name] = {"deletion": curve("deletion", torch.stack([probs[k] for k in inner], dim=1)),
-                         "insertion": curve("insertion", torch.stack([probs[p - k] for k in inner], dim=1))}
+    for name in orders:
+        if name.startswith("random_"):
+            by_k = dict(zip(both, next(probs).unbind(1), strict=True))
+            deletion = torch.stack([by_k[k] for k in inner], dim=1)
+            insertion = torch.stack([by_k[k] for k in outer], dim=1)
         else:
-            deletion = removal_probabilities(model, tokens, fill, rank, inner, pred, mode=mode, **kw)
-            insertion = removal_probabilities(model, tokens, fill, p - 1 - rank, [p - k for k in inner], pred,
-                                              mode=mode, **kw)
-            out[name] = {"deletion": curve("deletion", deletion), "insertion": curve("insertion", insertion)}
+            deletion, insertion = next(probs), next(probs)
+        out[name] = {"deletion": curve(clean, deletion, empty), "insertion": curve(empty, insertion, clean)}
     return out
 
 

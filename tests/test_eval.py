@@ -1,4 +1,4 @@
-"""harness.eval end to end on a small slice of real CIFAR-10, heatmap maps, harness.compare, and error paths."""
+"""harness.eval end to end on a small slice of real CIFAR-10, --pool, heatmap maps, harness.compare, and error paths."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ from timm.models import save_for_hf
 
 from harness import compare, metrics
 from harness import eval as harness_eval
-from harness.features import attention_maps
-from timm_rollout import rollout_cls_row
-from timm_rollout.data import load_image_set, normalize
+from harness.features import saliency_maps
+from timm_rollout import attention_rollout, patch_weights, rollout_cls_row
+from timm_rollout.data import balanced_indices, load_image_set, normalize
 from timm_rollout.errors import UserError
+from timm_rollout.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CIFAR10 = ROOT.parent / "shared" / "data" / "cifar10"
@@ -66,7 +67,7 @@ def test_results_json_has_metrics_and_provenance(runs, checkpoint):
     assert set(results["metrics"]) == {"top1", "top5", "knn_loo", "knn_bank", "intra", "inter", "ratio", "silhouette"}
     assert all(isinstance(v, float) for v in results["metrics"].values())
     model, data, config = results["model"], results["data"], results["config"]
-    assert model["architecture"] == "vit_tiny_cifar_rollout"
+    assert model["architecture"] == "vit_tiny_cifar_rollout" and model["pool"] == "rollout"
     assert model["checkpoint_architecture"] == "vit_tiny_cifar_cls"
     assert model["sha256"] and model["checkpoint"] == str(checkpoint) and model["mean"] == pytest.approx(MEAN)
     assert data["split"] == "test" and data["fingerprint"] and data["num_images"] == 100
@@ -151,24 +152,49 @@ def _manual_attentions(model, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", ["vit_tiny_cifar_rollout", "vit_tiny_cifar_cls"])
-def test_heatmap_maps_use_every_layers_real_attention(name, images):
+def test_heatmap_maps_explain_the_readout_from_every_layers_real_attention(name, images):
     torch.manual_seed(1)
     model = timm.create_model(name, num_classes=10, depth=3).eval()
-    maps = attention_maps(model, images, MEAN, STD, device=torch.device("cpu"))
     x = normalize(images, MEAN, STD)
+    found = saliency_maps(model, x, device=torch.device("cpu"))
     with torch.inference_mode():
         attentions = _manual_attentions(model, x)
-        tokens = model.forward_features(x)
-    expected = rollout_cls_row(attentions)[:, 1:]
-    assert torch.allclose(maps.rollout, expected / expected.sum(dim=1, keepdim=True), atol=1e-5)
-    assert torch.allclose(maps.last_cls, attentions[-1].mean(dim=1)[:, 0, 1:], atol=1e-5)
-    assert torch.allclose(maps.rollout.sum(dim=1), torch.ones(4), atol=1e-5)
-    if name == "vit_tiny_cifar_rollout":
-        # The heatmap weights are the model's own pooling weights: they reproduce its pooled features.
-        own = model.rollout_weights()
-        assert torch.allclose(maps.rollout, own, atol=1e-6)
-        pooled = torch.bmm(maps.rollout.unsqueeze(1), tokens[:, 1:]).squeeze(1)
-        assert torch.allclose(maps.features, pooled, atol=1e-5)
+    r = torch.zeros(4, 65)
+    if name == "vit_tiny_cifar_rollout":  # r = [0, w]: the weights its classifier pools the final patches with
+        r[:, 1:] = patch_weights(rollout_cls_row(attentions))
+    else:
+        r[:, 0] = 1.0
+    rollout = (r.unsqueeze(1) @ attention_rollout(attentions)).squeeze(1)[:, 1:]
+    assert torch.allclose(found.maps["rollout"], rollout / rollout.sum(dim=1, keepdim=True), atol=1e-5)
+    last = (r.unsqueeze(1) @ attentions[-1].mean(dim=1)).squeeze(1)[:, 1:]
+    assert torch.allclose(found.maps["last_layer_attention"], last, atol=1e-5)
+    assert found.maps["gradient_rollout"].shape == (4, 64) and found.logits.shape == (4, 10)
+
+
+def test_pool_avg_reads_out_the_mean_of_the_final_patch_tokens(checkpoint, tmp_path):
+    out = tmp_path / "avg"
+    results = harness_eval.main(["--model", "vit_tiny_cifar_cls", "--checkpoint", str(checkpoint), "--dataset",
+                                 str(CIFAR10), "--per-class", "3", "--pool", "avg", "--heatmaps", "1",
+                                 "--save-features", "--device", "cpu", "--amp", "none", "--output", str(out)])
+    assert results["model"]["pool"] == "avg"
+    saved = load_file(str(out / "features.safetensors"))
+    full = load_image_set(str(CIFAR10), "test")
+    idx = balanced_indices(full.labels, per_class=3, classes=list(range(10)), seed=0)
+    assert torch.equal(saved["labels"], full.labels[idx])
+    model, _ = load_model("vit_tiny_cifar_cls", checkpoint)  # still [CLS]-pooled: its own readout
+    with torch.inference_mode():
+        tokens = model.forward_features(normalize(full.images[idx], MEAN, STD))
+    torch.testing.assert_close(saved["features"], tokens[:, 1:].mean(dim=1), atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(saved["features"], tokens[:, 0], atol=1e-3)
+
+
+def test_set_pool_refuses_what_it_cannot_switch():
+    model = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=1)
+    assert harness_eval.set_pool(model, None) == "token" and harness_eval.set_pool(model, "rollout") == "rollout"
+    with pytest.raises(UserError, match="needs a timm_rollout model"):
+        harness_eval.set_pool(timm.create_model("vit_tiny_patch16_224", depth=1), "rollout")
+    with pytest.raises(UserError, match="fc_norm"):
+        harness_eval.set_pool(timm.create_model("vit_tiny_cifar_cls", global_pool="avg", depth=1), "token")
 
 
 def _synthetic_folder(root: Path, with_labels: bool) -> Path:

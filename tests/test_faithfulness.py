@@ -1,4 +1,5 @@
-"""Deletion/insertion curves: a planted-evidence model checked by plain loops, and the full run on a real ViT."""
+"""Deletion/insertion faithfulness: random tie-breaks, both removals against plain loops, the paired score against
+scipy, and the full run on a real ViT."""
 
 import json
 
@@ -6,132 +7,179 @@ import numpy as np
 import pytest
 import timm
 import torch
-import torch.nn.functional as F
-from torch import nn
+from scipy import stats
 
 from harness.faithfulness import (
-    _random_ranks,
+    embed_patches,
     evaluate_faithfulness,
     faithfulness_curves,
-    perturbation_probabilities,
+    paired_score,
     plot_faithfulness,
+    random_ranks,
     ranks,
+    removal_probabilities,
     step_counts,
 )
+from harness.features import saliency_maps
+from timm_rollout.data import load_image_set, normalize
 
-GRID = (4, 4)
-PATCH = 4
 
-
-class PlantedEvidence(nn.Module):
-    """Class 0's logit counts bright patches (mean > 0.5); class 1's is a constant 1."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        patch_means = F.avg_pool2d(x.mean(dim=1, keepdim=True), PATCH).flatten(1)
-        evidence = F.relu(patch_means - 0.5).sum(dim=1)
-        return torch.stack([3 * evidence, torch.ones_like(evidence)], dim=1)
+def tiny(name: str, **kwargs) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(name, num_classes=10, **{"depth": 2, **kwargs}).eval()
 
 
 @pytest.fixture(scope="module")
-def planted():
-    """Noise images with 4 bright patches each at random places; the map scores exactly those patches."""
-    gen = torch.Generator().manual_seed(0)
-    x = (torch.rand(12, 3, 16, 16, generator=gen) - 0.5) * 0.6
-    scores = torch.zeros(12, 16)
-    for i in range(12):
-        for patch in torch.randperm(16, generator=gen)[:4].tolist():
-            r, c = divmod(patch, GRID[1])
-            x[i, :, r * PATCH:(r + 1) * PATCH, c * PATCH:(c + 1) * PATCH] = 1.0
-            scores[i, patch] = 1.0
-    return x, scores
+def sample():
+    data = load_image_set("cifar10-sample", "test")
+    return data.images[:6], data.labels[:6]
 
 
-def loop_curve(model, x, rank, removed_if) -> np.ndarray:
-    """Mean probability of the intact prediction at each step, by plain loops over images and patches."""
-    p = GRID[0] * GRID[1]
-    with torch.no_grad():
-        pred = model(x).argmax(dim=1)
-        curve = []
-        for k in step_counts(p):
-            probs = []
-            for i in range(len(x)):
-                img = x[i].clone()
-                for patch in range(p):
-                    if removed_if(int(rank[i, patch]), k):
-                        r, c = divmod(patch, GRID[1])
-                        img[:, r * PATCH:(r + 1) * PATCH, c * PATCH:(c + 1) * PATCH] = 0.0
-                probs.append(float(model(img[None]).softmax(dim=1)[0, pred[i]]))
-            curve.append(np.mean(probs))
-    return np.array(curve)
+def _x(model, images) -> torch.Tensor:
+    return normalize(images, model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
 
 
-def test_steps_and_ranks():
+def test_steps_and_ranks_keep_distinct_scores_in_order():
     assert step_counts(64) == [0, 6, 13, 19, 26, 32, 38, 45, 51, 58, 64]
     assert step_counts(196)[1] == 20 and step_counts(196)[-1] == 196
-    assert ranks(torch.tensor([[0.1, 0.9, 0.5, 0.9]])).tolist() == [[3, 0, 2, 1]]  # ties keep patch order
+    scores = torch.tensor([[0.1, 0.9, 0.5, 0.3], [4.0, 3.0, 2.0, 1.0]])
+    for seed in range(5):
+        assert ranks(scores, seed).tolist() == [[3, 0, 1, 2], [0, 1, 2, 3]]
 
 
-def test_planted_evidence_map_beats_random(planted):
-    x, scores = planted
-    model = PlantedEvidence()
-    result = faithfulness_curves(model, x, model(x), {"planted": scores}, GRID, seeds=(0, 1, 2), batch_size=50)
-    map_, rand = result["maps"]["planted"], result["maps"]["random"]
-    assert map_["deletion_curve"][0] > 0.99 and map_["deletion_curve"][-1] == pytest.approx(1 / (1 + np.e), abs=1e-5)
-    assert map_["deletion_auc"] < rand["deletion_auc"] - 0.2
-    assert map_["insertion_auc"] > rand["insertion_auc"] + 0.15
-    assert result["vs_random"]["planted"]["deletion_auc_lower_by"] > 0.2
-    assert rand["deletion_auc_std"] > 0 and set(rand["per_seed"]) == {"0", "1", "2"}
-    # 9 inner steps x (2 curves for the map + 1 pass set per seed) per image
-    assert result["forward_passes"]["perturbed"] == 12 * 9 * (2 + 3)
-    # independent route: plain loops, and the trapezoid rule over the actual fractions
-    r = ranks(scores)
-    deletion = loop_curve(model, x, r, lambda rank, k: rank < k)
-    insertion = loop_curve(model, x, r, lambda rank, k: rank >= k)
-    np.testing.assert_allclose(map_["deletion_curve"], deletion, atol=1e-5)
-    np.testing.assert_allclose(map_["insertion_curve"], insertion, atol=1e-5)
-    fractions = np.array(step_counts(16)) / 16
-    assert map_["deletion_auc"] == pytest.approx(np.trapezoid(deletion, fractions), abs=1e-4)
+def test_ties_are_broken_at_random():
+    flat = torch.zeros(4000, 8)
+    a, b = ranks(flat, 0), ranks(flat, 1)
+    assert not torch.equal(a, b) and torch.equal(a, ranks(flat, 0))  # seeded
+    assert torch.equal(a.sort(dim=1).values, torch.arange(8).expand(4000, 8))  # each row a permutation
+    first = np.bincount(a.argmin(dim=1).numpy(), minlength=8)  # the patch ranked first in each row
+    assert stats.chisquare(first).pvalue > 1e-3, first  # uniform over the 8 patches, not patch 0
+    partial = torch.tensor([[0.9, 0.5, 0.5, 0.1]]).expand(200, 4)  # ties only between patches 1 and 2
+    r = ranks(partial, 3)
+    assert (r[:, 0] == 0).all() and (r[:, 3] == 3).all()
+    assert 50 < int((r[:, 1] == 1).sum()) < 150
+    assert torch.equal(random_ranks(200, 4, 3), ranks(torch.zeros(200, 4), 3))
 
 
-def test_random_insertion_is_the_reversed_order_revealed(planted):
-    x, _ = planted
-    model = PlantedEvidence()
-    result = faithfulness_curves(model, x, model(x), {}, GRID, seeds=(5,))
-    r = _random_ranks(len(x), 16, 5)
-    reversed_rank = 15 - r  # the reverse permutation: its most salient patch is r's least
-    insertion = loop_curve(model, x, reversed_rank, lambda rank, k: rank >= k)
-    deletion = loop_curve(model, x, r, lambda rank, k: rank < k)
-    np.testing.assert_allclose(result["maps"]["random"]["insertion_curve"], insertion, atol=1e-5)
-    np.testing.assert_allclose(result["maps"]["random"]["deletion_curve"], deletion, atol=1e-5)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ranks_stay_on_the_inputs_device():
+    scores = torch.rand(3, 16, device="cuda")
+    r = ranks(scores, 0)
+    assert r.device == scores.device and torch.equal(r.cpu(), ranks(scores.cpu(), 0))
 
 
-def test_evaluate_faithfulness_on_a_real_vit(tmp_path):
-    from timm_rollout.data import load_image_set
-
-    data = load_image_set("cifar10-sample", "test")
-    torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_cifar_rollout", num_classes=10, depth=2).eval()
-    cfg = model.pretrained_cfg
-    n = 4
-    result = evaluate_faithfulness(model, data.images[:n], data.labels[:n], cfg["mean"], cfg["std"],
-                                   batch_size=128, seeds=(0, 1))
-    assert set(result["maps"]) == {"rollout_weights", "last_cls_attention", "gradient_rollout", "random"}
-    assert result["forward_passes"] == {"perturbed": n * 9 * (3 * 2 + 2), "all_removed": 1, "forward_backward": n,
-                                        "total_forward": n + n * 9 * 8 + 1}
-    for summary in result["maps"].values():
-        assert summary["deletion_curve"][0] == pytest.approx(result["original_probability"], abs=1e-5)
-        assert summary["deletion_curve"][-1] == pytest.approx(result["all_removed_probability"], abs=1e-5)
-        assert summary["insertion_curve"][0] == pytest.approx(result["all_removed_probability"], abs=1e-5)
-        assert len(summary["insertion_curve"]) == 11
-    assert result["wall_time_s"] > 0 and 0 <= result["original_top1"] <= 1
-    # the removed-patch fill is the model's mean colour: a fully removed image is all zeros after normalisation
+def _pixel_loop(model, x, rank, k, target) -> np.ndarray:
+    """Mean-colour fill by hand: zero the pixels of every patch ranked below k, one image at a time."""
+    out = []
     with torch.no_grad():
-        probs = model(torch.zeros(1, 3, 32, 32)).softmax(dim=1)[0]
-        pred = model((data.images[:n].float() / 255 - torch.tensor(cfg["mean"]).view(3, 1, 1))
-                     / torch.tensor(cfg["std"]).view(3, 1, 1)).argmax(dim=1)
-    assert result["all_removed_probability"] == pytest.approx(float(probs[pred].mean()), abs=1e-5)
-    path = plot_faithfulness(result, tmp_path / "faithfulness.png", "tiny ViT")
-    assert path.stat().st_size > 10_000
+        for i in range(len(x)):
+            img = x[i].clone()
+            for patch in range(64):
+                if int(rank[i, patch]) < k:
+                    r, c = divmod(patch, 8)
+                    img[:, r * 4:(r + 1) * 4, c * 4:(c + 1) * 4] = 0.0
+            out.append(float(model(img[None]).softmax(dim=1)[0, target[i]]))
+    return np.array(out)
+
+
+def _drop_loop(model, x, rank, k, target) -> np.ndarray:
+    """Token drop by hand: [CLS] + its position, then each kept patch token + its own position, one image at a time."""
+    out = []
+    with torch.no_grad():
+        for i in range(len(x)):
+            h = model.patch_embed(x[i:i + 1])[0]
+            tokens = [model.cls_token[0, 0] + model.pos_embed[0, 0]]
+            tokens += [h[j] + model.pos_embed[0, 1 + j] for j in range(64) if int(rank[i, j]) >= k]
+            seq = torch.stack(tokens)[None]
+            logits = model.forward_head(model.norm(model.blocks(seq)))
+            out.append(float(logits.softmax(dim=1)[0, target[i]]))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_cifar_cls", "vit_tiny_cifar_rollout"])
+def test_removals_match_plain_loops(sample, name):
+    model = tiny(name)
+    x = _x(model, sample[0][:3])
+    rank = random_ranks(3, 64, 7)
+    target = torch.tensor([1, 4, 7])
+    tokens, fill = embed_patches(model, x, batch_size=2, device=torch.device("cpu"), dtype=None)
+    counts = [[0, 13, 51, 63], [13, 40]]
+    orders = [rank, random_ranks(3, 64, 8)]
+    for mode, loop in (("mean", _pixel_loop), ("drop", _drop_loop)):
+        got = removal_probabilities(model, tokens, fill, orders, counts, target, mode=mode, batch_size=2)
+        for order, ks, values in zip(orders, counts, got, strict=True):
+            want = np.stack([loop(model, x, order, k, target) for k in ks], axis=1)
+            np.testing.assert_allclose(values.numpy(), want, atol=1e-5, rtol=1e-4, err_msg=mode)
+    assert all(block.attn.fused_attn is False for block in model.blocks)  # restored: the model's own setting
+
+
+def test_paired_score_is_a_t_interval_over_the_kept_images():
+    gen = np.random.default_rng(0)
+    map_auc, random_auc = gen.uniform(0, 1, 50), gen.uniform(0, 1, 50)
+    p_intact, p_removed = gen.uniform(0.3, 1, 50), gen.uniform(0, 0.4, 50)
+    drop = p_intact - p_removed
+    got = paired_score(map_auc, random_auc, p_intact, p_removed, min_drop=0.05)
+    kept = drop >= 0.05
+    v = (map_auc - random_auc)[kept] / drop[kept]
+    assert got["n"] == kept.sum() and got["excluded"] == (~kept).sum() > 0
+    assert got["mean"] == pytest.approx(v.mean(), abs=1e-5)
+    lo, hi = stats.ttest_1samp(v, 0.0).confidence_interval(0.95)
+    assert got["ci95"] == pytest.approx([lo, hi], abs=1e-5)
+    assert paired_score(map_auc[:1], random_auc[:1], [0.9], [0.1])["ci95"] is None
+
+
+def test_curves_and_paired_score_of_one_image_by_hand(sample):
+    model = tiny("vit_tiny_cifar_cls")
+    x = _x(model, sample[0][:1])
+    found = saliency_maps(model, x, device=torch.device("cpu"))
+    result = faithfulness_curves(model, x, found.logits, found.maps, seeds=(1, 2), tie_seed=4, min_drop=-1.0)
+    block = result["fills"]["mean"]
+    pred = found.logits.argmax(dim=1)
+    rank = ranks(found.maps["rollout"], 4)
+    inner = step_counts(64)[1:-1]
+    deletion = [_pixel_loop(model, x, rank, k, pred)[0] for k in inner]
+    np.testing.assert_allclose(block["maps"]["rollout"]["deletion_curve"][1:-1], deletion, atol=1e-5)
+    insertion = [_pixel_loop(model, x, 63 - rank, 64 - k, pred)[0] for k in inner]  # reveal the top k
+    np.testing.assert_allclose(block["maps"]["rollout"]["insertion_curve"][1:-1], insertion, atol=1e-5)
+    for mode, fill in result["fills"].items():
+        drop = result["original_probability"] - fill["all_removed_probability"]
+        rand = np.mean([fill["maps"]["random"]["per_seed"][s]["deletion_auc"] for s in ("1", "2")])
+        for name in found.maps:
+            want = (fill["maps"][name]["deletion_auc"] - rand) / drop
+            rounding = 3e-5 / abs(drop) + 1e-5  # the reported AUCs and probabilities carry 5 decimals
+            assert fill["paired"][name]["deletion"]["mean"] == pytest.approx(want, abs=rounding), (mode, name)
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_cifar_cls", "vit_tiny_cifar_rollout"])
+def test_evaluate_faithfulness_on_a_real_vit(tmp_path, sample, name):
+    images, labels = sample
+    model = tiny(name)
+    n = 3
+    result = evaluate_faithfulness(model, images[:n], labels[:n], model.pretrained_cfg["mean"],
+                                   model.pretrained_cfg["std"], batch_size=128, seeds=(1, 2))
+    assert set(result["fills"]) == {"mean", "drop"}
+    assert result["forward_passes"] == {"perturbed": 2 * n * 9 * (3 * 2 + 2), "all_removed": 2, "forward_backward": n,
+                                        "total_forward": n + 2 * n * 9 * 8 + 2}
+    for block in result["fills"].values():
+        assert list(block["maps"]) == ["rollout", "gradient_rollout", "last_layer_attention", "random"]
+        for summary in block["maps"].values():
+            assert summary["deletion_curve"][0] == pytest.approx(result["original_probability"], abs=1e-5)
+            assert summary["deletion_curve"][-1] == pytest.approx(block["all_removed_probability"], abs=1e-5)
+            assert summary["insertion_curve"][0] == pytest.approx(block["all_removed_probability"], abs=1e-5)
+            assert len(summary["insertion_curve"]) == 11
+    x = _x(model, images[:n])
+    with torch.no_grad():
+        pred = model(x).argmax(dim=1)
+        mean_fill = model(torch.zeros(1, 3, 32, 32)).softmax(dim=1)[0, pred]  # all patches the mean colour
+        prefix_only = (model.cls_token + model.pos_embed[:, :1])  # every patch token dropped
+        if name == "vit_tiny_cifar_cls":
+            empty = model.forward_head(model.norm(model.blocks(prefix_only))).softmax(dim=1)[0, pred]
+        else:  # rollout pooling over no patch token: the empty sum, so the head sees 0
+            empty = model.head.bias.softmax(dim=0)[pred]
+    assert result["fills"]["mean"]["all_removed_probability"] == pytest.approx(float(mean_fill.mean()), abs=1e-5)
+    assert result["fills"]["drop"]["all_removed_probability"] == pytest.approx(float(empty.mean()), abs=1e-5)
+    assert result["wall_time_s"] > 0 and 0 <= result["original_top1"] <= 1
+    assert plot_faithfulness(result, tmp_path / "faithfulness.png", "tiny ViT").stat().st_size > 10_000
 
 
 def test_eval_cli_writes_faithfulness(tmp_path):
@@ -139,22 +187,11 @@ def test_eval_cli_writes_faithfulness(tmp_path):
 
     out = tmp_path / "eval"
     results = main(["--model", "vit_tiny_cifar_rollout", "--dataset", "cifar10-sample", "--per-class", "2",
-                    "--heatmaps", "0", "--faithfulness", "--faithfulness-images", "3", "--output", str(out)])
+                    "--heatmaps", "0", "--faithfulness", "--faithfulness-images", "2", "--device", "cpu",
+                    "--amp", "none", "--output", str(out)])
     faith = results["faithfulness"]
-    assert faith["num_images"] == 3 and faith["seeds"] == [0, 1, 2]
-    assert json.loads((out / "results.json").read_text())["faithfulness"]["maps"].keys() == faith["maps"].keys()
+    assert faith["num_images"] == 2 and faith["seeds"] == [1, 2, 3] and faith["tie_seed"] == 0
+    assert faith["readout"] == "rollout-weights"
+    saved = json.loads((out / "results.json").read_text())["faithfulness"]
+    assert saved["fills"]["drop"]["paired"].keys() == faith["fills"]["drop"]["paired"].keys()
     assert (out / "faithfulness.png").exists() and "faithfulness.png" in results["outputs"]["figures"]
-
-
-def test_perturbed_passes_of_a_cls_model_run_fused_with_the_same_probabilities():
-    torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=2).eval()
-    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))
-    removed = torch.rand(3, 2, 64, generator=torch.Generator().manual_seed(3)) < 0.5
-    target = torch.tensor([1, 4, 7])
-    got = perturbation_probabilities(model, x, removed, (8, 8), target, batch_size=4)
-    assert all(block.attn.fused_attn is False for block in model.blocks)  # restored: the model's own setting
-    keep = (~removed).view(3, 2, 1, 8, 8).repeat_interleave(4, dim=3).repeat_interleave(4, dim=4).float()
-    with torch.no_grad():
-        want = torch.stack([model(x * keep[:, j]).softmax(dim=1)[torch.arange(3), target] for j in range(2)], dim=1)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
