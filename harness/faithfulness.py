@@ -423,7 +423,7 @@ def plot_faithfulness(result: Mapping[str, Any], path: str | Path, title: str = 
                     ax.fill_between(fractions, mean - spread, mean + spread, alpha=0.25,
                                     color=ax.lines[-1].get_color())
             better = "lower" if curve == "deletion" else "higher"
-            ax.set_title(f"{curve}, {block['fill']} ({better} is better)", fontsize=10)
+            ax.set_title(f"{curve}, {block['fill']}: {better} is better", fontsize=10)
             ax.set_xlabel(f"patches {verb} (%, most salient first)")
             ax.set_ylabel("probability of the original prediction")
             ax.set_ylim(0, 1)
