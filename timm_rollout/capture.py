@@ -2,23 +2,25 @@
 
 timm's attention modules (``timm.layers.Attention`` and its relatives) compute
 ``softmax(q k^T)`` explicitly when ``fused_attn`` is off and pass it to ``attn_drop``. A forward
-hook on ``attn_drop`` therefore sees the attention probabilities *before* dropout. Each hook stores
-what it sees on the ``attn_drop`` module it is attached to (never in a closure over a model), so a
-deep copy of a model (e.g. ``timm.utils.ModelEmaV3``) records its own attention.
+hook on ``attn_drop`` therefore sees the attention probabilities *before* dropout. Hooks exist only
+inside a ``with`` block: :func:`capture_attention` (public) stores what each hook sees on the
+``attn_drop`` module it is attached to (never in a closure over a model), so a deep copy of a model
+made meanwhile (e.g. ``timm.utils.ModelEmaV3``) records its own attention; :func:`record_attention`
+(the rollout-pooled model's own recorder) keeps one pass's attention in a local list.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
 
-__all__ = ["AttentionCapture", "attention_modules", "capture_attention", "install_attention_hook"]
+__all__ = ["AttentionCapture", "attention_modules", "capture_attention", "record_attention"]
 
-MODEL_SLOT = "_rollout_attn"  # used by the rollout-pooled model itself
 CAPTURE_SLOT = "_captured_attn"  # used by capture_attention()
 
 
@@ -36,29 +38,46 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _store_model_attention(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-    setattr(module, MODEL_SLOT, args[0])
-
-
 def _store_captured_attention(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
     setattr(module, CAPTURE_SLOT, args[0])
 
 
-def install_attention_hook(attn: nn.Module) -> None:
-    """Permanently record ``attn``'s pre-dropout probabilities on ``attn.attn_drop`` (explicit path)."""
-    attn.fused_attn = False
-    drop = attn.attn_drop
-    if _store_model_attention not in drop._forward_hooks.values():
-        drop.register_forward_hook(_store_model_attention)
+@contextmanager
+def _explicit_path_with_hooks(modules: list[nn.Module], hooks: list[Callable]) -> Iterator[None]:
+    """Run ``modules`` on the explicit attention path with ``hooks[i]`` on ``modules[i].attn_drop``.
+
+    On exit the hooks are removed and each module's ``fused_attn`` is restored.
+    """
+    fused = [m.fused_attn for m in modules]
+    handles = []
+    try:
+        for m, hook in zip(modules, hooks, strict=True):
+            m.fused_attn = False
+            handles.append(m.attn_drop.register_forward_hook(hook))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for m, was_fused in zip(modules, fused, strict=True):
+            m.fused_attn = was_fused
 
 
-def take_model_attention(attn: nn.Module) -> torch.Tensor | None:
-    """Return and release the attention that ``install_attention_hook`` recorded last."""
-    drop = attn.attn_drop
-    value = getattr(drop, MODEL_SLOT, None)
-    if value is not None:
-        setattr(drop, MODEL_SLOT, None)
-    return value
+@contextmanager
+def record_attention(model: nn.Module) -> Iterator[list[torch.Tensor | None]]:
+    """Record each block's pre-dropout attention during the ``with`` body into a list, in block order.
+
+    Used by the rollout-pooled model inside ``forward_features``: the list is local to the pass (nothing
+    is stored on the model) and the hooks are gone when it ends, so blocks re-run by gradient
+    checkpointing in backward record nothing. Entries stay None for blocks that did not run.
+    """
+    modules = attention_modules(model)
+    found: list[torch.Tensor | None] = [None] * len(modules)
+
+    def store(index: int, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        found[index] = args[0]
+
+    with _explicit_path_with_hooks(modules, [partial(store, i) for i in range(len(modules))]):
+        yield found
 
 
 @dataclass
@@ -95,20 +114,13 @@ def capture_attention(model: nn.Module) -> Iterator[AttentionCapture]:
         attentions = cap.attentions  # list, block order
     """
     modules = attention_modules(model)
-    fused = [m.fused_attn for m in modules]
-    handles = []
     try:
-        for m in modules:
-            m.fused_attn = False
-            handles.append(m.attn_drop.register_forward_hook(_store_captured_attention))
-        capture = AttentionCapture(modules, int(getattr(model, "num_prefix_tokens", 1)))
-        yield capture
-        found = [getattr(m.attn_drop, CAPTURE_SLOT, None) for m in modules]
-        capture._frozen = found if all(a is not None for a in found) else []
+        with _explicit_path_with_hooks(modules, [_store_captured_attention] * len(modules)):
+            capture = AttentionCapture(modules, int(getattr(model, "num_prefix_tokens", 1)))
+            yield capture
+            found = [getattr(m.attn_drop, CAPTURE_SLOT, None) for m in modules]
+            capture._frozen = found if all(a is not None for a in found) else []
     finally:
-        for handle in handles:
-            handle.remove()
-        for m, was_fused in zip(modules, fused, strict=True):
-            m.fused_attn = was_fused
+        for m in modules:
             if hasattr(m.attn_drop, CAPTURE_SLOT):
                 delattr(m.attn_drop, CAPTURE_SLOT)
