@@ -2,26 +2,27 @@
 
 timm's attention modules (``timm.layers.Attention`` and its relatives) compute
 ``softmax(q k^T)`` explicitly when ``fused_attn`` is off and pass it to ``attn_drop``. A forward
-hook on ``attn_drop`` therefore sees the attention probabilities *before* dropout. Hooks exist only
-inside a ``with`` block: :func:`capture_attention` (public) stores what each hook sees on the
-``attn_drop`` module it is attached to (never in a closure over a model), so a deep copy of a model
-made meanwhile (e.g. ``timm.utils.ModelEmaV3``) records its own attention; :func:`record_attention`
-(the rollout-pooled model's own recorder) keeps one pass's attention in a local list.
+hook on ``attn_drop`` therefore sees the attention probabilities *before* dropout. Hooks store what
+they see on the ``attn_drop`` module they are attached to (never in a closure over a model), so a deep
+copy of a model (e.g. ``timm.utils.ModelEmaV3``) records its own attention. :func:`capture_attention`
+(public) hooks a model for the duration of a ``with`` block; :func:`record_attention` arms the
+rollout-pooled model's own recorder for one forward pass and hands that pass's attention over on exit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 from torch import nn
 
-__all__ = ["AttentionCapture", "attention_modules", "capture_attention", "record_attention"]
+__all__ = ["AttentionCapture", "attention_modules", "capture_attention", "record_attention", "set_attention_recorder"]
 
 CAPTURE_SLOT = "_captured_attn"  # used by capture_attention()
+RECORD_SLOT = "_rollout_attn"  # used by the rollout-pooled model itself (record_attention)
+ARMED = "_rollout_armed"
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -42,42 +43,44 @@ def _store_captured_attention(module: nn.Module, args: tuple, output: torch.Tens
     setattr(module, CAPTURE_SLOT, args[0])
 
 
-@contextmanager
-def _explicit_path_with_hooks(modules: list[nn.Module], hooks: list[Callable]) -> Iterator[None]:
-    """Run ``modules`` on the explicit attention path with ``hooks[i]`` on ``modules[i].attn_drop``.
+def _record_if_armed(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    if getattr(module, ARMED, False):
+        setattr(module, RECORD_SLOT, args[0])
 
-    On exit the hooks are removed and each module's ``fused_attn`` is restored.
+
+def set_attention_recorder(model: nn.Module, on: bool) -> None:
+    """Install (``on``) or remove the rollout model's own recorder: a hook on every ``attn_drop``.
+
+    The hook records only while :func:`record_attention` arms it; it stays installed so that compiled
+    models (``torch.compile``) do not break their graph on hook registration in every forward pass.
     """
-    fused = [m.fused_attn for m in modules]
-    handles = []
-    try:
-        for m, hook in zip(modules, hooks, strict=True):
-            m.fused_attn = False
-            handles.append(m.attn_drop.register_forward_hook(hook))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        for m, was_fused in zip(modules, fused, strict=True):
-            m.fused_attn = was_fused
+    for m in attention_modules(model):
+        hooks = m.attn_drop._forward_hooks
+        for key in [k for k, hook in hooks.items() if hook is _record_if_armed]:
+            del hooks[key]
+        if on:
+            m.attn_drop.register_forward_hook(_record_if_armed)
 
 
 @contextmanager
 def record_attention(model: nn.Module) -> Iterator[list[torch.Tensor | None]]:
-    """Record each block's pre-dropout attention during the ``with`` body into a list, in block order.
+    """Arm the recorder of :func:`set_attention_recorder` for the ``with`` body of one forward pass.
 
-    Used by the rollout-pooled model inside ``forward_features``: the list is local to the pass (nothing
-    is stored on the model) and the hooks are gone when it ends, so blocks re-run by gradient
-    checkpointing in backward record nothing. Entries stay None for blocks that did not run.
+    Yields a list that is filled on exit with each block's pre-dropout attention (block order; None for
+    a block that did not run) and released from the modules, so nothing stays on the model. Blocks re-run
+    by gradient checkpointing in backward find the recorder disarmed and record nothing.
     """
-    modules = attention_modules(model)
-    found: list[torch.Tensor | None] = [None] * len(modules)
-
-    def store(index: int, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        found[index] = args[0]
-
-    with _explicit_path_with_hooks(modules, [partial(store, i) for i in range(len(modules))]):
+    drops = [m.attn_drop for m in attention_modules(model)]
+    found: list[torch.Tensor | None] = []
+    for drop in drops:
+        setattr(drop, ARMED, True)
+    try:
         yield found
+    finally:
+        for drop in drops:
+            found.append(getattr(drop, RECORD_SLOT, None))
+            setattr(drop, RECORD_SLOT, None)
+            setattr(drop, ARMED, False)
 
 
 @dataclass
@@ -114,13 +117,20 @@ def capture_attention(model: nn.Module) -> Iterator[AttentionCapture]:
         attentions = cap.attentions  # list, block order
     """
     modules = attention_modules(model)
+    fused = [m.fused_attn for m in modules]
+    handles = []
     try:
-        with _explicit_path_with_hooks(modules, [_store_captured_attention] * len(modules)):
-            capture = AttentionCapture(modules, int(getattr(model, "num_prefix_tokens", 1)))
-            yield capture
-            found = [getattr(m.attn_drop, CAPTURE_SLOT, None) for m in modules]
-            capture._frozen = found if all(a is not None for a in found) else []
-    finally:
         for m in modules:
+            m.fused_attn = False
+            handles.append(m.attn_drop.register_forward_hook(_store_captured_attention))
+        capture = AttentionCapture(modules, int(getattr(model, "num_prefix_tokens", 1)))
+        yield capture
+        found = [getattr(m.attn_drop, CAPTURE_SLOT, None) for m in modules]
+        capture._frozen = found if all(a is not None for a in found) else []
+    finally:
+        for handle in handles:
+            handle.remove()
+        for m, was_fused in zip(modules, fused, strict=True):
+            m.fused_attn = was_fused
             if hasattr(m.attn_drop, CAPTURE_SLOT):
                 delattr(m.attn_drop, CAPTURE_SLOT)

@@ -19,7 +19,7 @@ from timm.layers import LayerNorm, use_fused_attn
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from .capture import attention_modules, record_attention
+from .capture import attention_modules, record_attention, set_attention_recorder
 from .dropout import use_fast_dropout
 from .rollout import patch_weights, rollout_cls_row
 
@@ -125,6 +125,7 @@ def _use_pooling_class(model: RolloutVisionTransformer, rollout: bool) -> None:
     model.__class__ = cls
     for attn in attention_modules(model):
         attn.fused_attn = False if rollout else use_fused_attn()
+    set_attention_recorder(model, rollout)
     model.__dict__.pop(_WEIGHTS, None)
 
 
