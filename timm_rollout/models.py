@@ -4,10 +4,11 @@ All three are :class:`RolloutVisionTransformer`, a timm ``VisionTransformer`` wi
 names, so a checkpoint trained with one pooling loads into the others. Pooling is switchable at run time
 by assigning ``model.global_pool``. Any timm pooling (``'token'``, ``'avg'``, ...) runs stock timm code:
 fused attention, TorchScript, FX. Assigning ``'rollout'`` swaps the model's class to
-:class:`RolloutPooledVisionTransformer` (its identity, parameters and hooks untouched, as
-``use_fast_dropout`` does for dropout): it runs timm's explicit attention path, records each block's
-attention before dropout during ``forward_features`` and turns it into (B, num_patches) pooling weights
-at the end of that pass; ``forward_head`` uses them once. Assigning another pooling swaps back.
+:class:`RolloutPooledVisionTransformer` (object identity and parameters untouched, as ``use_fast_dropout``
+does for dropout): it runs timm's explicit attention path with a recorder hook on each ``attn_drop``,
+records each block's attention before dropout during ``forward_features``, turns it into (B, num_patches)
+pooling weights at the end of that pass and releases it; ``forward_head`` uses the weights once. Assigning
+another pooling swaps back (recorder removed, timm's default fused attention restored).
 """
 
 from __future__ import annotations
