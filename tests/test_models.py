@@ -177,12 +177,17 @@ def test_global_pool_assignment_switches_pooling_and_back(images):
         torch.testing.assert_close(model.forward_head(model.forward_features(images), pre_logits=True), tokens[:, 0])
 
 
-def test_rollout_weights_are_float32_under_bf16_autocast(images):
-    model = make("vit_tiny_cifar_rollout", depth=2).eval()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), capture_attention(model) as cap:
-        model.forward_features(images)
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+])
+def test_rollout_weights_are_float32_under_bf16_autocast(images, device):
+    model = make("vit_tiny_cifar_rollout", depth=2).eval().to(device)
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16), capture_attention(model) as cap:
+        model.forward_features(images.to(device))
         got = model.rollout_weights()
-    assert cap.attentions[0].dtype == torch.bfloat16  # the attention itself is what autocast made it
+    if device == "cpu":  # CPU autocast leaves softmax in bf16 (CUDA autocast runs it in fp32)
+        assert cap.attentions[0].dtype == torch.bfloat16
     want = patch_weights(rollout_cls_row([a.float() for a in cap.attentions]))  # fp32, no autocast
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
