@@ -65,6 +65,25 @@ def test_eval_is_identity_and_seed_reproduces_mask() -> None:
     assert torch.equal(a, drop(x))
 
 
+@pytest.mark.parametrize("shape", [(7,), (2, 3), (3, 65, 128)])
+def test_torchscript_and_fx_draw_the_same_masks_as_eager(shape) -> None:
+    from timm.models import get_notrace_modules
+    from torchvision.models.feature_extraction import NodePathTracer  # the tracer timm's FX tests use
+
+    drop = FastDropout(0.3).train()
+    scripted = torch.jit.script(drop)  # TorchScript has no dtype view: its masks come from bit shifts
+    net = nn.Sequential(nn.Identity(), drop)
+    traced = torch.fx.GraphModule(net, NodePathTracer(leaf_modules=get_notrace_modules()).trace(net))
+    assert any(n.op == "call_module" and n.target == "1" for n in traced.graph.nodes)  # a leaf, as timm traces it
+    x = torch.randn(shape)
+    outs = []
+    for run in (drop, scripted, traced):
+        torch.manual_seed(4)
+        outs.append(run(x))
+    assert (outs[0] == 0).any() or x.numel() < 8
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_use_fast_dropout_swaps_in_place_and_keeps_hooks() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.2), nn.Dropout(0.0))
     seen = []

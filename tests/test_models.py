@@ -1,15 +1,17 @@
-"""The two registered models: timm behaviour, rollout pooling, EMA copies, checkpoint swaps, errors."""
+"""The three registered models: timm behaviour, pooling switchable at run time, attention lifetime, EMA copies,
+checkpoint swaps, fp32 rollout under autocast, errors."""
 
 import pytest
 import timm
 import torch
+from timm.layers import use_fused_attn
 from timm.utils import ModelEmaV3
 
 import timm_rollout
 from timm_rollout import capture_attention, patch_weights, rollout_cls_row
-from timm_rollout.capture import MODEL_SLOT
+from timm_rollout.models import RolloutPooledVisionTransformer
 
-NAMES = ("vit_tiny_cifar_cls", "vit_tiny_cifar_rollout")
+NAMES = ("vit_tiny_cifar_cls", "vit_tiny_cifar_gap", "vit_tiny_cifar_rollout")
 
 
 def make(name: str, **kwargs) -> torch.nn.Module:
@@ -40,6 +42,10 @@ def test_registered_with_timm_and_study_architecture():
         assert not cfg.get("hf_hub_id") and not cfg.get("url")
     assert make("vit_tiny_cifar_cls").global_pool == "token"
     assert make("vit_tiny_cifar_rollout").global_pool == "rollout"
+    gap = make("vit_tiny_cifar_gap")
+    # mean of the final *normed* patch tokens: timm's fc_norm (a LayerNorm after pooling) stays off
+    assert gap.global_pool == "avg" and isinstance(gap.fc_norm, torch.nn.Identity)
+    assert isinstance(gap.norm, torch.nn.LayerNorm)
 
 
 def test_defaults_can_be_overridden():
@@ -72,18 +78,119 @@ def test_cls_pooling_is_final_cls_token(images):
     torch.testing.assert_close(model.forward_head(tokens, pre_logits=True), tokens[:, 0])
 
 
-def test_recorded_attention_is_released_after_each_forward(images):
-    for name in NAMES:
-        model = make(name).eval()
-        for _ in range(3):
-            model(images)
-        assert all(getattr(b.attn.attn_drop, MODEL_SLOT) is None for b in model.blocks)
+def attached_tensors(model: torch.nn.Module) -> dict[str, tuple]:
+    """Shape of every tensor a module attribute holds (directly or in a list/tuple/dict), except parameters."""
+    found = {}
+    for module_name, module in model.named_modules():
+        for key, value in vars(module).items():
+            if key in ("_parameters", "_modules"):
+                continue
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
+            for i, item in enumerate(items):
+                if isinstance(item, torch.Tensor):
+                    found[f"{module_name or 'model'}.{key}[{i}]"] = tuple(item.shape)
+    return found
 
 
-def test_forward_head_without_forward_features_says_what_to_do(images):
-    model = make("vit_tiny_cifar_rollout")
-    with pytest.raises(RuntimeError, match="call forward_features"):
+@pytest.mark.parametrize("name", NAMES)
+def test_no_attention_stays_attached_after_a_pass(images, name):
+    model = make(name, depth=2).eval()
+    kept = {"model._rollout_pool_weights[0]": (3, 64)} if name.endswith("rollout") else {}
+    with torch.no_grad():
+        model(images)
+        assert attached_tensors(model) == {}  # forward_head consumed the rollout weights
+        tokens = model.forward_features(images)
+        assert attached_tensors(model) == kept  # only the (B, P) pooling weights wait for forward_head
+        model.forward_head(tokens)
+        assert attached_tensors(model) == {}
+        model.forward_intermediates(images)
+        assert attached_tensors(model) == kept
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("rollout_grad", [False, True])
+def test_no_attention_stays_attached_after_a_checkpointed_training_step(images, name, rollout_grad):
+    model = make(name, depth=2, rollout_grad=rollout_grad).train()
+    model.set_grad_checkpointing(True)
+    torch.manual_seed(0)
+    model(images).logsumexp(-1).sum().backward()  # backward re-runs every block (recomputation)
+    assert attached_tensors(model) == {}
+    assert model.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+
+
+def test_forward_head_never_reuses_the_weights_of_a_pass(images):
+    model = make("vit_tiny_cifar_rollout", depth=2).eval()
+    with pytest.raises(RuntimeError, match=r"call forward_features\(x\) before each forward_head"):
         model.forward_head(torch.randn(3, 65, 128))
+    tokens = model.forward_features(images)
+    model.forward_head(tokens)
+    with pytest.raises(RuntimeError, match="used once"):  # a second forward_head does not reuse them
+        model.forward_head(tokens)
+    model.forward_features(images)
+    with pytest.raises(RuntimeError, match=r"rollout weights \(3, 64\) .* do not fit tokens \(2, 65, 128\)"):
+        model.forward_head(tokens[:2])
+
+
+def test_forward_head_pools_with_the_latest_pass(images):
+    model = make("vit_tiny_cifar_rollout", depth=2).eval()
+    model.forward_features(torch.randn_like(images))
+    with capture_attention(model) as cap:
+        tokens = model.forward_features(images)
+    pooled = model.forward_head(tokens, pre_logits=True)
+    want = (patch_weights(rollout_cls_row(cap.attentions)).unsqueeze(-1) * tokens[:, 1:]).sum(1)
+    torch.testing.assert_close(pooled, want, rtol=1e-5, atol=1e-6)
+
+
+def test_cls_and_gap_run_fused_attention_and_rollout_the_explicit_path(images):
+    for name in NAMES:
+        model = make(name, depth=2).eval()
+        fused = [b.attn.fused_attn for b in model.blocks]
+        assert fused == [not name.endswith("rollout") and use_fused_attn()] * 2
+        assert all(len(b.attn.attn_drop._forward_hooks) == int(name.endswith("rollout")) for b in model.blocks)
+        with torch.no_grad():
+            want = model(images)
+            with capture_attention(model):  # the explicit path meanwhile, for any model
+                assert not any(b.attn.fused_attn for b in model.blocks)
+                got = model(images)
+        assert [b.attn.fused_attn for b in model.blocks] == fused
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_global_pool_assignment_switches_pooling_and_back(images):
+    model = make("vit_tiny_cifar_cls", num_classes=10, depth=2).eval()
+    gap = make("vit_tiny_cifar_gap", num_classes=10, depth=2).eval()
+    gap.load_state_dict(model.state_dict(), strict=True)
+    with torch.no_grad():
+        tokens = model.forward_features(images)
+        model.global_pool = "rollout"  # post-hoc rollout readout of a CLS-trained backbone
+        assert type(model) is RolloutPooledVisionTransformer and not model.blocks[0].attn.fused_attn
+        with capture_attention(model) as cap:
+            pooled = model.forward_head(model.forward_features(images), pre_logits=True)
+        want = (patch_weights(rollout_cls_row(cap.attentions)).unsqueeze(-1) * tokens[:, 1:]).sum(1)
+        torch.testing.assert_close(pooled, want, rtol=1e-5, atol=1e-6)
+        model.global_pool = "avg"
+        assert type(model) is timm_rollout.RolloutVisionTransformer
+        assert model.blocks[0].attn.fused_attn == use_fused_attn()
+        assert all(len(b.attn.attn_drop._forward_hooks) == 0 for b in model.blocks)
+        torch.testing.assert_close(model(images), gap(images))
+        model.global_pool = "token"
+        torch.testing.assert_close(model.forward_head(model.forward_features(images), pre_logits=True), tokens[:, 0])
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+])
+def test_rollout_weights_are_float32_under_bf16_autocast(images, device):
+    model = make("vit_tiny_cifar_rollout", depth=2).eval().to(device)
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16), capture_attention(model) as cap:
+        model.forward_features(images.to(device))
+        got = model.rollout_weights()
+    if device == "cpu":  # CPU autocast leaves softmax in bf16 (CUDA autocast runs it in fp32)
+        assert cap.attentions[0].dtype == torch.bfloat16
+    want = patch_weights(rollout_cls_row([a.float() for a in cap.attentions]))  # fp32, no autocast
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def test_rollout_weights_are_a_readout_unless_asked(images):
@@ -113,14 +220,19 @@ def test_ema_copy_pools_with_its_own_attention(images):
     assert not torch.allclose(model(images), ema.module(images))
 
 
-def test_checkpoint_swaps_between_poolings(images):
-    cls_model = make("vit_tiny_cifar_cls", num_classes=10).eval()
-    rollout_model = timm.create_model("vit_tiny_cifar_rollout", num_classes=10).eval()
-    rollout_model.load_state_dict(cls_model.state_dict(), strict=True)
-    assert cls_model.state_dict().keys() == rollout_model.state_dict().keys()
-    torch.testing.assert_close(rollout_model.forward_features(images), cls_model.forward_features(images))
-    rollout_model.rollout_weights()  # release the recorded attention
-    assert not torch.allclose(rollout_model(images), cls_model(images))
+@pytest.mark.parametrize("source", NAMES)
+def test_checkpoint_swaps_between_poolings(images, source):
+    trained = make(source, num_classes=10).eval()
+    outputs = {}
+    for name in NAMES:
+        model = timm.create_model(name, num_classes=10).eval()
+        model.load_state_dict(trained.state_dict(), strict=True)
+        assert model.state_dict().keys() == trained.state_dict().keys()
+        torch.testing.assert_close(model.forward_features(images), trained.forward_features(images))
+        outputs[name] = model(images)
+    torch.testing.assert_close(outputs[source], trained(images))
+    assert not torch.allclose(outputs["vit_tiny_cifar_cls"], outputs["vit_tiny_cifar_gap"])
+    assert not torch.allclose(outputs["vit_tiny_cifar_gap"], outputs["vit_tiny_cifar_rollout"])
 
 
 def test_timm_vit_interface(images):
@@ -158,8 +270,8 @@ def test_torch_compile_gives_same_outputs(images):
         torch.testing.assert_close(compiled(images.flip(0)), model(images.flip(0)))
 
 
-def test_wrong_image_size_is_a_one_line_error():
-    model = make("vit_tiny_cifar_rollout")
-    message = r"^model expects \(B, C, 32, 32\) images, got 64x48; resize inputs to 32x32 or create the model"
-    with pytest.raises(ValueError, match=message):
+@pytest.mark.parametrize("name", NAMES)
+def test_wrong_image_size_is_a_one_line_error(name):
+    model = make(name, depth=1)  # timm's own strict_img_size check in PatchEmbed (scriptable)
+    with pytest.raises(AssertionError, match=r"^Input height \(64\) doesn't match model \(32\)\.$"):
         model(torch.randn(1, 3, 64, 48))

@@ -82,6 +82,19 @@ def test_fast_cls_row_equals_row_of_full_product(head_fusion, discard_ratio, tok
     torch.testing.assert_close(fast, full, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("head_fusion", ["mean", "max"])
+def test_rollout_runs_in_float32_under_bf16_autocast(head_fusion):
+    attentions = random_attention(4, 4, 65, 6)
+    want_row = rollout_cls_row(attentions, head_fusion)
+    want_full = attention_rollout(attentions, head_fusion)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        row = rollout_cls_row(attentions, head_fusion)
+        full = attention_rollout(attentions, head_fusion)
+    assert row.dtype == full.dtype == torch.float32
+    torch.testing.assert_close(row, want_row, rtol=0, atol=1e-6)  # a bf16 matmul is off by ~1e-3
+    torch.testing.assert_close(full, want_full, rtol=0, atol=1e-6)
+
+
 def test_patch_weights_drop_prefix_columns_and_sum_to_one():
     row = rollout_cls_row(random_attention(2, 2, 10, 3))
     w = patch_weights(row, num_prefix_tokens=2)

@@ -1,10 +1,11 @@
-"""timm-rollout: tiny CIFAR Vision Transformers pooled by [CLS] token or attention rollout, in timm.
+"""timm-rollout: tiny CIFAR Vision Transformers pooled by [CLS] token, patch mean or attention rollout, in timm.
 
-Importing the package registers ``vit_tiny_cifar_cls`` and ``vit_tiny_cifar_rollout`` with timm.
+Importing the package registers ``vit_tiny_cifar_cls``, ``vit_tiny_cifar_gap`` and ``vit_tiny_cifar_rollout``
+with timm.
 """
 
 from .capture import AttentionCapture, attention_modules, capture_attention
-from .models import RolloutVisionTransformer
+from .models import RolloutPooledVisionTransformer, RolloutVisionTransformer
 from .rollout import HEAD_FUSIONS, attention_rollout, fuse_heads, patch_weights, rollout_cls_row
 
 __version__ = "0.1.0"
@@ -12,6 +13,7 @@ __version__ = "0.1.0"
 __all__ = [
     "HEAD_FUSIONS",
     "AttentionCapture",
+    "RolloutPooledVisionTransformer",
     "RolloutVisionTransformer",
     "attention_modules",
     "attention_rollout",

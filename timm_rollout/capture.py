@@ -2,9 +2,11 @@
 
 timm's attention modules (``timm.layers.Attention`` and its relatives) compute
 ``softmax(q k^T)`` explicitly when ``fused_attn`` is off and pass it to ``attn_drop``. A forward
-hook on ``attn_drop`` therefore sees the attention probabilities *before* dropout. Each hook stores
-what it sees on the ``attn_drop`` module it is attached to (never in a closure over a model), so a
-deep copy of a model (e.g. ``timm.utils.ModelEmaV3``) records its own attention.
+hook on ``attn_drop`` therefore sees the attention probabilities *before* dropout. Hooks store what
+they see on the ``attn_drop`` module they are attached to (never in a closure over a model), so a deep
+copy of a model (e.g. ``timm.utils.ModelEmaV3``) records its own attention. :func:`capture_attention`
+(public) hooks a model for the duration of a ``with`` block; :func:`record_attention` arms the
+rollout-pooled model's own recorder for one forward pass and hands that pass's attention over on exit.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["AttentionCapture", "attention_modules", "capture_attention", "install_attention_hook"]
+__all__ = ["AttentionCapture", "attention_modules", "capture_attention", "record_attention", "set_attention_recorder"]
 
-MODEL_SLOT = "_rollout_attn"  # used by the rollout-pooled model itself
 CAPTURE_SLOT = "_captured_attn"  # used by capture_attention()
+RECORD_SLOT = "_rollout_attn"  # used by the rollout-pooled model itself (record_attention)
+ARMED = "_rollout_armed"
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -36,29 +39,48 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _store_model_attention(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-    setattr(module, MODEL_SLOT, args[0])
-
-
 def _store_captured_attention(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
     setattr(module, CAPTURE_SLOT, args[0])
 
 
-def install_attention_hook(attn: nn.Module) -> None:
-    """Permanently record ``attn``'s pre-dropout probabilities on ``attn.attn_drop`` (explicit path)."""
-    attn.fused_attn = False
-    drop = attn.attn_drop
-    if _store_model_attention not in drop._forward_hooks.values():
-        drop.register_forward_hook(_store_model_attention)
+def _record_if_armed(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    if getattr(module, ARMED, False):
+        setattr(module, RECORD_SLOT, args[0])
 
 
-def take_model_attention(attn: nn.Module) -> torch.Tensor | None:
-    """Return and release the attention that ``install_attention_hook`` recorded last."""
-    drop = attn.attn_drop
-    value = getattr(drop, MODEL_SLOT, None)
-    if value is not None:
-        setattr(drop, MODEL_SLOT, None)
-    return value
+def set_attention_recorder(model: nn.Module, on: bool) -> None:
+    """Install (``on``) or remove the rollout model's own recorder: a hook on every ``attn_drop``.
+
+    The hook records only while :func:`record_attention` arms it; it stays installed so that compiled
+    models (``torch.compile``) do not break their graph on hook registration in every forward pass.
+    """
+    for m in attention_modules(model):
+        hooks = m.attn_drop._forward_hooks
+        for key in [k for k, hook in hooks.items() if hook is _record_if_armed]:
+            del hooks[key]
+        if on:
+            m.attn_drop.register_forward_hook(_record_if_armed)
+
+
+@contextmanager
+def record_attention(model: nn.Module) -> Iterator[list[torch.Tensor | None]]:
+    """Arm the recorder of :func:`set_attention_recorder` for the ``with`` body of one forward pass.
+
+    Yields a list that is filled on exit with each block's pre-dropout attention (block order; None for
+    a block that did not run) and released from the modules, so nothing stays on the model. Blocks re-run
+    by gradient checkpointing in backward find the recorder disarmed and record nothing.
+    """
+    drops = [m.attn_drop for m in attention_modules(model)]
+    found: list[torch.Tensor | None] = []
+    for drop in drops:
+        setattr(drop, ARMED, True)
+    try:
+        yield found
+    finally:
+        for drop in drops:
+            found.append(getattr(drop, RECORD_SLOT, None))
+            setattr(drop, RECORD_SLOT, None)
+            setattr(drop, ARMED, False)
 
 
 @dataclass

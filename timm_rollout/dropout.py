@@ -13,42 +13,57 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from timm.layers import register_notrace_module
 from torch import nn
 
 __all__ = ["FastDropout", "effective_p", "use_fast_dropout"]
 
-_LEVELS = 1 << 16
+# Literals below, not module constants, because TorchScript compiles these functions: 65536 = 2**16
+# thresholds per 16-bit slice, -9223372036854775807 - 1 = the lowest int64 (full 64-bit draws).
 
 
 def _keep_threshold(p: float) -> int:
     """Number of the 65536 16-bit values that keep an element."""
-    return round((1.0 - p) * _LEVELS)
+    return int(round((1.0 - p) * 65536))  # noqa: RUF046 (TorchScript round() gives a float)
 
 
 def effective_p(p: float) -> float:
     """The drop probability ``FastDropout(p)`` realises on CPU."""
-    return 1.0 - _keep_threshold(p) / _LEVELS
+    return 1.0 - _keep_threshold(p) / 65536
 
 
-def _keep_mask(shape: torch.Size, p: float, device: torch.device) -> torch.Tensor:
-    """Boolean keep-mask, True with probability ``1 - effective_p(p)``, from the default generator."""
-    n = shape.numel()
-    bits = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(1 << 63), None)
-    slices = bits.view(torch.int16)[:n].view(shape)  # uniform over [-32768, 32767]
-    return slices < _keep_threshold(p) - (_LEVELS // 2)
+def _keep_mask(x: torch.Tensor, keep: int) -> torch.Tensor:
+    """Boolean keep-mask shaped like ``x``, True for ``keep`` of 65536 values, from the default generator.
+
+    Each int64 draw is read as four int16 slices ``s`` (uniform over [-32768, 32767]); an element is kept
+    when ``s + 32768 < keep``. TorchScript has no dtype view, so there the slices come from shifts: the
+    same bits, the same mask.
+    """
+    n = x.numel()
+    bits = torch.empty([(n + 3) // 4], dtype=torch.int64, device=x.device).random_(-9223372036854775807 - 1, None)
+    if torch.jit.is_scripting():
+        shifts = torch.tensor([0, 16, 32, 48], dtype=torch.int64, device=x.device)
+        offset = ((bits.unsqueeze(-1) >> shifts) & 0xFFFF) ^ 0x8000  # = int16 slice + 32768 (little-endian order)
+        return (offset < keep).flatten()[:n].view(x.shape)
+    return bits.view(torch.int16)[:n].view(x.shape) < keep - 32768
 
 
+@register_notrace_module  # an FX leaf (as timm's tracing helpers treat it): masks stay this module's own
 class FastDropout(nn.Dropout):
-    """``nn.Dropout`` with a cheap CPU keep-mask (see the module docstring for the exact ``p`` realised)."""
+    """``nn.Dropout`` with a cheap CPU keep-mask (see the module docstring for the exact ``p`` realised).
+
+    Its ``forward`` is TorchScript-compatible and timm's FX tools keep it as a leaf module, so scripted and
+    traced models draw the same masks as eager ones.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p <= 0.0 or self.p >= 1.0 or self.inplace or x.device.type != "cpu":
             return F.dropout(x, self.p, self.training, self.inplace)
         keep = _keep_threshold(self.p)
-        if keep == _LEVELS:
+        if keep == 65536:
             return x
         # where + in-place scale: autograd keeps only the bool mask; the scale is applied in float as F.dropout does
-        return torch.where(_keep_mask(x.shape, self.p, x.device), x, 0.0).mul_(_LEVELS / keep)
+        return torch.where(_keep_mask(x, keep), x, 0.0).mul_(65536 / keep)
 
 
 def use_fast_dropout(model: nn.Module) -> int:

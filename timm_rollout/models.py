@@ -1,10 +1,14 @@
-"""The two tiny CIFAR ViTs, registered with timm: [CLS]-token pooling and attention-rollout pooling.
+"""The three tiny CIFAR ViTs, registered with timm: [CLS]-token, patch-mean and attention-rollout pooling.
 
-Both are :class:`RolloutVisionTransformer`, a timm ``VisionTransformer`` whose blocks run timm's
-explicit attention path with a forward hook that records each block's attention probabilities
-before dropout. With ``global_pool='rollout'`` the head averages the final (normed) patch tokens
-weighted by the [CLS] row of the attention rollout. The two models share every parameter name,
-so a checkpoint trained with one pooling loads into the other.
+All three are :class:`RolloutVisionTransformer`, a timm ``VisionTransformer`` with the same parameter
+names, so a checkpoint trained with one pooling loads into the others. Pooling is switchable at run time
+by assigning ``model.global_pool``. Any timm pooling (``'token'``, ``'avg'``, ...) runs stock timm code:
+fused attention, TorchScript, FX. Assigning ``'rollout'`` swaps the model's class to
+:class:`RolloutPooledVisionTransformer` (object identity and parameters untouched, as ``use_fast_dropout``
+does for dropout): it runs timm's explicit attention path with a recorder hook on each ``attn_drop``,
+records each block's attention before dropout during ``forward_features``, turns it into (B, num_patches)
+pooling weights at the end of that pass and releases it; ``forward_head`` uses the weights once. Assigning
+another pooling swaps back (recorder removed, timm's default fused attention restored).
 """
 
 from __future__ import annotations
@@ -12,38 +16,25 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from timm.layers import LayerNorm
+from timm.layers import LayerNorm, use_fused_attn
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from .capture import install_attention_hook, take_model_attention
+from .capture import attention_modules, record_attention, set_attention_recorder
 from .dropout import use_fast_dropout
 from .rollout import patch_weights, rollout_cls_row
 
-__all__ = ["CIFAR100_MEAN", "CIFAR100_STD", "RolloutVisionTransformer"]
+__all__ = ["CIFAR100_MEAN", "CIFAR100_STD", "RolloutPooledVisionTransformer", "RolloutVisionTransformer"]
 
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 
 ROLLOUT = "rollout"
-
-
-def _check_image_size(patch_embed: torch.nn.Module, args: tuple) -> None:
-    """Forward pre-hook on ``patch_embed``: a one-line error for images the model cannot take."""
-    x = args[0]
-    if not getattr(patch_embed, "strict_img_size", False) or patch_embed.img_size is None:
-        return
-    want = tuple(patch_embed.img_size)
-    if x.dim() != 4 or tuple(x.shape[-2:]) != want:
-        got = "x".join(str(s) for s in x.shape[-2:]) if x.dim() == 4 else f"shape {tuple(x.shape)}"
-        raise ValueError(
-            f"model expects (B, C, {want[0]}, {want[1]}) images, got {got}; resize inputs to "
-            f"{want[0]}x{want[1]} or create the model with img_size={x.shape[-1] if x.dim() == 4 else want[0]}"
-        )
+_WEIGHTS = "_rollout_pool_weights"  # (B, num_patches) from the latest forward pass, used once by pool()
 
 
 class RolloutVisionTransformer(VisionTransformer):
-    """timm ``VisionTransformer`` that can pool by attention rollout (``global_pool='rollout'``).
+    """timm ``VisionTransformer`` whose pooling can be attention rollout (``global_pool='rollout'``).
 
     Args:
         global_pool: any timm pooling (``'token'``, ``'avg'``, ...) or ``'rollout'``.
@@ -54,45 +45,89 @@ class RolloutVisionTransformer(VisionTransformer):
 
     def __init__(self, *args, global_pool: str = "token", rollout_grad: bool = False, **kwargs) -> None:
         super().__init__(*args, global_pool="token" if global_pool == ROLLOUT else global_pool, **kwargs)
-        self.global_pool = global_pool
         self.rollout_grad = rollout_grad
+        self.global_pool = global_pool
         use_fast_dropout(self)
-        for block in self.blocks:
-            install_attention_hook(block.attn)
-        self.patch_embed.register_forward_pre_hook(_check_image_size)
 
-    def rollout_weights(self) -> torch.Tensor:
-        """Rollout pooling weights (B, num_patches) from the attention of the last forward pass.
-
-        Consumes (releases) the recorded attention, so call it once after ``forward_features``.
-        """
-        attentions = [take_model_attention(block.attn) for block in self.blocks]
-        if any(a is None for a in attentions):
-            raise RuntimeError(
-                "no attention recorded: call forward_features(x) before forward_head(x) on a "
-                "rollout-pooled model, and keep timm's explicit attention path (fused_attn=False)"
-            )
-        if not self.rollout_grad:
-            attentions = [a.detach() for a in attentions]
-        row = rollout_cls_row(attentions, num_prefix_tokens=self.num_prefix_tokens)
-        return patch_weights(row, self.num_prefix_tokens)
-
-    def pool(self, x: torch.Tensor, pool_type: str | None = None) -> torch.Tensor:
-        pool_type = self.global_pool if pool_type is None else pool_type
-        if pool_type != ROLLOUT:
-            for block in self.blocks:
-                take_model_attention(block.attn)
-            return super().pool(x, pool_type)
-        weights = self.rollout_weights().to(x.dtype)
-        return torch.bmm(weights.unsqueeze(1), x[:, self.num_prefix_tokens:]).squeeze(1)
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name == "global_pool":
+            _use_pooling_class(self, value == ROLLOUT)
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
-        """Replace the head; rollout pooling is kept unless another ``global_pool`` is given."""
-        if global_pool == ROLLOUT or (global_pool is None and self.global_pool == ROLLOUT):
+        """Replace the head; the pooling is kept unless ``global_pool`` (any timm pooling or 'rollout') is given."""
+        if global_pool == ROLLOUT:
             super().reset_classifier(num_classes)
             self.global_pool = ROLLOUT
         else:
             super().reset_classifier(num_classes, global_pool)
+
+
+class RolloutPooledVisionTransformer(RolloutVisionTransformer):
+    """A :class:`RolloutVisionTransformer` while ``global_pool == 'rollout'`` (made by assigning it, never built).
+
+    ``forward_features`` and ``forward_intermediates`` record the attention of the pass they run, compute
+    the pooling weights from it at the end (float32, autocast off) and release it; the model then holds
+    only those (B, num_patches) weights, which the next ``forward_head`` consumes.
+    """
+
+    def forward_features(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        with record_attention(self) as attentions:
+            x = super().forward_features(x, *args, **kwargs)
+        self._keep_weights(attentions)
+        return x
+
+    def forward_intermediates(self, x: torch.Tensor, *args, **kwargs) -> tuple | list | dict:
+        with record_attention(self) as attentions:
+            out = super().forward_intermediates(x, *args, **kwargs)
+        self._keep_weights(attentions)
+        return out
+
+    def _keep_weights(self, attentions: list[torch.Tensor | None]) -> None:
+        """Store this pass's pooling weights; none when some block did not run (``stop_early``)."""
+        weights = None
+        if all(a is not None for a in attentions):
+            if not self.rollout_grad:
+                attentions = [a.detach() for a in attentions]
+            row = rollout_cls_row(attentions, num_prefix_tokens=self.num_prefix_tokens)
+            weights = patch_weights(row, self.num_prefix_tokens)
+        setattr(self, _WEIGHTS, weights)
+
+    def rollout_weights(self) -> torch.Tensor:
+        """Pooling weights (B, num_patches) of the latest ``forward_features`` that no ``forward_head`` used yet."""
+        weights = getattr(self, _WEIGHTS, None)
+        if weights is None:
+            raise RuntimeError(
+                "no rollout weights: call forward_features(x) before each forward_head(x) on a rollout-pooled "
+                "model (the weights of one pass are used once)"
+            )
+        return weights
+
+    def pool(self, x: torch.Tensor, pool_type: str | None = None) -> torch.Tensor:
+        pool_type = self.global_pool if pool_type is None else pool_type
+        if pool_type != ROLLOUT:
+            return super().pool(x, pool_type)
+        weights = self.rollout_weights()
+        setattr(self, _WEIGHTS, None)  # used once: pooling never reuses an earlier pass's attention
+        patches = x[:, self.num_prefix_tokens:]
+        if weights.shape != patches.shape[:2]:
+            raise RuntimeError(
+                f"rollout weights {tuple(weights.shape)} from the latest forward_features do not fit tokens "
+                f"{tuple(x.shape)}: pass forward_head the output of that same forward_features call"
+            )
+        return torch.bmm(weights.to(x.dtype).unsqueeze(1), patches).squeeze(1)
+
+
+def _use_pooling_class(model: RolloutVisionTransformer, rollout: bool) -> None:
+    """Swap ``model`` between the two classes; rollout pooling needs the explicit attention path."""
+    cls = RolloutPooledVisionTransformer if rollout else RolloutVisionTransformer
+    if type(model) is cls:
+        return
+    model.__class__ = cls
+    for attn in attention_modules(model):
+        attn.fused_attn = False if rollout else use_fused_attn()
+    set_attention_recorder(model, rollout)
+    model.__dict__.pop(_WEIGHTS, None)
 
 
 def _cfg(**kwargs) -> dict:
@@ -118,6 +153,7 @@ def _cfg(**kwargs) -> dict:
 
 default_cfgs = generate_default_cfgs({
     "vit_tiny_cifar_cls": _cfg(),
+    "vit_tiny_cifar_gap": _cfg(),
     "vit_tiny_cifar_rollout": _cfg(),
 })
 
@@ -154,6 +190,16 @@ def _create(variant: str, pretrained: bool, default_pool: str, **kwargs) -> Roll
 def vit_tiny_cifar_cls(pretrained: bool = False, **kwargs) -> RolloutVisionTransformer:
     """Tiny CIFAR ViT (patch 4, dim 128, depth 6, 4 heads) classifying from the final [CLS] token."""
     return _create("vit_tiny_cifar_cls", pretrained, "token", **kwargs)
+
+
+@register_model
+def vit_tiny_cifar_gap(pretrained: bool = False, **kwargs) -> RolloutVisionTransformer:
+    """The same tiny CIFAR ViT, averaging the final (normed) patch tokens (timm's ``global_pool='avg'``).
+
+    ``fc_norm=False`` keeps the final LayerNorm before pooling (timm would move it after), so the three
+    models differ in pooling only and share every parameter name.
+    """
+    return _create("vit_tiny_cifar_gap", pretrained, "avg", **{"fc_norm": False, **kwargs})
 
 
 @register_model
