@@ -161,9 +161,6 @@ def _heatmap_figure(model, data: ImageSet, info: dict, args, device, amp_dtype, 
     return plot_heatmaps(images, maps.rollout, maps.last_cls, true, pred, out / "heatmaps.png", title)
 
 
-ACCURACIES = ("top1", "top5", "linear_probe", "knn_loo", "knn_bank")  # metrics with per-image predictions
-
-
 def _neighbour_predictions(feats: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
                            bank_feats: torch.Tensor | None, bank_labels: torch.Tensor | None,
                            args: argparse.Namespace) -> dict[str, np.ndarray | None]:
@@ -182,7 +179,7 @@ def _metric_values(predicted: dict[str, np.ndarray | None], labels: torch.Tensor
                    silhouette: float) -> dict[str, float | None]:
     """results.json's metrics: accuracies from the per-image predictions, then geometry and silhouette."""
     values: dict[str, float | None] = {}
-    for name in ACCURACIES:
+    for name in metrics.ACCURACIES:
         pred = predicted[name]
         if pred is None:
             values[name] = None

@@ -20,6 +20,7 @@ from sklearn.metrics import silhouette_score
 from threadpoolctl import threadpool_limits
 
 __all__ = [
+    "ACCURACIES",
     "LINEAR_PROBE",
     "SILHOUETTE_SAMPLE_SIZE",
     "accuracy",
@@ -44,6 +45,8 @@ __all__ = [
 ]
 
 SILHOUETTE_SAMPLE_SIZE = 10_000
+# The accuracy metrics of an evaluation; each has per-image predictions (top5: per-image hits).
+ACCURACIES = ("top1", "top5", "linear_probe", "knn_loo", "knn_bank")
 # scikit-learn LogisticRegression settings of the linear probe (fixed, no search: deterministic and fast).
 LINEAR_PROBE = {"C": 1.0, "solver": "lbfgs", "max_iter": 1000, "tol": 1e-4}
 

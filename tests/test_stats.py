@@ -1,14 +1,17 @@
-"""harness.stats against textbook numbers, closed forms worked by hand, and scipy's own routes."""
+"""harness.stats against textbook numbers, closed forms worked by hand and scipy; harness.compare's use of it."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats as sps
 
-from harness import stats
+from harness import compare, stats
+from timm_rollout.errors import UserError
 
 # Student's sleep data (Cushny & Peebles 1905): extra hours of sleep under two drugs, the same 10 patients.
 SLEEP_1 = [0.7, -1.6, -0.2, -1.2, -0.1, 3.4, 3.7, 0.8, 0.0, 2.0]
@@ -93,3 +96,64 @@ def test_holm_against_a_hand_example():
     assert stats.holm([0.01, None, 0.04]) == [pytest.approx(0.02), None, pytest.approx(0.04)]
     assert stats.holm([0.6, 0.5]) == pytest.approx([1.0, 1.0])
     assert stats.holm([]) == []
+
+
+# harness.compare on constructed per-seed results: pairing by seed, the textbook interval, Holm, McNemar pooled.
+
+CLS_TOP1 = {0: 0.50, 1: 0.52, 2: 0.51, 3: 0.90}  # seed 3 has no rollout partner
+ROLLOUT_TOP1 = {2: 0.52, 0: 0.53, 1: 0.54}  # listed in another order: pairing must go by seed
+
+
+def _result(tmp_path: Path, model: str, seed: int, top1: float, knn: float, correct: list[int]) -> dict:
+    folder = tmp_path / f"{model}-s{seed}"
+    folder.mkdir()
+    labels = [0] * len(correct)
+    (folder / "predictions.json").write_text(json.dumps(
+        {"index": list(range(100, 100 + len(correct))), "label": labels,
+         "predicted": {"top1": [0 if c else 1 for c in correct]}, "top5_hit": [1] * len(correct)}))
+    return {"path": str(folder), "model": {"name": model, "architecture": model},
+            "data": {"argument": "cifar10", "split": "test"}, "config": {"seed": seed},
+            "metrics": {"top1": top1, "knn_loo": knn, "ratio": 1.0 + 0.1 * seed}}
+
+
+def test_compare_pairs_by_seed_and_gives_the_textbook_interval(tmp_path):
+    # Per-image correctness: per seed, cls right / rollout right on 6 images.
+    cls_img = {0: [1, 1, 0, 0, 1, 0], 1: [1, 0, 0, 1, 1, 1], 2: [0, 0, 1, 1, 1, 1], 3: [1] * 6}
+    rol_img = {0: [1, 1, 1, 1, 0, 0], 1: [1, 1, 1, 1, 1, 1], 2: [1, 1, 1, 1, 1, 0]}
+    knn_cls, knn_rol = {0: 0.40, 1: 0.45, 2: 0.41, 3: 0.5}, {0: 0.42, 1: 0.46, 2: 0.47}
+    results = [_result(tmp_path, "cls", s, v, knn_cls[s], cls_img[s]) for s, v in CLS_TOP1.items()]
+    results += [_result(tmp_path, "rollout", s, v, knn_rol[s], rol_img[s]) for s, v in ROLLOUT_TOP1.items()]
+    base, other = compare.summarise(results, ["top1", "knn_loo", "ratio"])
+    rows = {r.metric: r for r in compare.compare_groups(base, other, ["top1", "knn_loo", "ratio"])}
+    top1 = rows["top1"]
+    assert top1.seeds == [0, 1, 2] and top1.delta.mean == pytest.approx(0.02)
+    se, t_crit = 0.01 / math.sqrt(3), math.sqrt(1.805 / 0.0975)
+    assert (top1.delta.low, top1.delta.high) == (pytest.approx(0.02 - t_crit * se), pytest.approx(0.02 + t_crit * se))
+    assert top1.p_holm is None  # primary: not adjusted
+    # Hand count over the 18 (seed, image) pairs: cls alone right on 2 (s0 #4, s2 #5), rollout alone on 6
+    # (s0 #2 #3, s1 #1 #2, s2 #0 #1); X ~ Bin(8, 1/2): mid-p = 2 (P(X <= 1) + P(X = 2) / 2) = 2 (9 + 14) / 256.
+    assert (top1.per_image.n, top1.per_image.base_only, top1.per_image.other_only) == (18, 2, 6)
+    assert top1.per_image.delta == pytest.approx(4 / 18)
+    assert top1.per_image.p == pytest.approx(2 * (9 + 14) / 256)
+    p_knn = sps.ttest_rel([0.42, 0.46, 0.47], [0.40, 0.45, 0.41]).pvalue
+    assert rows["knn_loo"].delta.p == pytest.approx(p_knn)
+    assert rows["ratio"].delta.p is None  # identical per-seed ratios: zero spread, no test
+    assert rows["knn_loo"].p_holm == pytest.approx(p_knn)  # the only secondary test: m = 1
+    table = compare.render_comparison(list(rows.values()))
+    assert "| top1 | 3 | +0.0200 | [-0.0048, +0.0448] | 0.0742 | primary |" in table
+
+
+def test_compare_finds_the_training_seed_and_refuses_ambiguous_pairs(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train_args.json").write_text(json.dumps({"seed": 7}))
+    assert compare.run_seed({"model": {"checkpoint": str(run)}, "config": {"seed": 0}}) == 7
+    assert compare.run_seed({"model": {"checkpoint": str(run / "model.safetensors")}, "config": {"seed": 0}}) == 7
+    assert compare.run_seed({"model": {"checkpoint": str(tmp_path / "gone")}, "config": {"seed": 3}}) == 3
+    twice = []
+    for i, model in enumerate(("a", "a", "b")):
+        (tmp_path / str(i)).mkdir()
+        twice.append(_result(tmp_path / str(i), model, 0, 0.5, 0.5, [1]))
+    base, other = compare.summarise(twice, ["top1"])
+    with pytest.raises(UserError, match="two runs with seed 0"):
+        compare.compare_groups(base, other, ["top1"])
