@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,11 +115,13 @@ def run_seed(result: dict[str, Any]) -> int | None:
     return result.get("config", {}).get("seed")
 
 
-def summarise(results: Sequence[dict[str, Any]], metrics: Sequence[str] = METRICS) -> list[Group]:
-    """Group runs by :func:`run_label` (in first-seen order); per-run values, mean and sample std of each metric."""
+def summarise(results: Sequence[dict[str, Any]], metrics: Sequence[str] = METRICS,
+              label: Callable[[dict[str, Any]], str] = run_label) -> list[Group]:
+    """Group runs by ``label`` (default :func:`run_label`; in first-seen order); per-run values, mean and
+    sample std of each metric."""
     groups: dict[str, Group] = {}
     for result in results:
-        group = groups.setdefault(run_label(result), Group(run_label(result)))
+        group = groups.setdefault(label(result), Group(label(result)))
         group.runs.append(str(result.get("path", "?")))
         group.seeds.append(run_seed(result))
         for metric in metrics:
