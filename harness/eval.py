@@ -161,10 +161,11 @@ def _heatmap_figure(model, data: ImageSet, info: dict, args, device, amp_dtype, 
     return plot_heatmaps(images, maps.rollout, maps.last_cls, true, pred, out / "heatmaps.png", title)
 
 
-def _neighbour_predictions(feats: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
-                           bank_feats: torch.Tensor | None, bank_labels: torch.Tensor | None,
-                           args: argparse.Namespace) -> dict[str, np.ndarray | None]:
-    """Per-image predictions of the head and both k-NN protocols; ``top5`` holds per-image hits instead."""
+def _predictions(feats: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
+                 bank_feats: torch.Tensor | None, bank_labels: torch.Tensor | None,
+                 args: argparse.Namespace) -> dict[str, np.ndarray | None]:
+    """Per-image predictions of the head and both k-NN protocols (the linear probe is added in its own stage);
+    ``top5`` holds per-image hits instead."""
     return {
         "top1": logits.argmax(dim=1).numpy(),
         "top5": metrics.topk_hits(logits, labels, 5),
@@ -253,8 +254,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     labels = data.labels
     with clock.stage("metrics"):
         faiss_threads = metrics.default_threads()
-        predicted = _neighbour_predictions(feats, logits, labels, bank_feats if bank else None,
-                                           bank.labels if bank else None, args)
+        predicted = _predictions(feats, logits, labels, None if bank is None else bank_feats,
+                                 None if bank is None else bank.labels, args)
         geometry = {**metrics.centroid_metrics(feats, labels), **metrics.original_centroid_metrics(feats, labels)}
         sil, sample = metrics.silhouette(feats, labels, seed=args.seed)
         present, cents = metrics.centroids(feats, labels)
