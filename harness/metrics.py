@@ -42,6 +42,7 @@ __all__ = [
     "silhouette",
     "topk_accuracy",
     "topk_hits",
+    "whitening",
 ]
 
 SILHOUETTE_SAMPLE_SIZE = 10_000
@@ -189,22 +190,34 @@ def knn_bank(
     return accuracy(knn_bank_predictions(bank_features, bank_labels, query_features, k, temperature), query_labels)
 
 
+def whitening(features: np.ndarray, floor: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """PCA whitening of ``features`` (N, D): their mean and the (D, D) map ``(x - mean) @ W`` that gives unit
+    covariance. Eigenvalues below ``floor`` times the largest are raised to it, so near-constant dimensions are
+    not blown up.
+    """
+    mean = features.mean(axis=0, dtype=np.float64)
+    eigval, eigvec = np.linalg.eigh(np.cov(features - mean, rowvar=False))
+    eigval = np.maximum(eigval, floor * max(float(eigval.max()), 1e-12))
+    return mean.astype(np.float32), (eigvec / np.sqrt(eigval)).astype(np.float32)
+
+
 def linear_probe_predictions(bank_features: ArrayLike, bank_labels: ArrayLike, query_features: ArrayLike,
                              threads: int | None = None) -> np.ndarray:
     """Class predicted for each query by a linear probe trained on the frozen bank features.
 
-    Features are L2-normalised (as for every metric), then standardised per dimension with the bank's mean and
-    std; a multinomial scikit-learn ``LogisticRegression`` with :data:`LINEAR_PROBE` (L2 penalty C = 1, lbfgs,
-    at most 1000 iterations, tol 1e-4, no randomness) is fitted on the bank. BLAS/OpenMP threads are capped at
-    ``threads`` (default :func:`default_threads`): oversubscribed threads made the fit 8x slower on a busy CPU.
+    Features are L2-normalised (as for every metric), then centred and whitened with the bank's covariance
+    (:func:`whitening`); a multinomial scikit-learn ``LogisticRegression`` with :data:`LINEAR_PROBE` (L2 penalty
+    C = 1, lbfgs, at most 1000 iterations, tol 1e-4, no randomness) is fitted on the bank. Whitening makes the
+    problem well conditioned: on correlated features lbfgs needs several times fewer iterations and reaches the
+    optimum it otherwise stops short of. BLAS/OpenMP threads are capped at ``threads`` (default
+    :func:`default_threads`): oversubscribed threads made the fit 8x slower on a busy CPU.
     """
     bank = l2_normalize(bank_features)
     queries = l2_normalize(query_features)
-    mean, std = bank.mean(axis=0), bank.std(axis=0)
-    std = np.where(std > 1e-12, std, 1.0)
     with threadpool_limits(threads or default_threads()):
-        probe = LogisticRegression(**LINEAR_PROBE).fit((bank - mean) / std, _numpy(bank_labels).astype(np.int64))
-        return probe.predict((queries - mean) / std)
+        mean, w = whitening(bank)
+        probe = LogisticRegression(**LINEAR_PROBE).fit((bank - mean) @ w, _numpy(bank_labels).astype(np.int64))
+        return probe.predict((queries - mean) @ w)
 
 
 def linear_probe(bank_features: ArrayLike, bank_labels: ArrayLike, query_features: ArrayLike,

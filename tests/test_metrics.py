@@ -172,20 +172,30 @@ def test_linear_probe_known_answer_and_sklearn_route():
 
 
 def test_linear_probe_matches_an_independent_sklearn_pipeline(data):
-    """Overlapping classes: the probe's predictions equal a Normalizer -> StandardScaler -> LogisticRegression
-    pipeline's (the documented settings), and its accuracy is far above chance."""
+    """Overlapping classes: the probe's predictions equal a Normalizer -> PCA(whiten) -> LogisticRegression
+    pipeline's (the documented settings; PCA's rotation differs, the L2 penalty does not see it), and its
+    accuracy is far above chance."""
+    from sklearn.decomposition import PCA
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import Normalizer, StandardScaler
+    from sklearn.preprocessing import Normalizer
 
     features, labels = data
     bank, bank_y, queries, query_y = features[:200], labels[:200], features[200:], labels[200:]
     ours = metrics.linear_probe_predictions(bank, bank_y, queries)
-    ref = make_pipeline(Normalizer(), StandardScaler(), LogisticRegression(C=1.0, max_iter=1000, tol=1e-4))
+    ref = make_pipeline(Normalizer(), PCA(whiten=True), LogisticRegression(C=1.0, max_iter=1000, tol=1e-4))
     theirs = ref.fit(bank.astype(np.float64), bank_y).predict(queries.astype(np.float64))
     assert (ours == theirs).mean() >= 0.99
     assert metrics.accuracy(ours, query_y) > 0.5  # 5 classes: chance is 0.2
     assert metrics.linear_probe_predictions(bank, bank_y, queries).tolist() == ours.tolist()  # deterministic
+
+
+def test_whitening_gives_unit_covariance(data):
+    x = metrics.l2_normalize(data[0])
+    mean, w = metrics.whitening(x)
+    assert np.cov(((x - mean) @ w).astype(np.float64), rowvar=False) == pytest.approx(np.eye(16), abs=1e-4)
+    flat = np.concatenate([x[:, :15], np.full((len(x), 1), 0.5, np.float32)], axis=1)  # a constant dimension
+    assert np.isfinite(metrics.whitening(flat)[1]).all()
 
 
 def test_per_image_predictions_agree_with_the_accuracies(data):
