@@ -156,7 +156,8 @@ def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], pat
     """Train loss and eval top-1 per epoch, both models overlaid, one line per seed."""
     fig = Figure(figsize=(11, 4.2))
     ax_loss, ax_acc = fig.subplots(1, 2)
-    for (short, per_seed), colour in zip(logs.items(), ("tab:blue", "tab:orange"), strict=False):
+    for arm, (short, per_seed) in enumerate(logs.items()):
+        colour = f"C{arm}"  # one colour per arm, any number of arms
         for i, (seed, rows) in enumerate(sorted(per_seed.items())):
             epochs = [r["epoch"] for r in rows]
             label = f"{short} (seed {seed})"
