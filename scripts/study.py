@@ -153,7 +153,7 @@ def delta_tables(groups: dict[str, Group], metrics: Sequence[str]) -> str:
 
 
 def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], path: Path, title: str) -> Path:
-    """Train loss and eval top-1 per epoch, both models overlaid, one line per seed."""
+    """Train loss and eval top-1 per epoch, every arm overlaid (one colour each), one line per seed."""
     fig = Figure(figsize=(11, 4.2))
     ax_loss, ax_acc = fig.subplots(1, 2)
     for arm, (short, per_seed) in enumerate(logs.items()):
