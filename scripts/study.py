@@ -209,16 +209,18 @@ def plot_side_by_side(args: argparse.Namespace, runs: dict[str, Path], seed: int
 
 def _report_tables(groups: dict[str, Group], faithfulness: list[str]) -> list[str]:
     """The report's statistics: means per arm, paired differences, and the original study's geometry."""
-    tested = [*METRICS, *faithfulness]
+    shown = [*METRICS, *faithfulness]
+    tested = [m for m in shown if not m.startswith("random ")]  # the random-order baseline is no hypothesis
     lines = ["## Metrics per arm", "", "Mean ± sample std over seeds. Faithfulness rows are `<map> <quantity>` from "
              "`results.json[\"faithfulness\"]` (deletion AUC: lower is better; insertion AUC: higher is better; "
-             "`random` is the random-order baseline).", "", means_table(groups, tested), ""]
+             "`random` is the random-order baseline, shown but not tested).", "", means_table(groups, shown), ""]
     if len(groups) > 1:
         lines += ["## Paired differences", "", STATISTICS_NOTE, "", delta_tables(groups, tested)]
-    lines += ["## The original study's geometry", "",
-              "Its mixed units (Euclidean intra, cosine-distance inter), only to set these runs beside its table; "
-              "the ratio shrinks when a layout shrinks, so it is not tested.", "",
-              means_table(groups, ORIGINAL_METRICS), ""]
+    if any(g.mean.get(m) is not None for g in groups.values() for m in ORIGINAL_METRICS):
+        lines += ["## The original study's geometry", "",
+                  "Its mixed units (Euclidean intra, cosine-distance inter), only to set these runs beside its table; "
+                  "the ratio shrinks when a layout shrinks, so it is not tested.", "",
+                  means_table(groups, ORIGINAL_METRICS), ""]
     return lines
 
 
