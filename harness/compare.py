@@ -1,36 +1,53 @@
-"""Compare evaluation runs side by side: a markdown table with deltas and a bar chart.
+"""Compare evaluation runs: per-group means, and paired statistics of each group against the first.
 
-    python -m harness.compare eval/c10-cls eval/c10-rollout ... --output report/
+    python -m harness.compare eval/c10-cls-s0 eval/c10-cls-s1 eval/c10-rollout-s0 eval/c10-rollout-s1 --output report/
 
-Runs that share a label (model name, the architecture its weights were trained as, data set and split)
-are grouped as mean +- std over runs, with the number of runs. Deltas are against the first group.
+Runs that share a label (model name, the architecture its weights were trained as, data set and split) form a
+group. Runs of two groups are paired by training seed: ``seed`` in the ``train_args.json`` next to the
+evaluated checkpoint (``results["model"]["checkpoint"]``, resolved from the working directory) when it can be
+read, else the evaluation's ``results["config"]["seed"]`` (the study evaluates each run with its training seed).
+For each metric, the mean paired difference (group - first group) gets a 95% t-interval, a p-value and the
+minimum detectable effect (:mod:`harness.stats`); the primary metric is test top-1, every other metric is
+secondary and its p-values are Holm-adjusted together. Accuracies also get McNemar's per-image test, pooled
+over the paired seeds, from each run's ``predictions.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from harness import stats
 from harness.figures import plot_comparison
+from harness.metrics import ACCURACIES
 from timm_rollout.atomic import write_text
 from timm_rollout.errors import UserError, run_cli
 
-__all__ = ["METRICS", "Group", "load_results", "main", "render_markdown", "run_label", "summarise"]
+__all__ = ["METRICS", "ORIGINAL_METRICS", "PRIMARY", "Group", "MetricComparison", "ci_half_widths",
+           "compare_groups",
+           "correct_per_image", "load_results", "main", "render_comparison", "render_markdown", "run_label",
+           "run_seed", "summarise"]
 
-METRICS = ("top1", "top5", "knn_loo", "knn_bank", "intra", "inter", "ratio", "silhouette")
+METRICS = ("top1", "top5", "linear_probe", "knn_loo", "knn_bank", "intra", "inter", "ratio", "silhouette")
+ORIGINAL_METRICS = ("intra_original", "inter_original", "ratio_original")  # the original study's definitions
+PRIMARY = "top1"
 
 
 @dataclass
 class Group:
-    """Runs sharing a label, with per-metric mean and sample std (None when no run has the metric)."""
+    """Runs sharing a label: their folders, training seeds and per-run values, with per-metric mean and sample
+    std (None when no run has the metric; std None with one run)."""
 
     label: str
     runs: list[str] = field(default_factory=list)
+    seeds: list[int | None] = field(default_factory=list)
+    values: dict[str, list[float | None]] = field(default_factory=dict)
     mean: dict[str, float | None] = field(default_factory=dict)
     std: dict[str, float | None] = field(default_factory=dict)
     count: dict[str, int] = field(default_factory=dict)
@@ -38,6 +55,19 @@ class Group:
     @property
     def n(self) -> int:
         return len(self.runs)
+
+
+@dataclass(frozen=True)
+class MetricComparison:
+    """One metric of one group against a base group: the seed-paired delta and, for accuracies, the per-image
+    McNemar test pooled over those seeds; ``*_holm`` are Holm-adjusted (None for the primary metric)."""
+
+    metric: str
+    seeds: list[int]
+    delta: stats.TInterval | None
+    p_holm: float | None = None
+    per_image: stats.McNemar | None = None
+    per_image_p_holm: float | None = None
 
 
 def load_results(folders: Sequence[str | Path]) -> list[dict[str, Any]]:
@@ -70,33 +100,144 @@ def run_label(result: dict[str, Any]) -> str:
     return f"{label} on {dataset}/{data.get('split', '?')}"
 
 
-def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, None
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+def run_seed(result: dict[str, Any]) -> int | None:
+    """Training seed of a run: ``train_args.json`` beside its checkpoint if readable, else the eval seed."""
+    checkpoint = result.get("model", {}).get("checkpoint")
+    if checkpoint:
+        path = Path(checkpoint)
+        args_file = (path if path.is_dir() else path.parent) / "train_args.json"
+        try:
+            seed = json.loads(args_file.read_text(encoding="utf-8")).get("seed")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            seed = None
+        if isinstance(seed, int):
+            return seed
+    return result.get("config", {}).get("seed")
 
 
-def summarise(results: Sequence[dict[str, Any]], metrics: Sequence[str] = METRICS) -> list[Group]:
-    """Group runs by :func:`run_label` (in first-seen order); mean and sample std of each metric."""
+def summarise(results: Sequence[dict[str, Any]], metrics: Sequence[str] = METRICS,
+              label: Callable[[dict[str, Any]], str] = run_label) -> list[Group]:
+    """Group runs by ``label`` (default :func:`run_label`; in first-seen order); per-run values, mean and
+    sample std of each metric."""
     groups: dict[str, Group] = {}
-    values: dict[str, dict[str, list[float]]] = {}
     for result in results:
-        label = run_label(result)
-        group = groups.setdefault(label, Group(label))
+        group = groups.setdefault(label(result), Group(label(result)))
         group.runs.append(str(result.get("path", "?")))
+        group.seeds.append(run_seed(result))
         for metric in metrics:
             value = result["metrics"].get(metric)
-            if value is not None:
-                values.setdefault(label, {}).setdefault(metric, []).append(float(value))
-    for label, group in groups.items():
+            group.values.setdefault(metric, []).append(None if value is None else float(value))
+    for group in groups.values():
         for metric in metrics:
-            found = values.get(label, {}).get(metric, [])
-            group.mean[metric], group.std[metric] = _mean_std(found)
+            found = [v for v in group.values.get(metric, []) if v is not None]
             group.count[metric] = len(found)
+            group.mean[metric] = float(np.mean(found)) if found else None
+            group.std[metric] = float(np.std(found, ddof=1)) if len(found) > 1 else None
     return list(groups.values())
+
+
+def _by_seed(group: Group) -> dict[int, int]:
+    """Run position of each seed; a seed evaluated twice cannot be paired."""
+    positions: dict[int, int] = {}
+    for i, seed in enumerate(group.seeds):
+        if seed is None:
+            continue
+        if seed in positions:
+            raise UserError(f"{group.label} has two runs with seed {seed} ({group.runs[positions[seed]]}, "
+                            f"{group.runs[i]}); pass one evaluation per seed")
+        positions[seed] = i
+    return positions
+
+
+def correct_per_image(folder: str | Path, metric: str) -> dict[int, bool] | None:
+    """Per-image correctness of ``metric`` in an evaluation folder's predictions.json, keyed by split index;
+    None when the file or the metric is missing."""
+    path = Path(folder) / "predictions.json"
+    if not path.is_file():
+        return None
+    pred = json.loads(path.read_text(encoding="utf-8"))
+    if metric == "top5":
+        hits = pred.get("top5_hit")
+    else:
+        predicted = pred.get("predicted", {}).get(metric)
+        hits = None if predicted is None else [p == y for p, y in zip(predicted, pred["label"], strict=True)]
+    return None if hits is None else dict(zip(pred["index"], map(bool, hits), strict=True))
+
+
+def _per_image(base: Group, other: Group, metric: str, pairs: list[tuple[int, int]]) -> stats.McNemar | None:
+    """McNemar over the (seed, image) pairs of all paired seeds; None unless every run has predictions."""
+    a, b = [], []
+    for i, j in pairs:
+        x, y = correct_per_image(base.runs[i], metric), correct_per_image(other.runs[j], metric)
+        if x is None or y is None:
+            return None
+        common = sorted(x.keys() & y.keys())
+        a += [x[k] for k in common]
+        b += [y[k] for k in common]
+    return stats.mcnemar(a, b) if a else None
+
+
+def compare_groups(base: Group, other: Group, metrics: Sequence[str] = METRICS,
+                   primary: str = PRIMARY) -> list[MetricComparison]:
+    """Each metric of ``other`` against ``base``, paired by seed; Holm over the secondary metrics' p-values."""
+    base_at, other_at = _by_seed(base), _by_seed(other)
+    seeds = sorted(base_at.keys() & other_at.keys())
+    rows = []
+    for metric in metrics:
+        x, y = base.values.get(metric, [None] * base.n), other.values.get(metric, [None] * other.n)
+        paired = [(s, base_at[s], other_at[s]) for s in seeds
+                  if x[base_at[s]] is not None and y[other_at[s]] is not None]
+        if not paired:
+            rows.append(MetricComparison(metric, [], None))
+            continue
+        delta = stats.paired_delta([x[i] for _, i, _ in paired], [y[j] for _, _, j in paired])
+        pairs = [(i, j) for _, i, j in paired]
+        per_image = _per_image(base, other, metric, pairs) if metric in ACCURACIES else None
+        rows.append(MetricComparison(metric, [s for s, _, _ in paired], delta, per_image=per_image))
+    secondary = [i for i, r in enumerate(rows) if r.metric != primary]
+    p_holm = stats.holm([rows[i].delta.p if rows[i].delta else None for i in secondary])
+    img_holm = stats.holm([rows[i].per_image.p if rows[i].per_image else None for i in secondary])
+    for k, i in enumerate(secondary):
+        rows[i] = MetricComparison(rows[i].metric, rows[i].seeds, rows[i].delta, p_holm[k], rows[i].per_image,
+                                   img_holm[k])
+    return rows
+
+
+def _num(x: float | None, signed: bool = False) -> str:
+    return "-" if x is None else f"{x:+.4f}" if signed else f"{x:.4f}"
+
+
+def _p(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def render_comparison(rows: Sequence[MetricComparison], primary: str = PRIMARY) -> str:
+    """Markdown table of :func:`compare_groups` rows (metrics without paired values are left out)."""
+    lines = ["| metric | seeds | Δ mean | 95% CI | p | p Holm | MDE | per image: base only / other only | "
+             "per-image Δ | per-image p | per-image p Holm |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.delta is None:
+            continue
+        d, img = r.delta, r.per_image
+        ci = "-" if d.low is None else f"[{d.low:+.4f}, {d.high:+.4f}]"
+        holm = "primary" if r.metric == primary else _p(r.p_holm)
+        img_cells = ["-"] * 4 if img is None else [
+            f"{img.base_only} / {img.other_only}", _num(img.delta, True), _p(img.p),
+            "primary" if r.metric == primary else _p(r.per_image_p_holm)]
+        lines.append(f"| {r.metric} | {d.n} | {_num(d.mean, True)} | {ci} | {_p(d.p)} | {holm} | {_num(d.mde)} | "
+                     + " | ".join(img_cells) + " |")
+    return "\n".join(lines)
+
+
+STATISTICS_NOTE = (
+    "Δ = other - base, paired by training seed: mean over paired seeds with a 95% t-interval and a two-sided "
+    "p-value (one-sample t on the per-seed differences); MDE = (t(0.975, n-1) + t(0.8, n-1)) sd(Δ) / sqrt(n), "
+    "the smallest true Δ that n seeds detect with power 0.8 at level 0.05 (none with one seed). The primary "
+    f"metric is {PRIMARY}; the p-values of all other metrics are Holm-adjusted together (and so are their "
+    "per-image p-values). Per image: McNemar's mid-p test on the images each model alone got right, pooled over "
+    "the paired seeds (each seed-image pair counts once); it measures test-image noise for these trained models, "
+    "not seed-to-seed variation."
+)
 
 
 def _cell(group: Group, metric: str) -> str:
@@ -115,12 +256,13 @@ def _delta(group: Group, base: Group, metric: str) -> str:
 def render_markdown(
     groups: Sequence[Group], metrics: Sequence[str] = METRICS, title: str = "Evaluation comparison"
 ) -> str:
-    """Markdown report: metric-by-group table with deltas against the first group, then the runs of each group."""
+    """Markdown report: metric-by-group means (± sample std) with differences of means against the first group,
+    then the paired statistics of every other group against the first, then the runs of each group."""
     if not groups:
         raise ValueError("nothing to render: no groups")
     base = groups[0]
     header = ["metric"] + [f"{g.label} (n={g.n})" for g in groups] + [f"Δ {g.label}" for g in groups[1:]]
-    lines = [f"# {title}", "", f"Deltas are against **{base.label}**. Values: mean ± sample std over runs.", ""]
+    lines = [f"# {title}", "", f"Differences are against **{base.label}**. Values: mean ± sample std over runs.", ""]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
     for metric in metrics:
@@ -128,17 +270,33 @@ def render_markdown(
             continue
         row = [metric] + [_cell(g, metric) for g in groups] + [_delta(g, base, metric) for g in groups[1:]]
         lines.append("| " + " | ".join(row) + " |")
+    if len(groups) > 1:
+        lines += ["", "## Paired statistics", "", STATISTICS_NOTE, ""]
+        for g in groups[1:]:
+            lines += [f"### {g.label} - {base.label}", "", render_comparison(compare_groups(base, g, metrics)), ""]
     lines += ["", "## Runs", ""]
     for g in groups:
-        lines.append(f"- **{g.label}**: " + ", ".join(f"`{r}`" for r in g.runs))
+        lines.append(f"- **{g.label}**: " + ", ".join(f"`{r}` (seed {s})" for r, s in zip(g.runs, g.seeds,
+                                                                                         strict=True)))
     return "\n".join(lines) + "\n"
+
+
+def ci_half_widths(group: Group, metrics: Sequence[str]) -> dict[str, float | None]:
+    """Half-width of the 95% t-interval of each metric's mean over the group's runs (None with one run)."""
+    widths: dict[str, float | None] = {}
+    for metric in metrics:
+        found = [v for v in group.values.get(metric, []) if v is not None]
+        t = stats.t_interval(found) if found else None
+        widths[metric] = None if t is None or t.high is None else t.high - t.mean
+    return widths
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness.compare", description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="evaluation folders (each with results.json)")
     p.add_argument("--output", required=True, help="folder for report.md and comparison.png")
-    p.add_argument("--metrics", nargs="+", default=list(METRICS), choices=METRICS, help="metrics to show")
+    p.add_argument("--metrics", nargs="+", default=list(METRICS), choices=METRICS + ORIGINAL_METRICS,
+                   help="metrics to show (the first listed group is the base)")
     return p
 
 
@@ -149,7 +307,8 @@ def main(argv: list[str] | None = None) -> list[Group]:
     write_text(out / "report.md", render_markdown(groups, args.metrics))
     shown = [m for m in args.metrics if any(g.mean.get(m) is not None for g in groups)]
     plot_comparison([g.label for g in groups], shown, {g.label: g.mean for g in groups},
-                    {g.label: g.std for g in groups}, out / "comparison.png", "Evaluation metrics by run group")
+                    {g.label: ci_half_widths(g, shown) for g in groups}, out / "comparison.png",
+                    "Evaluation metrics by run group")
     print(f"compared {sum(g.n for g in groups)} runs in {len(groups)} groups -> {out / 'report.md'}")
     return groups
 

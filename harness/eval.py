@@ -3,7 +3,8 @@
     python -m harness.eval --model vit_tiny_cifar_rollout --checkpoint runs/c10-rollout \\
         --dataset cifar10 --bank-split train --heatmaps 8 --output eval/c10-rollout
 
-Writes ``results.json`` (metrics + provenance), ``cosine_matrix.png``, ``heatmaps.png`` and, with
+Writes ``results.json`` (metrics + provenance), ``predictions.json`` (per-image predictions, to compare runs
+image by image), ``cosine_matrix.png``, ``heatmaps.png`` and, with
 ``--save-features``, ``features.safetensors`` into ``--output``; ``--faithfulness`` adds deletion/insertion
 curves of the saliency maps (``results.json["faithfulness"]``, ``faithfulness.png``).
 """
@@ -11,6 +12,7 @@ curves of the saliency maps (``results.json["faithfulness"]``, ``faithfulness.pn
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 import time
@@ -20,6 +22,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -27,7 +30,7 @@ from harness import metrics
 from harness.faithfulness import evaluate_faithfulness, plot_faithfulness
 from harness.features import extract, saliency_maps
 from harness.figures import plot_cosine_matrix, plot_heatmaps
-from timm_rollout.atomic import atomic_path, write_json
+from timm_rollout.atomic import atomic_path, write_json, write_text
 from timm_rollout.data import ImageSet, balanced_indices, load_image_set, normalize
 from timm_rollout.device import AMP_CHOICES, resolve_amp, resolve_device
 from timm_rollout.errors import UserError, run_cli
@@ -118,11 +121,13 @@ def select_classes(class_names: Sequence[str], classes: Sequence[str] | None, nu
     return list(range(len(class_names)))
 
 
-def _subset(data: ImageSet, class_ids: list[int], per_class: int | None, seed: int, what: str) -> ImageSet:
+def _subset(data: ImageSet, class_ids: list[int], per_class: int | None, seed: int,
+            what: str) -> tuple[ImageSet, torch.Tensor]:
+    """The selected images and their indices in the split."""
     idx = balanced_indices(data.labels, per_class=per_class, classes=class_ids, seed=seed)
     if len(idx) == 0:
         raise UserError(f"the {what} selection is empty: {data.split} has no images of the selected classes")
-    return data.subset(idx)
+    return data.subset(idx), idx
 
 
 def _versions() -> dict[str, str | None]:
@@ -174,6 +179,47 @@ def _heatmap_figure(model, data: ImageSet, info: dict, args, device, amp_dtype, 
     return plot_heatmaps(images, maps, true, pred, out / "heatmaps.png", title)
 
 
+def _predictions(feats: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
+                 bank_feats: torch.Tensor | None, bank_labels: torch.Tensor | None,
+                 args: argparse.Namespace) -> dict[str, np.ndarray | None]:
+    """Per-image predictions of the head and both k-NN protocols (the linear probe is added in its own stage);
+    ``top5`` holds per-image hits instead."""
+    return {
+        "top1": logits.argmax(dim=1).numpy(),
+        "top5": metrics.topk_hits(logits, labels, 5),
+        "linear_probe": None,
+        "knn_loo": metrics.knn_loo_predictions(feats, labels, args.k),
+        "knn_bank": None if bank_feats is None else
+        metrics.knn_bank_predictions(bank_feats, bank_labels, feats, args.bank_k, args.temperature),
+    }
+
+
+def _metric_values(predicted: dict[str, np.ndarray | None], labels: torch.Tensor, geometry: dict[str, float],
+                   silhouette: float) -> dict[str, float | None]:
+    """results.json's metrics: accuracies from the per-image predictions, then geometry and silhouette."""
+    values: dict[str, float | None] = {}
+    for name in metrics.ACCURACIES:
+        pred = predicted[name]
+        if pred is None:
+            values[name] = None
+        else:
+            values[name] = float(pred.mean()) if name == "top5" else metrics.accuracy(pred, labels)
+    ours = {k: geometry[k] for k in ("intra", "inter", "ratio")}
+    original = {k: v for k, v in geometry.items() if k.endswith("_original")}
+    return {**values, **ours, "silhouette": silhouette, **original}
+
+
+def _predictions_json(predicted: dict[str, np.ndarray | None], labels: torch.Tensor, index: torch.Tensor) -> str:
+    """predictions.json: split index and label of each evaluated image, the class each accuracy metric
+    predicted for it, and whether its label is in the head's top 5 (compact JSON, one list per key)."""
+    body = {
+        "index": index.tolist(), "label": labels.tolist(),
+        "predicted": {k: v.tolist() for k, v in predicted.items() if v is not None and k != "top5"},
+        "top5_hit": None if predicted["top5"] is None else predicted["top5"].astype(int).tolist(),
+    }
+    return json.dumps(body, separators=(",", ":")) + "\n"
+
+
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """Run one evaluation and write its outputs; returns the results written to results.json."""
     clock = Stopwatch()
@@ -189,7 +235,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         class_ids = select_classes(full.class_names, args.classes, args.num_classes)
         if len(class_ids) < 2:
             raise UserError("select at least 2 classes: centroid separation and silhouette compare classes")
-        data = _subset(full, class_ids, args.per_class, args.seed, "evaluated")
+        data, data_index = _subset(full, class_ids, args.per_class, args.seed, "evaluated")
         if len(data) <= args.k:
             raise UserError(f"{len(data)} images selected; leave-one-out {args.k}-NN needs more than {args.k}")
         cosine_ids = _class_ids(args.cosine_classes, full.class_names, "--cosine-classes") if args.cosine_classes \
@@ -217,31 +263,30 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         with clock.stage("load_bank"):
             bank_full = load_image_set(args.dataset, args.bank_split, image_column=args.image_column,
                                        label_column=args.label_column)
-            bank = _subset(bank_full, class_ids, args.bank_per_class, args.seed, "bank")
+            bank, _ = _subset(bank_full, class_ids, args.bank_per_class, args.seed, "bank")
             if len(bank) < args.bank_k:
                 raise UserError(f"the bank has {len(bank)} images, fewer than --bank-k {args.bank_k}")
         with clock.stage("extract_bank"):
             bank_feats, _ = extract(model, bank.images, mean, std, device=device, amp_dtype=amp_dtype,
                                     batch_size=args.batch_size, desc=f"{bank.split} bank features")
 
+    labels = data.labels
     with clock.stage("metrics"):
         faiss_threads = metrics.default_threads()
-        labels = data.labels
-        results_metrics: dict[str, float | None] = {
-            "top1": metrics.topk_accuracy(logits, labels, 1),
-            "top5": metrics.topk_accuracy(logits, labels, 5),
-            "knn_loo": metrics.knn_loo(feats, labels, args.k),
-            "knn_bank": metrics.knn_bank(bank_feats, bank.labels, feats, labels, args.bank_k, args.temperature)
-            if bank is not None else None,
-        }
-        results_metrics.update(metrics.centroid_metrics(feats, labels))
+        predicted = _predictions(feats, logits, labels, None if bank is None else bank_feats,
+                                 None if bank is None else bank.labels, args)
+        geometry = {**metrics.centroid_metrics(feats, labels), **metrics.original_centroid_metrics(feats, labels)}
         sil, sample = metrics.silhouette(feats, labels, seed=args.seed)
-        results_metrics["silhouette"] = sil
         present, cents = metrics.centroids(feats, labels)
         row = {int(c): i for i, c in enumerate(present)}
         cos_ids = [c for c in cosine_ids if c in row]  # in the order asked for
         cos = metrics.cosine_matrix(cents[[row[c] for c in cos_ids]])
     cos_names = [full.class_names[c] for c in cos_ids]
+    if bank is not None:
+        with clock.stage("linear_probe"):
+            predicted["linear_probe"] = metrics.linear_probe_predictions(bank_feats, bank.labels, feats)
+    results_metrics = _metric_values(predicted, labels, geometry, sil)
+    write_text(out / "predictions.json", _predictions_json(predicted, labels, data_index))
 
     with clock.stage("figures"):
         figures = [plot_cosine_matrix(cos, cos_names, out / "cosine_matrix.png",
@@ -285,13 +330,15 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed, "per_class": args.per_class, "k": args.k, "bank_k": args.bank_k,
             "temperature": args.temperature, "silhouette_sample_size": sample, "heatmaps": args.heatmaps,
             "batch_size": args.batch_size, "feature_dim": int(feats.shape[1]),
+            "linear_probe": metrics.LINEAR_PROBE if bank is not None else None,
         },
         "args": vars(args),
         "environment": {
             "device": str(device), "dtype": str(amp_dtype or torch.float32).replace("torch.", ""),
             "torch_threads": torch.get_num_threads(), "faiss_threads": faiss_threads, "packages": _versions(),
         },
-        "outputs": {"figures": figures, "features": "features.safetensors" if args.save_features else None},
+        "outputs": {"figures": figures, "features": "features.safetensors" if args.save_features else None,
+                    "predictions": "predictions.json"},
         "timing": {**clock.seconds, "total": round(time.perf_counter() - start, 3)},
     }
     write_json(out / "results.json", results)

@@ -93,23 +93,24 @@ def plot_comparison(
     groups: Sequence[str],
     metrics: Sequence[str],
     means: Mapping[str, Mapping[str, float | None]],
-    stds: Mapping[str, Mapping[str, float | None]],
+    errors: Mapping[str, Mapping[str, float | None]],
     path: str | Path,
     title: str,
 ) -> Path:
-    """Grouped bars: one group of bars per metric, one bar per run group, error bars = std over runs."""
+    """Grouped bars: one group of bars per metric, one bar per run group; error bars are ``errors`` (the half-widths
+    of the 95% t-intervals of the means over runs; none for a single run)."""
     x = np.arange(len(metrics))
     width = 0.8 / max(1, len(groups))
     fig = Figure(figsize=(max(6.0, 1.3 * len(metrics) * max(1, len(groups)) ** 0.5), 4.5))
     ax = fig.subplots()
     for j, group in enumerate(groups):
         vals = [means[group].get(m) for m in metrics]
-        errs = [stds[group].get(m) or 0.0 for m in metrics]
+        errs = [errors[group].get(m) or 0.0 for m in metrics]
         heights = [np.nan if v is None else v for v in vals]
         ax.bar(x + (j - (len(groups) - 1) / 2) * width, heights, width, yerr=errs, capsize=3, label=group)
     ax.set_xticks(x, metrics)
     ax.set_xlabel("metric")
-    ax.set_ylabel("value (mean over runs, error bar = std)")
+    ax.set_ylabel("value (mean over runs, error bar = 95% CI)")
     ax.set_title(title)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)

@@ -5,9 +5,11 @@
 The two models differ only in pooling. Each run trains with ``python -m timm_rollout.train`` and is
 evaluated with ``python -m harness.eval`` (k-NN against the train split as bank). Finished runs and
 evaluations are skipped and interrupted runs resume, so re-running the same command after a crash
-completes the study. ``report.md`` in ``--output`` holds the comparison (mean +- std over seeds, deltas,
-and whether each delta exceeds the seed-to-seed spread), overlaid training curves, the cosine-similarity
-matrices and a heatmap grid of the same test images under both models.
+completes the study. ``report.md`` in ``--output`` holds every metric per arm (mean +- std over seeds), the
+paired-by-seed difference of each arm against ``cls`` and against ``gap`` when present (95% CI, p-value,
+Holm-adjusted p for the secondary metrics, minimum detectable effect, McNemar's per-image test for
+accuracies; see :mod:`harness.compare`), overlaid training curves, the cosine-similarity matrices and a
+heatmap grid of the same test images under both models.
 """
 
 from __future__ import annotations
@@ -26,7 +28,16 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure
 
-from harness.compare import METRICS, Group, load_results, summarise
+from harness.compare import (
+    METRICS,
+    ORIGINAL_METRICS,
+    STATISTICS_NOTE,
+    Group,
+    compare_groups,
+    load_results,
+    render_comparison,
+    summarise,
+)
 from harness.features import saliency_maps
 from harness.figures import save_figure, upsample_patch_map
 from timm_rollout.atomic import write_json, write_text
@@ -37,6 +48,7 @@ from timm_rollout.loading import load_model, sha256_file
 from timm_rollout.train_log import read_log
 
 MODELS = {"cls": "vit_tiny_cifar_cls", "rollout": "vit_tiny_cifar_rollout"}
+REFERENCES = ("cls", "gap")  # every other arm is compared with each of these that the study has
 # Study flags that change what is computed: a re-run must repeat them to reuse the folder.
 IDENTITY = ("dataset", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class",
             "faithfulness_images")
@@ -116,30 +128,37 @@ def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder:
     _run(cmd, args.threads)
 
 
-def spread_table(cls: Group, rollout: Group, metrics: Sequence[str]) -> str:
-    """Markdown table: mean +- std per model, the delta, and whether it exceeds the seed-to-seed spread.
-
-    A delta counts as beyond the spread when ``|delta| > std(CLS) + std(rollout)``; with one seed there is
-    no spread to compare against.
-    """
-    lines = ["| metric | CLS | rollout | Δ (rollout - CLS) | beyond seed spread? |", "|---|---:|---:|---:|---|"]
+def means_table(groups: dict[str, Group], metrics: Sequence[str]) -> str:
+    """Markdown table: each metric's mean ± sample std over seeds, one column per arm."""
+    lines = ["| metric | " + " | ".join(f"{arm} (n={g.n})" for arm, g in groups.items()) + " |",
+             "|---|" + "---:|" * len(groups)]
     for m in metrics:
-        a, b = cls.mean.get(m), rollout.mean.get(m)
-        if a is None or b is None:
+        if all(g.mean.get(m) is None for g in groups.values()):
             continue
-        sa, sb = cls.std.get(m), rollout.std.get(m)
-        cell = lambda mean, std: f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"  # noqa: E731
-        delta = b - a
-        verdict = "n/a (one seed)" if sa is None or sb is None else ("yes" if abs(delta) > sa + sb else "no")
-        lines.append(f"| {m} | {cell(a, sa)} | {cell(b, sb)} | {delta:+.4f} | {verdict} |")
+        cells = ["-" if g.mean.get(m) is None else f"{g.mean[m]:.4f}" if g.std.get(m) is None
+                 else f"{g.mean[m]:.4f} ± {g.std[m]:.4f}" for g in groups.values()]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def delta_tables(groups: dict[str, Group], metrics: Sequence[str]) -> str:
+    """Paired statistics of every arm against ``cls`` and against ``gap`` (when the study has them), one
+    table per comparison; a pair already shown against ``cls`` is not repeated against ``gap``."""
+    parts = []
+    for ref in (r for r in REFERENCES if r in groups):
+        for arm, group in groups.items():
+            if arm in REFERENCES[: REFERENCES.index(ref) + 1]:
+                continue
+            parts += [f"### {arm} - {ref}", "", render_comparison(compare_groups(groups[ref], group, metrics)), ""]
+    return "\n".join(parts)
+
+
 def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], path: Path, title: str) -> Path:
-    """Train loss and eval top-1 per epoch, both models overlaid, one line per seed."""
+    """Train loss and eval top-1 per epoch, every arm overlaid (one colour each), one line per seed."""
     fig = Figure(figsize=(11, 4.2))
     ax_loss, ax_acc = fig.subplots(1, 2)
-    for (short, per_seed), colour in zip(logs.items(), ("tab:blue", "tab:orange"), strict=False):
+    for arm, (short, per_seed) in enumerate(logs.items()):
+        colour = f"C{arm}"  # one colour per arm, any number of arms
         for i, (seed, rows) in enumerate(sorted(per_seed.items())):
             epochs = [r["epoch"] for r in rows]
             label = f"{short} (seed {seed})"
@@ -189,44 +208,52 @@ def plot_side_by_side(args: argparse.Namespace, runs: dict[str, Path], seed: int
     return save_figure(fig, path)
 
 
+def _report_tables(groups: dict[str, Group], faithfulness: list[str]) -> list[str]:
+    """The report's statistics: means per arm, paired differences, and the original study's geometry."""
+    shown = [*METRICS, *faithfulness]
+    tested = [m for m in shown if not m.startswith("random ")]  # the random-order baseline is no hypothesis
+    lines = ["## Metrics per arm", "", "Mean ± sample std over seeds. Faithfulness rows are `<map> <quantity>` from "
+             "`results.json[\"faithfulness\"]` (deletion AUC: lower is better; insertion AUC: higher is better; "
+             "`random` is the random-order baseline, shown but not tested).", "", means_table(groups, shown), ""]
+    if len(groups) > 1:
+        lines += ["## Paired differences", "", STATISTICS_NOTE, "", delta_tables(groups, tested)]
+    if any(g.mean.get(m) is not None for g in groups.values() for m in ORIGINAL_METRICS):
+        lines += ["## The original study's geometry", "",
+                  "Its mixed units (Euclidean intra, cosine-distance inter), only to set these runs beside its table; "
+                  "the ratio shrinks when a layout shrinks, so it is not tested.", "",
+                  means_table(groups, ORIGINAL_METRICS), ""]
+    return lines
+
+
 def write_report(args: argparse.Namespace, out: Path, runs: dict[tuple[str, int], Path],
                  evals: dict[tuple[str, int], Path]) -> Path:
-    """report.md with the comparison table, curves, cosine matrices and side-by-side heatmaps."""
-    results = load_results([evals[k] for k in sorted(evals)])
-    groups = {run_short(g.runs[0]): g for g in summarise(results)}
-    cls, rollout = groups["cls"], groups["rollout"]
-    logs = {short: {seed: read_log(runs[short, seed] / "log.csv") for seed in args.seeds} for short in MODELS}
+    """report.md with the statistics of every arm, curves, cosine matrices and side-by-side heatmaps."""
+    arms = [a for a in MODELS if (a, args.seeds[0]) in evals]
+    results = [{**r, "metrics": {**r["metrics"], **faithfulness_metrics(r)}}
+               for r in load_results([evals[a, s] for a in arms for s in args.seeds])]
+    faithfulness = list(dict.fromkeys(m for r in results for m in faithfulness_metrics(r)))
+    shown = [*METRICS, *faithfulness, *ORIGINAL_METRICS]
+    groups = {g.label: g for g in summarise(results, shown, label=lambda r: run_short(r["path"]))}
+    logs = {short: {seed: read_log(runs[short, seed] / "log.csv") for seed in args.seeds} for short in arms}
     plot_training_curves(logs, out / "curves.png", f"Training on {args.dataset}, {args.epochs} epochs")
     first = args.seeds[0]
     plot_side_by_side(args, {s: runs[s, first] for s in MODELS}, first, out / "heatmaps_both.png")
-    faithfulness = faithfulness_table(results)
     summaries = {k: json.loads((p / "summary.json").read_text(encoding="utf-8")) for k, p in runs.items()}
     minutes = sum(float(s["wall_seconds"]) for s in summaries.values()) / 60
     lines = [
-        f"# Attention-rollout pooling vs [CLS] pooling on {args.dataset}",
+        f"# Pooling arms ({', '.join(arms)}) on {args.dataset}",
         "",
         f"Command: `{args.command}`",
         "",
         f"{len(args.seeds)} seed(s) ({', '.join(map(str, args.seeds))}), {args.epochs} epoch(s) per run, the same "
-        f"recipe for both models (only the pooling differs); {minutes:.1f} training minutes in all. "
-        "Metrics are from `python -m harness.eval` on the test split with the train split as k-NN bank "
-        "(definitions in the project README). Values: mean ± sample std over seeds.",
+        f"recipe for every arm (only the pooling differs); {minutes:.1f} training minutes in all. "
+        "Metrics are from `python -m harness.eval` on the test split with the train split as k-NN bank and "
+        "linear-probe training set (definitions in the project README).",
         "",
-        spread_table(cls, rollout, METRICS),
-        "",
-        "A delta is *beyond seed spread* when |Δ| > std(CLS) + std(rollout).",
-        "",
-    ]
-    if faithfulness:
-        lines += ["## Faithfulness (area under the deletion / insertion curves)", "",
-                  "Deletion AUC: lower is better; insertion AUC: higher is better. `rollout_weights` is the CLS "
-                  "model's post-hoc rollout and the rollout model's pooling weights; `random` is the baseline "
-                  "(mean of 3 random orders).", "", faithfulness, ""]
-    lines += [
+        *_report_tables(groups, faithfulness),
         "## Training curves", "", "![training curves](curves.png)", "",
-        "## Cosine similarity of class centroids (seed " + str(first) + ")", "",
-        f"![CLS]({evals['cls', first].relative_to(out)}/cosine_matrix.png)",
-        f"![rollout]({evals['rollout', first].relative_to(out)}/cosine_matrix.png)", "",
+        f"## Cosine similarity of class centroids (seed {first})", "",
+        *[f"![{a}]({evals[a, first].relative_to(out)}/cosine_matrix.png)" for a in arms], "",
         "## The same test images under both models", "", "![heatmaps](heatmaps_both.png)", "",
         "## Runs", "",
     ]
@@ -237,23 +264,24 @@ def write_report(args: argparse.Namespace, out: Path, runs: dict[tuple[str, int]
 
 
 def run_short(path: str) -> str:
-    return Path(path).name.split("-s")[0]
+    """Arm of a run or evaluation folder named ``<arm>-s<seed>``."""
+    return Path(path).name.rsplit("-s", 1)[0]
 
 
-def faithfulness_table(results: list[dict[str, Any]]) -> str:
-    """The deletion/insertion AUC of every saliency map, as a spread table like the metrics (empty when not measured).
-
-    Each AUC becomes a metric of its run, so the maps are averaged over seeds and compared between the two
-    models with the same rule as the other metrics.
-    """
-    as_metrics = [{**r, "metrics": {f"{name} {kind} AUC": curve[f"{kind}_auc"]
-                                    for name, curve in (r.get("faithfulness") or {}).get("maps", {}).items()
-                                    for kind in ("deletion", "insertion")}} for r in results]
-    names = list(dict.fromkeys(m for r in as_metrics for m in r["metrics"]))
-    if not names:
-        return ""
-    groups = {run_short(g.runs[0]): g for g in summarise(as_metrics, names)}
-    return spread_table(groups["cls"], groups["rollout"], names)
+def faithfulness_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """Each saliency map's deletion/insertion AUC and paired score, per removal (``mean`` fill, token ``drop``), as
+    metrics of its run (e.g. ``rollout deletion paired (drop)``), averaged and tested like the other metrics."""
+    fills = (result.get("faithfulness") or {}).get("fills", {})
+    out: dict[str, float] = {}
+    for fill, block in fills.items():
+        for name, quantities in block["maps"].items():
+            for kind in ("deletion", "insertion"):
+                out[f"{name} {kind} AUC ({fill})"] = float(quantities[f"{kind}_auc"])
+        for name, kinds in block["paired"].items():
+            for kind, score in kinds.items():
+                if score["mean"] is not None:
+                    out[f"{name} {kind} paired ({fill})"] = float(score["mean"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> Path:

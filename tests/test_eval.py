@@ -64,7 +64,8 @@ def runs(checkpoint, tmp_path_factory) -> list[Path]:
 
 def test_results_json_has_metrics_and_provenance(runs, checkpoint):
     results = json.loads((runs[0] / "results.json").read_text())
-    assert set(results["metrics"]) == {"top1", "top5", "knn_loo", "knn_bank", "intra", "inter", "ratio", "silhouette"}
+    assert set(results["metrics"]) == {"top1", "top5", "linear_probe", "knn_loo", "knn_bank", "intra", "inter", "ratio",
+                                       "silhouette", "intra_original", "inter_original", "ratio_original"}
     assert all(isinstance(v, float) for v in results["metrics"].values())
     model, data, config = results["model"], results["data"], results["config"]
     assert model["architecture"] == "vit_tiny_cifar_rollout" and model["pool"] == "rollout"

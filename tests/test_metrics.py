@@ -1,4 +1,4 @@
-"""harness.metrics against independent recomputations (plain numpy loops, scikit-learn) on random features."""
+"""harness.metrics against independent recomputations (plain numpy loops, scikit-learn, known answers)."""
 
 from __future__ import annotations
 
@@ -95,9 +95,46 @@ def test_knn_bank_matches_sklearn_and_loops(data):
     assert ours == pytest.approx(correct / len(xq), abs=1e-12)
 
 
+def _circle(degrees: list[float]) -> np.ndarray:
+    rad = np.deg2rad(degrees)
+    return np.stack([np.cos(rad), np.sin(rad)], axis=1)
+
+
+def test_rescaled_two_class_layout_keeps_its_ratio():
+    """Two classes on a circle, each symmetric about its direction, and the same layout with every angle halved
+    (same shape, smaller scale): intra 7.5 deg -> 3.75 deg, inter 120 deg -> 60 deg, ratio 16 both times. The
+    original study's mixed units give two different ratios for the same shape."""
+    layout = [50.0, 55.0, 65.0, 70.0, -70.0, -65.0, -55.0, -50.0]
+    labels = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+    full = metrics.centroid_metrics(_circle(layout), labels)
+    half = metrics.centroid_metrics(_circle([a / 2 for a in layout]), labels)
+    assert full["intra"] == pytest.approx(np.deg2rad(7.5)) and full["inter"] == pytest.approx(np.deg2rad(120.0))
+    assert half["intra"] == pytest.approx(np.deg2rad(3.75)) and half["inter"] == pytest.approx(np.deg2rad(60.0))
+    assert half["ratio"] == pytest.approx(full["ratio"], rel=1e-6)  # features are float32
+    assert full["ratio"] == pytest.approx(16.0, rel=1e-6)
+    orig_full = metrics.original_centroid_metrics(_circle(layout), labels)
+    orig_half = metrics.original_centroid_metrics(_circle([a / 2 for a in layout]), labels)
+    assert orig_full["ratio_original"] > 1.5 * orig_half["ratio_original"]
+
+
 def test_centroid_metrics_match_plain_loops(data):
+    """Angles by arccos in plain loops: feature to class direction, direction to direction."""
     features, labels = data
     got = metrics.centroid_metrics(features, labels)
+    x = _unit(features)
+    classes = sorted(set(labels.tolist()))
+    dirs = {c: x[labels == c].mean(axis=0) / np.linalg.norm(x[labels == c].mean(axis=0)) for c in classes}
+    intra = np.mean([np.mean([np.arccos(np.clip(v @ dirs[c], -1, 1)) for v in x[labels == c]]) for c in classes])
+    pairs = [(a, b) for i, a in enumerate(classes) for b in classes[i + 1:]]
+    inter = np.mean([np.arccos(np.clip(dirs[a] @ dirs[b], -1, 1)) for a, b in pairs])
+    assert got["intra"] == pytest.approx(intra, rel=1e-9)
+    assert got["inter"] == pytest.approx(inter, rel=1e-9)
+    assert got["ratio"] == pytest.approx(inter / intra, rel=1e-9)
+
+
+def test_original_centroid_metrics_match_plain_loops(data):
+    features, labels = data
+    got = metrics.original_centroid_metrics(features, labels)
     x = _unit(features)
     classes = sorted(set(labels.tolist()))
     cents = {c: x[labels == c].mean(axis=0) for c in classes}
@@ -106,9 +143,68 @@ def test_centroid_metrics_match_plain_loops(data):
     inter = np.mean([
         1 - cents[a] @ cents[b] / (np.linalg.norm(cents[a]) * np.linalg.norm(cents[b])) for a, b in pairs
     ])
-    assert got["intra"] == pytest.approx(intra, rel=1e-6)
-    assert got["inter"] == pytest.approx(inter, rel=1e-6)
-    assert got["ratio"] == pytest.approx(inter / intra, rel=1e-6)
+    assert got["intra_original"] == pytest.approx(intra, rel=1e-6)
+    assert got["inter_original"] == pytest.approx(inter, rel=1e-6)
+    assert got["ratio_original"] == pytest.approx(inter / intra, rel=1e-6)
+
+
+def test_angles_are_accurate_near_zero():
+    u = np.array([1.0, 0.0])
+    x = _circle([1e-6, 0.0, 180.0])
+    assert metrics.angles(x, u) == pytest.approx([np.deg2rad(1e-6), 0.0, np.pi], rel=1e-9, abs=1e-15)
+
+
+def _separable(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Four classes around orthogonal directions with a wide margin: any sound linear probe is perfect."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 4, size=n)
+    return (np.eye(16)[labels] * 3.0 + rng.normal(scale=0.2, size=(n, 16))).astype(np.float32), labels
+
+
+def test_linear_probe_known_answer_and_sklearn_route():
+    """Separable data: perfect on clean queries, and exactly 1 - flipped when 10% of query labels are wrong."""
+    bank, bank_y = _separable(400, 0)
+    queries, query_y = _separable(200, 1)
+    assert metrics.linear_probe(bank, bank_y, queries, query_y) == 1.0
+    flipped = query_y.copy()
+    flipped[:20] = (flipped[:20] + 1) % 4
+    assert metrics.linear_probe(bank, bank_y, queries, flipped) == pytest.approx(0.9)
+
+
+def test_linear_probe_matches_an_independent_sklearn_pipeline(data):
+    """Overlapping classes: the probe's predictions equal a Normalizer -> PCA(whiten) -> LogisticRegression
+    pipeline's (the documented settings; PCA's rotation differs, the L2 penalty does not see it), and its
+    accuracy is far above chance."""
+    from sklearn.decomposition import PCA
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import Normalizer
+
+    features, labels = data
+    bank, bank_y, queries, query_y = features[:200], labels[:200], features[200:], labels[200:]
+    ours = metrics.linear_probe_predictions(bank, bank_y, queries)
+    ref = make_pipeline(Normalizer(), PCA(whiten=True), LogisticRegression(C=1.0, max_iter=1000, tol=1e-4))
+    theirs = ref.fit(bank.astype(np.float64), bank_y).predict(queries.astype(np.float64))
+    assert (ours == theirs).mean() >= 0.99
+    assert metrics.accuracy(ours, query_y) > 0.5  # 5 classes: chance is 0.2
+    assert metrics.linear_probe_predictions(bank, bank_y, queries).tolist() == ours.tolist()  # deterministic
+
+
+def test_whitening_gives_unit_covariance(data):
+    x = metrics.l2_normalize(data[0])
+    mean, w = metrics.whitening(x)
+    assert np.cov(((x - mean) @ w).astype(np.float64), rowvar=False) == pytest.approx(np.eye(16), abs=1e-4)
+    flat = np.concatenate([x[:, :15], np.full((len(x), 1), 0.5, np.float32)], axis=1)  # a constant dimension
+    assert np.isfinite(metrics.whitening(flat)[1]).all()
+
+
+def test_per_image_predictions_agree_with_the_accuracies(data):
+    features, labels = data
+    loo = metrics.knn_loo_predictions(features, labels, 5)
+    assert loo.shape == labels.shape and metrics.accuracy(loo, labels) == metrics.knn_loo(features, labels, 5)
+    bank = metrics.knn_bank_predictions(features[:200], labels[:200], features[200:])
+    assert metrics.accuracy(bank, labels[200:]) == metrics.knn_bank(features[:200], labels[:200], features[200:],
+                                                                     labels[200:])
 
 
 def test_cosine_matrix_of_centroids(data):
@@ -146,6 +242,8 @@ def test_topk_accuracy_matches_loops():
     for k in (1, 5):
         expected = np.mean([y in np.argsort(-row)[:k] for row, y in zip(logits, labels, strict=True)])
         assert metrics.topk_accuracy(logits, labels, k) == pytest.approx(expected)
+        hits = [y in np.argsort(-row)[:k] for row, y in zip(logits, labels, strict=True)]
+        assert metrics.topk_hits(logits, labels, k).tolist() == hits
     assert metrics.topk_accuracy(logits[:, :3], labels, 5) is None
 
 
