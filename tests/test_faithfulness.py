@@ -105,12 +105,13 @@ def test_removals_match_plain_loops(sample, name):
     tokens, fill = embed_patches(model, x, batch_size=2, device=torch.device("cpu"), dtype=None)
     counts = [[0, 13, 51, 63], [13, 40]]
     orders = [rank, random_ranks(3, 64, 8)]
+    fused = [block.attn.fused_attn for block in model.blocks]
     for mode, loop in (("mean", _pixel_loop), ("drop", _drop_loop)):
         got = removal_probabilities(model, tokens, fill, orders, counts, target, mode=mode, batch_size=2)
         for order, ks, values in zip(orders, counts, got, strict=True):
             want = np.stack([loop(model, x, order, k, target) for k in ks], axis=1)
             np.testing.assert_allclose(values.numpy(), want, atol=1e-5, rtol=1e-4, err_msg=mode)
-    assert all(block.attn.fused_attn is False for block in model.blocks)  # restored: the model's own setting
+    assert [block.attn.fused_attn for block in model.blocks] == fused  # restored: the model's own setting
 
 
 def test_paired_score_is_a_t_interval_over_the_kept_images():

@@ -63,7 +63,8 @@ def test_cls_checkpoint_loads_into_rollout_model(cls_folder):
     x = torch.randn(2, 3, 32, 32)
     with torch.inference_mode():
         tokens = model.forward_features(x)
-        assert torch.equal(rollout.forward_features(x), tokens)  # same weights, only the pooling differs
+        # same weights, only the pooling differs (the CLS model runs fused attention, the rollout model explicit)
+        torch.testing.assert_close(rollout.forward_features(x), tokens, rtol=1e-5, atol=1e-5)
         pooled = rollout.forward_head(rollout.forward_features(x), pre_logits=True)
     assert not torch.allclose(pooled, tokens[:, 0])
 
