@@ -28,8 +28,9 @@ def resolve_device(device: str | None = None) -> torch.device:
 def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
     """Autocast dtype for ``amp`` on ``device``; ``None`` means full fp32.
 
-    ``auto`` uses bf16 where it pays (CUDA with bf16 support, or a CPU with native bf16), fp16 on
-    older CUDA GPUs, and fp32 otherwise.
+    ``auto`` uses bf16 where it pays (a CUDA GPU of compute capability 8.0+, or a CPU with native bf16),
+    fp16 (with a GradScaler in training) on older GPUs, and fp32 otherwise. The capability is checked rather
+    than ``torch.cuda.is_bf16_supported()``, which is also true on GPUs that only emulate bf16 (T4, V100).
     """
     if amp not in AMP_CHOICES:
         raise ValueError(f"unknown amp mode {amp!r}; use one of {', '.join(AMP_CHOICES)}")
@@ -40,7 +41,7 @@ def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
     if amp == "fp16":
         return torch.float16
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
     return torch.bfloat16 if device.type == "cpu" and cpu_supports_bf16() else None
 
 
