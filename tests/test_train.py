@@ -1,4 +1,8 @@
-"""Training on real CIFAR-10 slices: accuracy, output folder contract, kill-and-resume, safety rails, DDP."""
+"""Training on real CIFAR-10 slices: accuracy, output folder contract, kill-and-resume, safety rails, DDP.
+
+Every run pins ``--device cpu`` and its precision (fp32 unless precision is the point), so the numbers do not
+depend on whether this CPU has native bf16 or the machine has a GPU; the CUDA path is in ``test_cuda.py``.
+"""
 
 from __future__ import annotations
 
@@ -25,9 +29,10 @@ from timm_rollout.train_log import LOG_COLUMNS, read_log
 CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
 QUICK = ["--dataset", str(CIFAR10), "--max-train-samples", "2000", "--max-eval-samples", "1000", "--epochs", "2",
          "--batch-size", "64", "--lr", "2e-3", "--model-kwargs", "depth=2", "embed_dim=64", "--seed", "0",
-         "--workers", "1", "--no-progress"]
+         "--workers", "1", "--no-progress", "--device", "cpu", "--amp", "none"]
 TINY = ["--dataset", str(CIFAR10), "--max-train-samples", "256", "--max-eval-samples", "100", "--batch-size", "32",
-        "--model-kwargs", "depth=1", "embed_dim=64", "--workers", "1", "--no-progress"]
+        "--model-kwargs", "depth=1", "embed_dim=64", "--workers", "1", "--no-progress", "--device", "cpu"]
+FP32 = ["--amp", "none"]
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +148,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, mo
     monkeypatch.setattr(timm, "create_model", poisoned)
     out = tmp_path / "run"
     with pytest.raises(UserError, match=r"loss is nan at epoch 2 step 1; the last good checkpoint \(epoch 1\) is kept"):
-        train([*TINY, "--epochs", "3", "--output", str(out)])
+        train([*TINY, *FP32, "--epochs", "3", "--output", str(out)])
     assert [r["epoch"] for r in read_log(out / "log.csv")] == [1]
     assert not (out / "summary.json").exists()
     with safe_open(str(out / RESUME_FILE), "pt") as f:
@@ -153,7 +158,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, mo
 
 
 def test_mixup_smoothing_and_ema_export_the_ema_weights(tmp_path: Path) -> None:
-    out = train([*TINY, "--epochs", "1", "--mixup", "0.8", "--cutmix", "1.0", "--smoothing", "0.1", "--model-ema",
+    out = train([*TINY, *FP32, "--epochs", "1", "--mixup", "0.8", "--cutmix", "1.0", "--smoothing", "0.1", "--model-ema",
                  "--model-ema-decay", "0.9", "--output", str(tmp_path / "run")])
     rows = read_log(out / "log.csv")
     assert len(rows) == 1 and 0 < rows[0]["train_loss"] < 10
@@ -167,7 +172,7 @@ def test_ddp_two_cpu_processes(tmp_path: Path) -> None:
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "timm_rollout.train", *TINY, "--epochs", "1", "--output", str(out)]
+           "-m", "timm_rollout.train", *TINY, *FP32, "--epochs", "1", "--output", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     args = json.loads((out / "train_args.json").read_text())

@@ -7,6 +7,8 @@ from functools import lru_cache
 
 import torch
 
+from .errors import UserError
+
 __all__ = ["autocast", "cpu_supports_bf16", "resolve_amp", "resolve_device"]
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "none")
@@ -19,10 +21,18 @@ def cpu_supports_bf16() -> bool:
 
 
 def resolve_device(device: str | None = None) -> torch.device:
-    """``None``/``'auto'`` picks CUDA when available, else CPU."""
+    """``None``/``'auto'`` picks CUDA when available, else CPU; a GPU that is not there is a user error."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (dev.index or 0) >= count:
+            raise UserError(f"--device {device}: {count} CUDA GPU(s) visible; pass --device cpu or auto")
+    return dev
 
 
 def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
