@@ -280,3 +280,15 @@ def test_a_missing_gpu_is_a_user_error(monkeypatch) -> None:
         resolve_device("cuda:1")
     with pytest.raises(UserError, match="unknown device 'gpu'"):
         resolve_device("gpu")
+
+
+@pytest.mark.skipif(not os.environ.get("TIMM_ROLLOUT_SLOW_TESTS"),
+                    reason="torch.compile needs 3-4 minutes on a 2-core CPU (inductor builds C++ kernels for the "
+                           "training and evaluation graphs); set TIMM_ROLLOUT_SLOW_TESTS=1 to run it")
+def test_compile_gives_the_eager_results_on_cpu(tmp_path: Path) -> None:
+    no_dropout = ["pos_drop_rate=0", "attn_drop_rate=0", "proj_drop_rate=0"]  # compiled masks: another stream
+    run = [*TINY, *FP32, "--epochs", "1", "--model-kwargs", "depth=1", "embed_dim=64", *no_dropout]
+    eager = read_log(train([*run, "--output", str(tmp_path / "eager")]) / "log.csv")
+    compiled = read_log(train([*run, "--compile", "--output", str(tmp_path / "compiled")]) / "log.csv")
+    for key, tol in (("train_loss", 1e-3), ("eval_loss", 1e-3), ("eval_top1", 1.0)):
+        assert compiled[0][key] == pytest.approx(eager[0][key], abs=tol), key

@@ -6,9 +6,14 @@
 
 Images are decoded once into memory and augmented in batches on the training device. The optimizer
 and schedule come from timm (``create_optimizer_v2``: no weight decay on norms, biases, position
-embedding and CLS token; ``create_scheduler_v2`` stepped every update). Every epoch leaves a complete
-model (``model.safetensors`` + ``config.json``, loadable with ``timm.create_model("local-dir:<out>")``)
-and a resume state in the output folder; ``summary.json`` appears when all epochs are done.
+embedding and CLS token; ``create_scheduler_v2`` stepped every update). Every ``--save-every`` epochs
+(default 1) and at the last, the output folder gets a complete model (``model.safetensors`` +
+``config.json``, loadable with ``timm.create_model("local-dir:<out>")``), a resume state, the log and the
+curves; ``summary.json`` appears when all epochs are done.
+
+The steps, in order: ``_prepare_data`` (splits, sizes), ``_build`` (model, optimizer, schedule, EMA, grad
+scaler, DDP, ``--compile``), ``_restore`` or ``_write_record``, then per epoch ``_train_epoch`` (no host sync
+per step), ``evaluate`` and, on save epochs, ``_save``; ``_write_summary`` at the end.
 """
 
 from __future__ import annotations
