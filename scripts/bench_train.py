@@ -2,7 +2,7 @@
 
 (a) the full training loop of ``timm_rollout.train``, step for step: a class-balanced random batch of the
     in-memory uint8 CIFAR images, batched crop+flip and normalisation (``Batches``), the model step
-    (``optimizer_step``: FastDropout, timm's explicit attention path, AdamW), scheduler update, loss sync;
+    (``optimizer_step``: FastDropout, timm's explicit attention path, AdamW), scheduler update;
 (b) the bare model step of the same model on one batch already in memory;
 (b0) the same bare step with PyTorch's own ``nn.Dropout`` (what FastDropout saves);
 (c) what a user gets from stock timm: the same architecture as a plain timm ``VisionTransformer`` (fused
@@ -10,16 +10,19 @@
     transforms (RandomCrop(32, padding=4), RandomHorizontalFlip, ToTensor, Normalize).
 
 The four run round-robin, one step each per round, so they share whatever load the machine has; each is
-reported as the median over rounds of batch / step time (loader waits included for (c)). All in the precision
-``--amp auto`` picks here; ``--bf16-steps N`` adds (b) and (c) in bf16 autocast (emulated, and slow, on CPUs
-without AVX512-BF16/AMX)::
+reported as the median over rounds of batch / step time (loader waits included for (c); on a GPU each step
+ends with a device synchronisation so it is timed whole). All in the precision ``--amp auto`` picks on
+``--device`` (fp16 gets a GradScaler); ``--bf16-steps N`` adds (b) and (c) in bf16 autocast (emulated, and
+slow, on CPUs without AVX512-BF16/AMX)::
 
     python scripts/bench_train.py --steps 20 --bf16-steps 3
+    python scripts/bench_train.py --device cuda --batch-size 512 --steps 50
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -47,11 +50,23 @@ Step = Callable[[], int]  # runs one training step, returns the number of images
 
 
 def _model_step(model: nn.Module, dtype: torch.dtype | None, device: torch.device):
-    """The training step function for ``model`` and its AdamW optimizer."""
+    """The training step function for ``model`` and its AdamW optimizer (and GradScaler for fp16)."""
     model.to(device).train()
     opt = create_optimizer_v2(model, opt="adamw", lr=5e-4, weight_decay=1e-4)
     loss_fn = nn.CrossEntropyLoss()
-    return (lambda x, y: optimizer_step(model, x, y, loss_fn, opt, device=device, amp_dtype=dtype)), opt
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    return (lambda x, y: optimizer_step(model, x, y, loss_fn, opt, device=device, amp_dtype=dtype,
+                                        scaler=scaler)), opt
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's or the CPU's model name, for the report."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
+             if ln.startswith("model name")] if cpuinfo.exists() else []
+    return f"CPU {names[0] if names else platform.processor()}, {torch.get_num_threads()} threads"
 
 
 def ours(fast_dropout: bool = True) -> nn.Module:
@@ -79,9 +94,8 @@ def full_loop(dataset: str, batch: int, dtype, device) -> Step:
     def run() -> int:
         k = next(updates)
         x, y = batches(order[(k - 1) * batch:k * batch], gen)
-        loss = step(x, y)
+        step(x, y)
         sched.step_update(k)
-        loss.item()
         return batch
 
     return run
@@ -91,10 +105,11 @@ def bare(model: nn.Module, batch: int, dtype, device) -> Step:
     """(b)/(b0): the model step on one normalised batch kept in memory."""
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+    x, y = x.to(device), y.to(device)
     step, _ = _model_step(model, dtype, device)
 
     def run() -> int:
-        step(x, y).item()
+        step(x, y)
         return batch
 
     return run
@@ -109,27 +124,31 @@ def stock(dataset: str, batch: int, rounds: int, workers: int, dtype, device) ->
     ])
     ds = datasets.load_dataset(dataset, split="train").select(range(batch * (rounds + 1)))
     ds = ds.with_transform(lambda rows: {"x": [tf(img.convert("RGB")) for img in rows["img"]], "y": rows["label"]})
-    loader = iter(DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True))
+    loader = iter(DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True,
+                             pin_memory=device.type == "cuda"))
     torch.manual_seed(0)
     step, _ = _model_step(VisionTransformer(**_TINY_CIFAR, num_classes=10), dtype, device)
 
     def run() -> int:
         item = next(loader)
-        step(item["x"], item["y"]).item()
+        step(item["x"].to(device, non_blocking=True), item["y"].to(device, non_blocking=True))
         return batch
 
     return run
 
 
-def race(steps: dict[str, Step], rounds: int, desc: str) -> dict[str, float]:
+def race(steps: dict[str, Step], rounds: int, desc: str, device: torch.device) -> dict[str, float]:
     """Round-robin ``rounds`` timed rounds after one untimed warm-up round; median images/s per step."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for run in steps.values():
         run()
+    sync()
     rates: dict[str, list[float]] = {k: [] for k in steps}
     for _ in tqdm(range(rounds), desc=desc, leave=False):
         for name, run in steps.items():
             t = time.perf_counter()
             n = run()
+            sync()
             rates[name].append(n / (time.perf_counter() - t))
     return {k: statistics.median(v) for k, v in rates.items()}
 
@@ -141,12 +160,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of each variant per round)")
     p.add_argument("--bf16-steps", type=int, default=0, help="also time (b) and (c) in bf16 for this many rounds")
     p.add_argument("--loader-workers", type=int, default=2, help="DataLoader workers for (c)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     args = p.parse_args(argv)
-    device = resolve_device("cpu")
+    device = resolve_device(args.device)
     dtype = resolve_amp("auto", device)
-    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     b = args.batch_size
-    print(f"CPU, {torch.get_num_threads()} threads, batch {b}, median of {args.steps} rounds, "
+    print(f"{device_name(device)}, torch {torch.__version__}, batch {b}, median of {args.steps} rounds, "
           f"--amp auto = {precision}")
     labels = {
         "a": f"(a) full loop: data + augmentation + step ({precision})",
@@ -159,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         "b": bare(ours(), b, dtype, device),
         "b0": bare(ours(fast_dropout=False), b, dtype, device),
         "c": stock(args.dataset, b, args.steps, args.loader_workers, dtype, device),
-    }, args.steps, precision)
+    }, args.steps, precision, device)
     for key, label in labels.items():
         print(f"{label:<64} {r[key]:8.1f} img/s")
     print(f"ratios ({precision}): (a)/(b) = {r['a'] / r['b']:.2f}, (a)/(c) = {r['a'] / r['c']:.2f}, "
@@ -167,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.bf16_steps:
         n = args.bf16_steps
         rb = race({"b": bare(ours(), b, torch.bfloat16, device),
-                   "c": stock(args.dataset, b, n, args.loader_workers, torch.bfloat16, device)}, n, "bf16")
+                   "c": stock(args.dataset, b, n, args.loader_workers, torch.bfloat16, device)}, n, "bf16", device)
         print(f"{'(b) bare step, FastDropout (bf16)':<64} {rb['b']:8.1f} img/s")
         print(f"{'(c) stock timm + PIL DataLoader (bf16)':<64} {rb['c']:8.1f} img/s")
         print(f"bf16: (b)/(c) = {rb['b'] / rb['c']:.2f}; (a, {precision}) / (c, bf16) = {r['a'] / rb['c']:.2f}")

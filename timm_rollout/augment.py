@@ -18,14 +18,19 @@ def random_crop_flip(
     """Pad each image by ``padding`` zero pixels, crop it back to (H, W) at a random offset, flip with prob ``hflip``.
 
     ``images``: (B, C, H, W) of any dtype on any device; offsets and flips are drawn on the CPU from
-    ``generator`` (seeded runs are reproducible across devices). Returns a new tensor of the same shape.
+    ``generator`` (seeded runs are reproducible across devices) and reach a GPU in one pinned, non-blocking
+    copy, so the host never waits for the GPU here. Returns a new tensor of the same shape.
     """
     b, c, h, w = images.shape
-    offsets = torch.randint(0, 2 * padding + 1, (2, b), generator=generator).to(images.device)
-    flips = (torch.rand(b, generator=generator) < hflip).to(images.device)
+    offsets = torch.randint(0, 2 * padding + 1, (2, b), generator=generator)
+    flips = torch.rand(b, generator=generator) < hflip
+    draws = torch.cat([offsets, flips[None].long()])  # (3, B): row offset, column offset, flip
+    if images.device.type == "cuda":
+        draws = draws.pin_memory()
+    row_off, col_off, flip = draws.to(images.device, non_blocking=True)
     padded = F.pad(images, (padding, padding, padding, padding)) if padding else images
-    rows = offsets[0, :, None] + torch.arange(h, device=images.device)  # (B, H)
+    rows = row_off[:, None] + torch.arange(h, device=images.device)  # (B, H)
     cols = torch.arange(w, device=images.device).expand(b, w)
-    cols = torch.where(flips[:, None], cols.flip(1), cols) + offsets[1, :, None]  # (B, W)
+    cols = torch.where(flip[:, None].bool(), cols.flip(1), cols) + col_off[:, None]  # (B, W)
     index = (rows[:, :, None] * (w + 2 * padding) + cols[:, None, :]).view(b, 1, h * w).expand(b, c, h * w)
     return padded.reshape(b, c, -1).gather(2, index).view(b, c, h, w)

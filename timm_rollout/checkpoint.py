@@ -24,11 +24,12 @@ from timm.models import save_for_hf
 from torch import nn
 
 from .atomic import atomic_path, publish
+from .loading import CONFIG_NAME, WEIGHTS_NAME
 
 __all__ = ["MODEL_FILES", "RESUME_FILE", "load_resume", "save_model", "save_resume"]
 
 RESUME_FILE = "resume.safetensors"
-MODEL_FILES = ("model.safetensors", "config.json")
+MODEL_FILES = (WEIGHTS_NAME, CONFIG_NAME)  # timm's HF layout, the names the loader reads
 
 
 def save_model(

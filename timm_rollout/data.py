@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -311,6 +312,11 @@ def normalization_stats(
 
 def normalize(images: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     """uint8 (B, 3, H, W) on any device -> float32 ``(x / 255 - mean) / std``."""
-    m = torch.tensor(mean, dtype=torch.float32, device=images.device).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32, device=images.device).view(1, -1, 1, 1)
+    m, s = _stats_on(tuple(map(float, mean)), tuple(map(float, std)), images.device)
     return (images.float() / 255.0 - m) / s
+
+
+@lru_cache(maxsize=16)
+def _stats_on(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(1, C, 1, 1) float32 mean and std on ``device``, built once: no host-to-device copy per batch."""
+    return tuple(torch.tensor(v, dtype=torch.float32, device=device).view(1, -1, 1, 1) for v in (mean, std))

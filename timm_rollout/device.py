@@ -7,6 +7,8 @@ from functools import lru_cache
 
 import torch
 
+from .errors import UserError
+
 __all__ = ["autocast", "cpu_supports_bf16", "resolve_amp", "resolve_device"]
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "none")
@@ -19,17 +21,26 @@ def cpu_supports_bf16() -> bool:
 
 
 def resolve_device(device: str | None = None) -> torch.device:
-    """``None``/``'auto'`` picks CUDA when available, else CPU."""
+    """``None``/``'auto'`` picks CUDA when available, else CPU; a GPU that is not there is a user error."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (dev.index or 0) >= count:
+            raise UserError(f"--device {device}: {count} CUDA GPU(s) visible; pass --device cpu or auto")
+    return dev
 
 
 def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
     """Autocast dtype for ``amp`` on ``device``; ``None`` means full fp32.
 
-    ``auto`` uses bf16 where it pays (CUDA with bf16 support, or a CPU with native bf16), fp16 on
-    older CUDA GPUs, and fp32 otherwise.
+    ``auto`` uses bf16 where it pays (a CUDA GPU of compute capability 8.0+, or a CPU with native bf16),
+    fp16 (with a GradScaler in training) on older GPUs, and fp32 otherwise. The capability is checked rather
+    than ``torch.cuda.is_bf16_supported()``, which is also true on GPUs that only emulate bf16 (T4, V100).
     """
     if amp not in AMP_CHOICES:
         raise ValueError(f"unknown amp mode {amp!r}; use one of {', '.join(AMP_CHOICES)}")
@@ -40,7 +51,7 @@ def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
     if amp == "fp16":
         return torch.float16
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
     return torch.bfloat16 if device.type == "cpu" and cpu_supports_bf16() else None
 
 

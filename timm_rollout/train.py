@@ -6,9 +6,14 @@
 
 Images are decoded once into memory and augmented in batches on the training device. The optimizer
 and schedule come from timm (``create_optimizer_v2``: no weight decay on norms, biases, position
-embedding and CLS token; ``create_scheduler_v2`` stepped every update). Every epoch leaves a complete
-model (``model.safetensors`` + ``config.json``, loadable with ``timm.create_model("local-dir:<out>")``)
-and a resume state in the output folder; ``summary.json`` appears when all epochs are done.
+embedding and CLS token; ``create_scheduler_v2`` stepped every update). Every ``--save-every`` epochs
+(default 1) and at the last, the output folder gets a complete model (``model.safetensors`` +
+``config.json``, loadable with ``timm.create_model("local-dir:<out>")``), a resume state, the log and the
+curves; ``summary.json`` appears when all epochs are done.
+
+The steps, in order: ``_prepare_data`` (splits, sizes), ``_build`` (model, optimizer, schedule, EMA, grad
+scaler, DDP, ``--compile``), ``_restore`` or ``_write_record``, then per epoch ``_train_epoch`` (no host sync
+per step), ``evaluate`` and, on save epochs, ``_save``; ``_write_summary`` at the end.
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ import platform
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import timm
@@ -62,8 +68,9 @@ LOG_FILE = "log.csv"
 CURVES_FILE = "curves.png"
 RUN_FILES = (*MODEL_FILES, ARGS_FILE, SUMMARY_FILE, LOG_FILE, CURVES_FILE, RESUME_FILE)
 # Flags that may differ when a run is resumed: where it lives and how it runs, not what it computes.
-RESUME_FREE = {"resume", "overwrite", "output", "workers", "device", "no_progress"}
+RESUME_FREE = {"resume", "overwrite", "output", "workers", "device", "no_progress", "save_every", "compile"}
 EVAL_BATCH = 500
+BAR_EVERY = 50  # steps between loss updates of the progress bar (each costs one host sync)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--workers", type=int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is far faster on a busy machine)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--save-every", type=int, default=1,
+                   help="epochs between checkpoint, export, log and plot writes (the last epoch is always saved)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model for training and evaluation")
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true", help="continue the run in --output (a finished run is kept)")
     mode.add_argument("--overwrite", action="store_true", help="replace a run already in --output")
@@ -138,10 +148,16 @@ def _init_distributed(device: str) -> Dist:
         return Dist(0, 1, dev)
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if dev.type == "cuda":
+        if local >= torch.cuda.device_count():
+            raise UserError(f"local rank {local} has no GPU ({torch.cuda.device_count()} visible); start at most "
+                            "that many processes per node, or pass --device cpu")
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+        if dev.type == "cuda":
+            dist.init_process_group("nccl", device_id=dev)
+        else:
+            dist.init_process_group("gloo")
     return Dist(rank, world, dev)
 
 
@@ -240,25 +256,27 @@ def _criterion(args: argparse.Namespace) -> nn.Module:
 @torch.no_grad()
 def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean, std, d: Dist,
              amp_dtype: torch.dtype | None) -> dict[str, float]:
-    """Eval loss and top-1/top-5 accuracy (%) of ``model``; each rank takes every ``world``-th image."""
+    """Eval loss and top-1/top-5 accuracy (%) of ``model``; each rank takes every ``world``-th image.
+
+    Sums stay on the device until the end: one all-reduce and one host sync per evaluation.
+    """
     was_training = model.training
     model.eval()
-    images, labels = images[d.rank::d.world], labels[d.rank::d.world]
-    sums = torch.zeros(4, dtype=torch.float64)  # loss, top-1, top-5, count
+    count, images, labels = len(labels), images[d.rank::d.world], labels[d.rank::d.world]
+    count = len(labels)
+    sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss, top-1, top-5
     for start in range(0, len(labels), EVAL_BATCH):
-        x = normalize(images[start:start + EVAL_BATCH].to(d.device), mean, std)
-        y = labels[start:start + EVAL_BATCH].to(d.device)
+        x = normalize(images[start:start + EVAL_BATCH].to(d.device, non_blocking=True), mean, std)
+        y = labels[start:start + EVAL_BATCH].to(d.device, non_blocking=True)
         with autocast(d.device, amp_dtype):
             logits = model(x)
         logits = logits.float()
-        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        hit = top == y[:, None]
-        sums += torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(), hit[:, 0].sum().item(),
-                              hit.any(dim=1).sum().item(), len(y)], dtype=torch.float64)
-    sums = _reduce(sums.to(d.device), d).cpu()
+        hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
+        sums += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(), hit[:, 0].sum().double(),
+                             hit.any(dim=1).sum().double()])
+    sums = _reduce(sums, d).cpu()
     model.train(was_training)
-    n = max(sums[3].item(), 1.0)
-    loss, top1, top5 = (sums[:3] / n).tolist()
+    loss, top1, top5 = (sums / max(count, 1)).tolist()
     return {"eval_loss": loss, "eval_top1": 100 * top1, "eval_top5": 100 * top5}
 
 
@@ -276,6 +294,45 @@ def train(argv: list[str] | None = None) -> Path:
             dist.destroy_process_group()
 
 
+@dataclass
+class RunData:
+    """The data of a run and what follows from it: class count, updates per epoch, augmentation, precision."""
+
+    train: ImageSet
+    eval: ImageSet
+    mean: tuple
+    std: tuple
+    num_classes: int
+    steps: int
+    hflip: float
+    warmup: float
+    amp_dtype: torch.dtype | None
+
+
+@dataclass
+class Trainer:
+    """What training updates: the model (``net`` is what the step calls: DDP and/or compiled around it),
+    optimizer, schedule, EMA, grad scaler, and the bookkeeping a resume restores."""
+
+    model: nn.Module
+    net: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    ema: ModelEmaV3 | None
+    scaler: torch.amp.GradScaler | None
+    criterion: nn.Module
+    evaluator: nn.Module
+    epoch: int = 0
+    num_updates: int = 0
+    saved_epoch: int = 0
+    rows: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def export(self) -> nn.Module:
+        """The weights a run publishes and evaluates: the EMA with ``--model-ema``, else the model."""
+        return self.ema.module if self.ema is not None else self.model
+
+
 def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -> Path:
     out = Path(args.output)
     state = _prepare_output(out, args, d)
@@ -291,7 +348,37 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -
         torch.set_num_threads(args.workers)
     if (args.mixup > 0 or args.cutmix > 0) and args.batch_size % 2:
         raise UserError(f"mixup/cutmix need an even --batch-size, got {args.batch_size}")
+    if args.save_every < 1:
+        raise UserError(f"--save-every must be at least 1 (epochs between checkpoints), got {args.save_every}")
 
+    data = _prepare_data(args, d)
+    t = _build(args, data, d)
+    if state == "resume":
+        _restore(t, out / RESUME_FILE)
+    elif d.main:
+        _write_record(out, args, data, d)
+    batches = _batches(args, data, d)
+    eval_images, eval_labels = data.eval.images.to(d.device), data.eval.labels.to(d.device)
+    for epoch in range(t.epoch, args.epochs):
+        t0 = time.perf_counter()
+        train_loss, lr = _train_epoch(t, batches, args, data, d, epoch, out)
+        train_seconds = time.perf_counter() - t0
+        metrics = evaluate(t.evaluator, eval_images, eval_labels, data.mean, data.std, d, data.amp_dtype)
+        t.rows.append({"epoch": epoch + 1, "train_loss": train_loss, **metrics, "lr": lr,
+                       "img_per_s": data.steps * args.batch_size * d.world / train_seconds,
+                       "seconds": time.perf_counter() - t0})
+        t.epoch = epoch + 1
+        if t.epoch % args.save_every == 0 or t.epoch == args.epochs:
+            _save(out, t, args, data, d)
+        if d.main:
+            _report_epoch(t.rows[-1], args.epochs)
+    if d.main:
+        _write_summary(out, args, data, t.rows)
+    return out
+
+
+def _prepare_data(args: argparse.Namespace, d: Dist) -> RunData:
+    """Load the splits, check they fit the run's flags, and derive the sizes and settings they imply."""
     train_set, eval_set, mean, std = _load_data(args)
     num_classes = args.num_classes or train_set.num_classes
     if int(train_set.labels.max()) >= num_classes:
@@ -303,115 +390,141 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -
                         "lower --batch-size")
     digits = resolve_dataset(args.dataset).stats_key == "svhn"
     hflip = args.hflip if args.hflip is not None else (0.0 if digits else 0.5)
-    warmup = min(args.warmup_epochs, args.epochs)
-    amp_dtype = resolve_amp(args.amp, d.device)
+    return RunData(train_set, eval_set, mean, std, num_classes, steps, hflip, min(args.warmup_epochs, args.epochs),
+                   resolve_amp(args.amp, d.device))
 
+
+def _create_model(args: argparse.Namespace, data: RunData) -> nn.Module:
+    """The timm model named by ``--model`` (seeded), with FastDropout, checked against the image size."""
     _seed_everything(args.seed)
     kwargs = dict(args.model_kwargs)
     if args.drop_path is not None:
         kwargs["drop_path_rate"] = args.drop_path
     try:
-        model = timm.create_model(args.model, num_classes=num_classes, **kwargs)
+        model = timm.create_model(args.model, num_classes=data.num_classes, **kwargs)
     except RuntimeError as e:
         if "Unknown model" in str(e):
             raise UserError(f"unknown model {args.model!r}; use a timm model name such as vit_tiny_cifar_rollout") \
                 from None
         raise
-    _check_input_size(model, train_set.images)
+    _check_input_size(model, data.train.images)
     use_fast_dropout(model)
-    model.to(d.device)
+    return model
+
+
+def _build(args: argparse.Namespace, data: RunData, d: Dist) -> Trainer:
+    """Model, optimizer, per-update schedule, EMA, grad scaler (fp16 only), loss, DDP and ``--compile``."""
+    model = _create_model(args, data).to(d.device)
     optimizer = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
                                     momentum=args.momentum)
     scheduler, _ = create_scheduler_v2(optimizer, sched=args.sched, num_epochs=args.epochs, min_lr=args.min_lr,
-                                       warmup_lr=args.warmup_lr, warmup_epochs=warmup, step_on_epochs=False,
-                                       updates_per_epoch=steps)
+                                       warmup_lr=args.warmup_lr, warmup_epochs=data.warmup, step_on_epochs=False,
+                                       updates_per_epoch=data.steps)
     ema = ModelEmaV3(model, decay=args.model_ema_decay) if args.model_ema else None
-    scaler = torch.amp.GradScaler(d.device.type) if amp_dtype == torch.float16 else None
-    mixup = (Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, label_smoothing=args.smoothing,
-                   num_classes=num_classes) if args.mixup > 0 or args.cutmix > 0 else None)
-    criterion = _criterion(args)
+    scaler = torch.amp.GradScaler(d.device.type) if data.amp_dtype == torch.float16 else None
     net = nn.parallel.DistributedDataParallel(model) if d.world > 1 else model
+    evaluator = ema.module if ema is not None else model
+    if args.compile:
+        net, evaluator = torch.compile(net), torch.compile(evaluator)
+    return Trainer(model, net, optimizer, scheduler, ema, scaler, _criterion(args), evaluator)
 
-    start_epoch, num_updates, rows = 0, 0, []
-    if state == "resume":
-        meta = load_resume(out / RESUME_FILE, model=model, optimizer=optimizer,
-                           ema=ema.module if ema else None, scaler=scaler)
-        start_epoch, num_updates, rows = meta["epoch"], meta["num_updates"], meta["rows"]
-        if scheduler is not None:
-            scheduler.step_update(num_updates)
-    elif d.main:
-        record = {**vars(args), "dataset_resolved": train_set.dataset, "train_split": train_set.split,
-                  "eval_split": eval_set.split, "fingerprints": {"train": train_set.fingerprint,
-                                                                 "eval": eval_set.fingerprint},
-                  "class_names": train_set.class_names, "num_classes": num_classes, "mean": list(mean),
-                  "std": list(std), "train_images": len(train_set), "eval_images": len(eval_set),
-                  "warmup_epochs_used": warmup, "hflip_used": hflip, "steps_per_epoch": steps,
-                  "world_size": d.world, "device": str(d.device), "amp_dtype": str(amp_dtype).replace("torch.", "")
-                  if amp_dtype else "float32", "versions": _versions()}
-        write_json(out / ARGS_FILE, record)
 
-    batches = Batches(train_set.images.to(d.device), train_set.labels.to(d.device), mean, std, args.crop_padding,
-                      hflip, mixup)
-    eval_model = ema.module if ema else model
-    title = f"{args.model} on {Path(args.dataset).name}"
-    for epoch in range(start_epoch, args.epochs):
-        t0 = time.perf_counter()
-        _seed_everything(_seed(args.seed, epoch, d.rank))
-        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(_seed(args.seed, epoch)))
-        order = order[d.rank::d.world][: steps * args.batch_size].to(d.device)
-        aug_gen = torch.Generator().manual_seed(_seed(args.seed, epoch, d.rank, 1))
-        net.train()
-        loss_sum, lr = 0.0, optimizer.param_groups[0]["lr"]
-        bar = tqdm(range(steps), desc=f"epoch {epoch + 1}/{args.epochs}", disable=not d.main or args.no_progress,
-                   leave=False, file=sys.stderr)
-        for step in bar:
-            idx = order[step * args.batch_size:(step + 1) * args.batch_size]
-            x, y = batches(idx, aug_gen)
-            lr = optimizer.param_groups[0]["lr"]
-            loss = optimizer_step(net, x, y, criterion, optimizer, device=d.device, amp_dtype=amp_dtype,
-                                  scaler=scaler, clip_grad=args.clip_grad)
-            num_updates += 1
-            if scheduler is not None:
-                scheduler.step_update(num_updates)
-            if ema is not None:
-                ema.update(model, step=num_updates)
-            value = _reduce(loss.float(), d).item() / d.world
-            if not math.isfinite(value):
-                kept = f"the last good checkpoint (epoch {rows[-1]['epoch']}) is kept in {out}" if rows else \
-                    "no checkpoint was written"
-                raise NonFiniteLossError(f"the training loss is {value} at epoch {epoch + 1} step {step + 1}; "
-                                         f"{kept}; lower --lr, add --clip-grad 1.0 or use --amp none in a new --output")
-            loss_sum += value
-            bar.set_postfix(loss=f"{value:.3f}", refresh=False)
-        train_seconds = time.perf_counter() - t0
-        metrics = evaluate(eval_model, eval_set.images, eval_set.labels, mean, std, d, amp_dtype)
-        rows.append({"epoch": epoch + 1, "train_loss": loss_sum / steps, **metrics, "lr": lr,
-                     "img_per_s": steps * args.batch_size * d.world / train_seconds,
-                     "seconds": time.perf_counter() - t0})
-        if d.main:
-            save_resume(out / RESUME_FILE, model=model, optimizer=optimizer, ema=ema.module if ema else None,
-                        scaler=scaler, meta={"epoch": epoch + 1, "num_updates": num_updates, "rows": rows})
-            save_model(out, eval_model, train_set.class_names, mean, std)
-            write_log(out / LOG_FILE, rows)
-            plot_curves(out / CURVES_FILE, rows, title)
-            r = rows[-1]
-            tqdm.write(f"epoch {epoch + 1}/{args.epochs}: train loss {r['train_loss']:.4f}, eval loss "
-                       f"{r['eval_loss']:.4f}, top-1 {r['eval_top1']:.2f}%, top-5 {r['eval_top5']:.2f}%, "
-                       f"{r['img_per_s']:.0f} img/s", file=sys.stderr)
-        if d.world > 1:
-            dist.barrier()
+def _batches(args: argparse.Namespace, data: RunData, d: Dist) -> Batches:
+    """Training batches from the uint8 train images moved once to the device: crop, flip, mixup/CutMix."""
+    mixup = (Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, label_smoothing=args.smoothing,
+                   num_classes=data.num_classes) if args.mixup > 0 or args.cutmix > 0 else None)
+    return Batches(data.train.images.to(d.device), data.train.labels.to(d.device), data.mean, data.std,
+                   args.crop_padding, data.hflip, mixup)
 
+
+def _restore(t: Trainer, path: Path) -> None:
+    """Continue from the last saved epoch: states, update count (the schedule follows it) and log rows."""
+    meta = load_resume(path, model=t.model, optimizer=t.optimizer, ema=t.ema.module if t.ema else None,
+                       scaler=t.scaler)
+    t.epoch = t.saved_epoch = meta["epoch"]
+    t.num_updates, t.rows = meta["num_updates"], meta["rows"]
+    if t.scheduler is not None:
+        t.scheduler.step_update(t.num_updates)
+
+
+def _write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -> None:
+    """``train_args.json``: every argument and everything resolved from it, written once per run."""
+    amp = str(data.amp_dtype).replace("torch.", "") if data.amp_dtype else "float32"
+    write_json(out / ARGS_FILE, {
+        **vars(args), "dataset_resolved": data.train.dataset, "train_split": data.train.split,
+        "eval_split": data.eval.split, "fingerprints": {"train": data.train.fingerprint,
+                                                        "eval": data.eval.fingerprint},
+        "class_names": data.train.class_names, "num_classes": data.num_classes, "mean": list(data.mean),
+        "std": list(data.std), "train_images": len(data.train), "eval_images": len(data.eval),
+        "warmup_epochs_used": data.warmup, "hflip_used": data.hflip, "steps_per_epoch": data.steps,
+        "world_size": d.world, "device": str(d.device), "amp_dtype": amp, "versions": _versions()})
+
+
+def _train_epoch(t: Trainer, batches: Batches, args: argparse.Namespace, data: RunData, d: Dist, epoch: int,
+                 out: Path) -> tuple[float, float]:
+    """One epoch of updates; returns the mean training loss (over ranks and steps) and the last learning rate.
+
+    Per-step losses stay on the device and are fetched once at the end (no host sync per step), where a
+    non-finite one stops the run, naming its step, before anything of this epoch is saved.
+    """
+    _seed_everything(_seed(args.seed, epoch, d.rank))
+    order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(_seed(args.seed, epoch)))
+    order = order[d.rank::d.world][: data.steps * args.batch_size].to(d.device)
+    aug_gen = torch.Generator().manual_seed(_seed(args.seed, epoch, d.rank, 1))
+    losses = torch.zeros(data.steps, device=d.device)
+    t.net.train()
+    lr = t.optimizer.param_groups[0]["lr"]
+    bar = tqdm(range(data.steps), desc=f"epoch {epoch + 1}/{args.epochs}", disable=not d.main or args.no_progress,
+               leave=False, file=sys.stderr)
+    for step in bar:
+        x, y = batches(order[step * args.batch_size:(step + 1) * args.batch_size], aug_gen)
+        lr = t.optimizer.param_groups[0]["lr"]
+        losses[step] = optimizer_step(t.net, x, y, t.criterion, t.optimizer, device=d.device,
+                                      amp_dtype=data.amp_dtype, scaler=t.scaler, clip_grad=args.clip_grad)
+        t.num_updates += 1
+        if t.scheduler is not None:
+            t.scheduler.step_update(t.num_updates)
+        if t.ema is not None:
+            t.ema.update(t.model, step=t.num_updates)
+        if not bar.disable and (step + 1) % BAR_EVERY == 0:  # one local sync per BAR_EVERY steps, rank 0 only
+            bar.set_postfix(loss=f"{losses[step + 1 - BAR_EVERY:step + 1].mean().item():.3f}", refresh=False)
+    values = [v / d.world for v in _reduce(losses, d).tolist()]
+    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+    if bad is not None:
+        kept = f"the last good checkpoint (epoch {t.saved_epoch}) is kept in {out}" if t.saved_epoch else \
+            "no checkpoint was written"
+        raise NonFiniteLossError(f"the training loss is {values[bad]} at epoch {epoch + 1} step {bad + 1}; "
+                                 f"{kept}; lower --lr, add --clip-grad 1.0 or use --amp none in a new --output")
+    return sum(values) / data.steps, lr
+
+
+def _save(out: Path, t: Trainer, args: argparse.Namespace, data: RunData, d: Dist) -> None:
+    """Rank 0 writes the resume state, the model export, ``log.csv`` and ``curves.png``, all for one epoch."""
     if d.main:
-        last = rows[-1]
-        summary = {"epochs": args.epochs, **{k: last[k] for k in ("train_loss", "eval_loss", "eval_top1",
-                                                                  "eval_top5")},
-                   "best_eval_top1": max(r["eval_top1"] for r in rows),
-                   "wall_seconds": sum(r["seconds"] for r in rows),
-                   "train_images": len(train_set), "eval_images": len(eval_set)}
-        write_json(out / SUMMARY_FILE, summary)
-        print(f"{args.model} on {args.dataset}: eval top-1 {last['eval_top1']:.2f}%, top-5 {last['eval_top5']:.2f}% "
-              f"after {args.epochs} epochs ({summary['wall_seconds']:.0f} s) -> {out}")
-    return out
+        save_resume(out / RESUME_FILE, model=t.model, optimizer=t.optimizer, ema=t.ema.module if t.ema else None,
+                    scaler=t.scaler, meta={"epoch": t.epoch, "num_updates": t.num_updates, "rows": t.rows})
+        save_model(out, t.export, data.train.class_names, data.mean, data.std)
+        write_log(out / LOG_FILE, t.rows)
+        plot_curves(out / CURVES_FILE, t.rows, f"{args.model} on {Path(args.dataset).name}")
+    t.saved_epoch = t.epoch
+    if d.world > 1:
+        dist.barrier()
+
+
+def _report_epoch(r: dict[str, float], epochs: int) -> None:
+    tqdm.write(f"epoch {r['epoch']}/{epochs}: train loss {r['train_loss']:.4f}, eval loss {r['eval_loss']:.4f}, "
+               f"top-1 {r['eval_top1']:.2f}%, top-5 {r['eval_top5']:.2f}%, {r['img_per_s']:.0f} img/s",
+               file=sys.stderr)
+
+
+def _write_summary(out: Path, args: argparse.Namespace, data: RunData, rows: list[dict[str, float]]) -> None:
+    last = rows[-1]
+    summary = {"epochs": args.epochs, **{k: last[k] for k in ("train_loss", "eval_loss", "eval_top1", "eval_top5")},
+               "best_eval_top1": max(r["eval_top1"] for r in rows), "wall_seconds": sum(r["seconds"] for r in rows),
+               "train_images": len(data.train), "eval_images": len(data.eval)}
+    write_json(out / SUMMARY_FILE, summary)
+    print(f"{args.model} on {args.dataset}: eval top-1 {last['eval_top1']:.2f}%, top-5 {last['eval_top5']:.2f}% "
+          f"after {args.epochs} epochs ({summary['wall_seconds']:.0f} s) -> {out}")
 
 
 def main(argv: list[str] | None = None) -> None:
