@@ -26,7 +26,7 @@ from torch import nn
 
 from .errors import UserError
 
-__all__ = ["WEIGHTS_NAME", "load_model", "sha256_file"]
+__all__ = ["WEIGHTS_NAME", "check_model", "load_model", "sha256_file"]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -58,13 +58,51 @@ def _check_registered(name: str) -> None:
     raise UserError(f"unknown model {name!r}{hint}")
 
 
+def _create(arch: str, **kwargs: Any) -> nn.Module:
+    """``timm.create_model``; arguments the model rejects are a :class:`UserError` naming them."""
+    try:
+        return timm.create_model(arch, **kwargs)
+    except (TypeError, ValueError, AssertionError) as e:
+        shown = {k: v for k, v in kwargs.items() if k not in ("pretrained", "pretrained_cfg_overlay")}
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{arch} cannot be built with {shown} ({reason}); fix or drop the model arguments") from None
+
+
+def check_model(name: str, kwargs: dict[str, Any] | None = None) -> None:
+    """Fail fast on a model name or model arguments that timm rejects, without allocating weights.
+
+    A registered name is built on the meta device; ``local-dir:`` must be a folder with a ``config.json``;
+    ``hf-hub:`` names are checked when they are loaded. A failure that only the meta device causes is ignored
+    here (the real build reports anything left).
+    """
+    try:
+        source, model_id = parse_model_name(name)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if source == "local-dir":
+        if not (Path(model_id) / CONFIG_NAME).is_file():
+            raise UserError(f"local-dir:{model_id} is not a folder with {CONFIG_NAME}; pass a training output folder")
+        return
+    if source is not None:
+        return
+    _check_registered(model_id)
+    try:
+        with torch.device("meta"):
+            _create(model_id, **(kwargs or {}))
+    except (RuntimeError, NotImplementedError):
+        pass  # e.g. .item() on a meta tensor inside the model's __init__
+
+
 def _hub_folder(repo: str) -> Path:
     """Local snapshot folder holding ``config.json`` and ``model.safetensors`` of a Hub repo (cache first)."""
     from timm.models._hub import download_from_hf
 
+    from .hub import hub_or_cache
+
     try:
-        config = download_from_hf(repo, CONFIG_NAME)
-        download_from_hf(repo, WEIGHTS_NAME)
+        with hub_or_cache():
+            config = download_from_hf(repo, CONFIG_NAME)
+            download_from_hf(repo, WEIGHTS_NAME)
     except LocalEntryNotFoundError:
         raise UserError(
             f"hf-hub:{repo} is not in the local Hugging Face cache and the Hub is unreachable (offline); "
@@ -225,12 +263,7 @@ def load_model(
     if num_classes is not None:
         kwargs["num_classes"] = num_classes
 
-    try:
-        net = timm.create_model(
-            arch, pretrained=False, pretrained_cfg_overlay=_cfg_overlay(config, num_classes), **kwargs
-        )
-    except TypeError as e:
-        raise UserError(f"cannot build {arch} with {kwargs}: {e}") from None
+    net = _create(arch, pretrained=False, pretrained_cfg_overlay=_cfg_overlay(config, num_classes), **kwargs)
     if weights is not None:
         _check_match(net, shapes, arch, weights)
         load_checkpoint(net, str(weights), strict=True)
