@@ -167,6 +167,7 @@ def fake_hub(monkeypatch):
     FakeHfApi.calls = []
     monkeypatch.setattr(hub, "HfApi", FakeHfApi)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "hub_reachable", lambda: True)  # tests never touch the network
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")
     return FakeHfApi.calls
 
@@ -231,6 +232,7 @@ def test_normalisation_mismatch_is_named():
         ("dry_no_output", "--dry-run needs --output DIR"),
         ("busy_output", "already holds other files (notes.txt); choose an empty --output"),
         ("offline", "HF_HUB_OFFLINE is set: unset it to upload, or use --dry-run --output DIR"),
+        ("unreachable", "is unreachable; check the network, or use --dry-run --output DIR"),
         ("no_token", "no Hugging Face token: run `hf auth login` or set HF_TOKEN"),
         ("hub_fails", f"upload to {REPO} failed (ConnectionError: no route to host); check the network"),
     ],
@@ -253,6 +255,8 @@ def test_errors_are_one_line(tmp_path, run, eval_dir, fake_hub, monkeypatch, cap
         argv += ["--dry-run", "--output", str(tmp_path)]
     elif case == "offline":
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    elif case == "unreachable":
+        monkeypatch.setattr(hub, "hub_reachable", lambda: False)
     elif case == "no_token":
         monkeypatch.delenv("HF_TOKEN")
         monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)

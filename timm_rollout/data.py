@@ -27,6 +27,7 @@ __all__ = [
     "ImageSet",
     "balanced_indices",
     "compute_stats",
+    "dataset_arg",
     "load_image_set",
     "normalization_stats",
     "normalize",
@@ -115,6 +116,12 @@ def resolve_dataset(dataset: str) -> DatasetSpec:
             f"no data set folder at {dataset}; pass an existing folder, a Hub id or one of {', '.join(ALIASES)}"
         )
     return DatasetSpec(dataset, stats_key=_HUB_TO_STATS.get(dataset))
+
+
+def dataset_arg(value: str) -> str:
+    """``value`` once it names an alias, a Hub id or a folder holding a data set; nothing is loaded (for CLIs)."""
+    resolve_dataset(value)
+    return value
 
 
 def _looks_like_dataset(folder: Path, max_depth: int = 3, max_entries: int = 10_000) -> bool:

@@ -64,7 +64,7 @@ class CliParser(argparse.ArgumentParser):
         self.given: frozenset[str] = frozenset()
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        head, sep, rest = message.partition(": ")
+        head, _, rest = message.partition(": ")
         if head.startswith("argument ") and rest.startswith(head.removeprefix("argument ").split("/")[0] + " "):
             message = rest  # the validator already names the flag
         raise UserError(message)

@@ -44,6 +44,7 @@ from .checkpoint import MODEL_FILES, RESUME_FILE, load_resume, save_model, save_
 from .data import (
     ImageSet,
     balanced_indices,
+    dataset_arg,
     load_image_set,
     normalization_stats,
     normalize,
@@ -81,7 +82,7 @@ def build_parser() -> CliParser:
     p = CliParser(prog="python -m timm_rollout.train", description=__doc__.split("\n\n")[0],
                   checks=[_check_model_args])
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", type=as_type(_dataset_arg),
+    g.add_argument("--dataset", type=as_type(dataset_arg),
                    help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or local folder")
     g.add_argument("--train-split", default="train")
     g.add_argument("--eval-split", default=None, help="default: test, else validation")
@@ -128,11 +129,6 @@ def build_parser() -> CliParser:
     mode.add_argument("--resume", action="store_true", help="continue the run in --output (a finished run is kept)")
     mode.add_argument("--overwrite", action="store_true", help="replace a run already in --output")
     return p
-
-
-def _dataset_arg(value: str) -> str:
-    resolve_dataset(value)  # an alias, a Hub id, or a folder that holds a data set (nothing is loaded yet)
-    return value
 
 
 def _optimizer_arg(name: str) -> str:
