@@ -167,11 +167,11 @@ def _load_splits(spec: DatasetSpec, name: str):
         try:
             return datasets.load_dataset(spec.path, spec.config)
         except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
-            where = "is found neither on the Hugging Face Hub nor in the local cache" if online else \
-                "is not in the local cache and the Hugging Face Hub is offline or unreachable"
+            where, also = ("is found neither on the Hugging Face Hub nor in the local cache", ", an existing Hub id") \
+                if online else ("is not in the local cache and the Hugging Face Hub is offline or unreachable", "")
             raise UserError(
                 f"data set {name!r} ({spec.path}) {where} ({type(e).__name__}); pass a local data set folder "
-                "(e.g. ../shared/data/cifar10), cifar10-sample (shipped, offline) or a Hub id"
+                f"(e.g. ../shared/data/cifar10){also} or cifar10-sample (shipped with the package)"
             ) from None
 
 
