@@ -30,15 +30,25 @@ from harness.figures import plot_cosine_matrix, plot_heatmaps
 from timm_rollout.atomic import atomic_path, write_json
 from timm_rollout.data import ImageSet, balanced_indices, dataset_arg, load_image_set
 from timm_rollout.device import AMP_CHOICES, resolve_amp, resolve_device
-from timm_rollout.errors import CliParser, UserError, as_type, device_arg, existing_path, number, output_dir, run_cli
+from timm_rollout.errors import (
+    CliParser,
+    UserError,
+    as_type,
+    device_arg,
+    existing_path,
+    non_negative_int,
+    number,
+    output_dir,
+    positive,
+    positive_int,
+    run_cli,
+    seed_arg,
+)
 from timm_rollout.loading import check_model, load_model
 
 __all__ = ["build_parser", "evaluate", "main", "select_classes"]
 
 PACKAGES = ("torch", "timm", "faiss-cpu", "scikit-learn", "numpy", "datasets", "safetensors", "timm-rollout")
-
-
-COUNT, NON_NEGATIVE_INT = number(int, 1), number(int, 0)
 
 
 def build_parser() -> CliParser:
@@ -55,22 +65,22 @@ def build_parser() -> CliParser:
     sel = p.add_mutually_exclusive_group()
     sel.add_argument("--classes", nargs="+", metavar="NAME", help="evaluate only these classes")
     sel.add_argument("--num-classes", type=number(int, 2), metavar="K", help="evaluate only the first K classes")
-    p.add_argument("--per-class", type=COUNT, metavar="N", help="N random images per class (default: all)")
-    p.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0,
+    p.add_argument("--per-class", type=positive_int, metavar="N", help="N random images per class (default: all)")
+    p.add_argument("--seed", type=seed_arg, default=0,
                    help="seed of the per-class draws, heatmap picks, silhouette sample")
-    p.add_argument("--k", type=COUNT, default=5, help="neighbours of the leave-one-out k-NN (default 5)")
+    p.add_argument("--k", type=positive_int, default=5, help="neighbours of the leave-one-out k-NN (default 5)")
     p.add_argument("--bank-split", help="split whose features form the k-NN bank (e.g. train); off by default")
-    p.add_argument("--bank-per-class", type=COUNT, metavar="N", help="N random bank images per class")
-    p.add_argument("--bank-k", type=COUNT, default=20, help="neighbours of the bank k-NN (default 20)")
-    p.add_argument("--temperature", type=number(float, 0, low_open=True), default=0.07,
+    p.add_argument("--bank-per-class", type=positive_int, metavar="N", help="N random bank images per class")
+    p.add_argument("--bank-k", type=positive_int, default=20, help="neighbours of the bank k-NN (default 20)")
+    p.add_argument("--temperature", type=positive, default=0.07,
                    help="bank k-NN vote temperature, > 0 (default 0.07)")
     p.add_argument("--cosine-classes", nargs="+", metavar="NAME", help="classes of the cosine matrix (default: all)")
-    p.add_argument("--heatmaps", type=NON_NEGATIVE_INT, default=8, metavar="N", help="images in heatmaps.png (0: none)")
+    p.add_argument("--heatmaps", type=non_negative_int, default=8, metavar="N", help="images in heatmaps.png (0: none)")
     p.add_argument("--save-features", action="store_true", help="write features.safetensors (features, labels)")
     p.add_argument("--faithfulness", action="store_true", help="deletion/insertion curves of saliency maps")
-    p.add_argument("--faithfulness-images", type=COUNT, default=1000, metavar="N",
+    p.add_argument("--faithfulness-images", type=positive_int, default=1000, metavar="N",
                    help="score the first N evaluated images (default 1000)")
-    p.add_argument("--batch-size", type=COUNT, default=512)
+    p.add_argument("--batch-size", type=positive_int, default=512)
     p.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="autocast dtype (auto: bf16 only where native)")
     p.add_argument("--output", required=True, type=output_dir, help="folder for results.json, figures and features")

@@ -33,7 +33,7 @@ from timm_rollout.errors import (
     device_arg,
     existing_path,
     key_value,
-    number,
+    non_negative_int,
     output_dir,
     run_cli,
 )
@@ -60,7 +60,7 @@ def build_parser() -> CliParser:
                      help="data set alias, Hub id or local folder; pick the image with --index")
     p.add_argument("--split", default="test", help="split of --dataset (default: test)")
     p.add_argument("--index", type=int, default=0, help="image index in --dataset's split (default 0)")
-    p.add_argument("--target-class", type=number(int, 0),
+    p.add_argument("--target-class", type=non_negative_int,
                    help="class explained by the gradient map (default: predicted)")
     p.add_argument("--no-flow", action="store_true", help="skip attention flow (one max-flow per patch)")
     p.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda, auto ...")

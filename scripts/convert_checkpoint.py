@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from timm_rollout.convert import POOLING_MODELS, convert_checkpoint, guess_pooling
-from timm_rollout.errors import CliParser, existing_path, number, output_dir, run_cli
+from timm_rollout.errors import CliParser, existing_path, number, output_dir, positive, positive_int, run_cli
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -22,11 +22,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("checkpoint", type=existing_path, help="the original study's state dict (.pth)")
     p.add_argument("output", type=output_dir, help="folder to write model.safetensors and config.json into")
     p.add_argument("--pooling", choices=sorted(POOLING_MODELS), help="default: guessed from the file name")
-    p.add_argument("--num-heads", type=number(int, 1), default=4,
+    p.add_argument("--num-heads", type=positive_int, default=4,
                    help="attention heads (not stored in a state dict; the study used 4)")
     p.add_argument("--label-names", nargs="+", metavar="NAME", help="class names in head order")
     p.add_argument("--mean", type=number(float, 0, 1), nargs=3, help="normalisation mean the weights were trained with")
-    p.add_argument("--std", type=number(float, 0, low_open=True), nargs=3,
+    p.add_argument("--std", type=positive, nargs=3,
                    help="normalisation std the weights were trained with")
     return p.parse_args(argv)
 

@@ -23,10 +23,16 @@ __all__ = [
     "as_type",
     "device_arg",
     "existing_path",
+    "fraction",
     "key_value",
+    "non_negative",
+    "non_negative_int",
     "number",
     "output_dir",
+    "positive",
+    "positive_int",
     "run_cli",
+    "seed_arg",
 ]
 
 
@@ -133,6 +139,13 @@ def number(kind: type = float, low: float | None = None, high: float | None = No
 
     convert.__name__ = kind.__name__
     return convert
+
+
+# The ranges the CLIs use: counts, sizes, rates, probabilities and seeds.
+positive_int, non_negative_int = number(int, 1), number(int, 0)
+positive, non_negative = number(float, 0, low_open=True), number(float, 0)
+fraction = number(float, 0, 1, high_open=True)  # rates and probabilities in [0, 1)
+seed_arg = number(int, 0, 2**32 - 1)
 
 
 def key_value(text: str) -> str:

@@ -26,7 +26,7 @@ from torch import nn
 
 from .errors import UserError
 
-__all__ = ["WEIGHTS_NAME", "check_model", "load_model", "sha256_file"]
+__all__ = ["WEIGHTS_NAME", "check_model", "create_model", "load_model", "sha256_file"]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -58,22 +58,26 @@ def _check_registered(name: str) -> None:
     raise UserError(f"unknown model {name!r}{hint}")
 
 
-def _create(arch: str, **kwargs: Any) -> nn.Module:
-    """``timm.create_model``; arguments the model rejects are a :class:`UserError` naming them."""
+def _rejected(arch: str, kwargs: dict[str, Any], error: Exception) -> UserError:
+    shown = {k: v for k, v in kwargs.items() if k not in ("pretrained", "pretrained_cfg_overlay")}
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return UserError(f"{arch} cannot be built with {shown} ({reason}); fix or drop the model arguments")
+
+
+def create_model(arch: str, **kwargs: Any) -> nn.Module:
+    """``timm.create_model`` for a registered ``arch``; arguments the model rejects are a one-line UserError."""
     try:
         return timm.create_model(arch, **kwargs)
-    except (TypeError, ValueError, AssertionError) as e:
-        shown = {k: v for k, v in kwargs.items() if k not in ("pretrained", "pretrained_cfg_overlay")}
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{arch} cannot be built with {shown} ({reason}); fix or drop the model arguments") from None
+    except (TypeError, ValueError, AssertionError, RuntimeError) as e:
+        raise _rejected(arch, kwargs, e) from None
 
 
 def check_model(name: str, kwargs: dict[str, Any] | None = None) -> None:
     """Fail fast on a model name or model arguments that timm rejects, without allocating weights.
 
     A registered name is built on the meta device; ``local-dir:`` must be a folder with a ``config.json``;
-    ``hf-hub:`` names are checked when they are loaded. A failure that only the meta device causes is ignored
-    here (the real build reports anything left).
+    ``hf-hub:`` names are checked when they are loaded. A failure that only the meta device can cause
+    (``RuntimeError``, e.g. ``.item()`` on a meta tensor) is left to the real build.
     """
     try:
         source, model_id = parse_model_name(name)
@@ -86,11 +90,14 @@ def check_model(name: str, kwargs: dict[str, Any] | None = None) -> None:
     if source is not None:
         return
     _check_registered(model_id)
+    kwargs = kwargs or {}
     try:
         with torch.device("meta"):
-            _create(model_id, **(kwargs or {}))
+            timm.create_model(model_id, **kwargs)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise _rejected(model_id, kwargs, e) from None
     except (RuntimeError, NotImplementedError):
-        pass  # e.g. .item() on a meta tensor inside the model's __init__
+        pass
 
 
 def _hub_folder(repo: str) -> Path:
@@ -263,7 +270,7 @@ def load_model(
     if num_classes is not None:
         kwargs["num_classes"] = num_classes
 
-    net = _create(arch, pretrained=False, pretrained_cfg_overlay=_cfg_overlay(config, num_classes), **kwargs)
+    net = create_model(arch, pretrained=False, pretrained_cfg_overlay=_cfg_overlay(config, num_classes), **kwargs)
     if weights is not None:
         _check_match(net, shapes, arch, weights)
         load_checkpoint(net, str(weights), strict=True)

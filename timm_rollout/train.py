@@ -53,7 +53,22 @@ from .data import (
 )
 from .device import AMP_CHOICES, autocast, resolve_amp, resolve_device
 from .dropout import use_fast_dropout
-from .errors import CliParser, UserError, as_type, device_arg, key_value, number, output_dir, run_cli
+from .errors import (
+    CliParser,
+    UserError,
+    as_type,
+    device_arg,
+    fraction,
+    key_value,
+    non_negative,
+    non_negative_int,
+    number,
+    output_dir,
+    positive,
+    positive_int,
+    run_cli,
+    seed_arg,
+)
 from .loading import check_model
 from .train_log import plot_curves, write_log
 from .train_step import Batches, optimizer_step
@@ -72,9 +87,6 @@ EVAL_BATCH = 500
 
 # Optimizer schedules that train steps every update (timm's plateau steps on epochs only).
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt", "none")
-COUNT, NON_NEGATIVE_INT = number(int, 1), number(int, 0)
-POSITIVE, NON_NEGATIVE = number(float, 0, low_open=True), number(float, 0)
-FRACTION = number(float, 0, 1, high_open=True)  # probabilities/rates in [0, 1)
 
 
 def build_parser() -> CliParser:
@@ -88,41 +100,41 @@ def build_parser() -> CliParser:
     g.add_argument("--eval-split", default=None, help="default: test, else validation")
     g.add_argument("--image-column", default=None, help="default: img or image")
     g.add_argument("--label-column", default=None, help="default: label or fine_label")
-    g.add_argument("--max-train-samples", type=COUNT, default=None, help="class-balanced seeded subset")
-    g.add_argument("--max-eval-samples", type=COUNT, default=None, help="class-balanced seeded subset")
-    g.add_argument("--crop-padding", type=NON_NEGATIVE_INT, default=4,
+    g.add_argument("--max-train-samples", type=positive_int, default=None, help="class-balanced seeded subset")
+    g.add_argument("--max-eval-samples", type=positive_int, default=None, help="class-balanced seeded subset")
+    g.add_argument("--crop-padding", type=non_negative_int, default=4,
                    help="random crop after zero padding by this many pixels")
     g.add_argument("--hflip", type=number(float, 0, 1), default=None,
                    help="flip probability; default 0.5, 0 for svhn (digits)")
-    g.add_argument("--mixup", type=NON_NEGATIVE, default=0.0, help="mixup alpha (timm Mixup), 0 = off")
-    g.add_argument("--cutmix", type=NON_NEGATIVE, default=0.0, help="cutmix alpha (timm Mixup), 0 = off")
-    g.add_argument("--smoothing", type=FRACTION, default=0.0, help="label smoothing, in [0, 1)")
+    g.add_argument("--mixup", type=non_negative, default=0.0, help="mixup alpha (timm Mixup), 0 = off")
+    g.add_argument("--cutmix", type=non_negative, default=0.0, help="cutmix alpha (timm Mixup), 0 = off")
+    g.add_argument("--smoothing", type=fraction, default=0.0, help="label smoothing, in [0, 1)")
     g = p.add_argument_group("model")
     g.add_argument("--model", default="vit_tiny_cifar_rollout", help="any timm model name")
-    g.add_argument("--num-classes", type=COUNT, default=None, help="default: the data set's class count")
-    g.add_argument("--drop-path", type=FRACTION, default=None, help="stochastic depth rate (model default if unset)")
+    g.add_argument("--num-classes", type=positive_int, default=None, help="default: the data set's class count")
+    g.add_argument("--drop-path", type=fraction, default=None, help="stochastic depth rate (model default if unset)")
     g.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
                    help="extra timm.create_model arguments, e.g. depth=2")
     g.add_argument("--model-ema", action="store_true", help="keep a timm ModelEmaV3; evaluate and export it")
     g.add_argument("--model-ema-decay", type=number(float, 0, 1, low_open=True, high_open=True), default=0.9998)
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=COUNT, default=200)
-    g.add_argument("--batch-size", type=COUNT, default=128, help="per process")
+    g.add_argument("--epochs", type=positive_int, default=200)
+    g.add_argument("--batch-size", type=positive_int, default=128, help="per process")
     g.add_argument("--opt", default="adamw", type=as_type(_optimizer_arg), help="any timm optimizer name")
-    g.add_argument("--lr", type=POSITIVE, default=5e-4)
-    g.add_argument("--weight-decay", type=NON_NEGATIVE, default=1e-4)
-    g.add_argument("--momentum", type=FRACTION, default=0.9, help="for SGD-family optimizers")
-    g.add_argument("--clip-grad", type=POSITIVE, default=None, help="gradient norm clipping, off by default")
+    g.add_argument("--lr", type=positive, default=5e-4)
+    g.add_argument("--weight-decay", type=non_negative, default=1e-4)
+    g.add_argument("--momentum", type=fraction, default=0.9, help="for SGD-family optimizers")
+    g.add_argument("--clip-grad", type=positive, default=None, help="gradient norm clipping, off by default")
     g.add_argument("--sched", default="cosine", choices=SCHEDULERS, help="timm scheduler, stepped every update")
-    g.add_argument("--warmup-epochs", type=NON_NEGATIVE, default=5, help="linear warmup, clipped to the run length")
-    g.add_argument("--warmup-lr", type=NON_NEGATIVE, default=1e-5)
-    g.add_argument("--min-lr", type=NON_NEGATIVE, default=5e-6)
+    g.add_argument("--warmup-epochs", type=non_negative, default=5, help="linear warmup, clipped to the run length")
+    g.add_argument("--warmup-lr", type=non_negative, default=1e-5)
+    g.add_argument("--min-lr", type=non_negative, default=5e-6)
     g = p.add_argument_group("run")
     g.add_argument("--output", required=True, type=output_dir, help="output folder")
-    g.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=0)
+    g.add_argument("--seed", type=seed_arg, default=0)
     g.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="auto: bf16 where it pays, else fp32")
     g.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
-    g.add_argument("--workers", type=COUNT, default=None,
+    g.add_argument("--workers", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is far faster on a busy machine)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     mode = g.add_mutually_exclusive_group()
