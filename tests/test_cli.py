@@ -117,7 +117,7 @@ def _run_all(cases: list[list[str]], tmp_path: Path) -> list[tuple[int, str]]:
     """(exit code, stderr) of each argv, each run as ``python -m argv[0] argv[1:]`` in its own process."""
     jobs = [[argv, str(tmp_path / f"stderr-{i}.txt")] for i, argv in enumerate(cases)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "1"}  # fork-safe
     proc = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(jobs), capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=600, check=True)
     codes = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -218,21 +218,8 @@ def _cfg_overlay(config: dict[str, Any] | None, num_classes: int) -> dict[str, A
     return overlay
 
 
-def load_model(
-    model: str,
-    checkpoint: str | Path | None = None,
-    *,
-    num_classes: int | None = None,
-    device: str | torch.device = "cpu",
-    **model_kwargs: Any,
-) -> tuple[nn.Module, dict[str, Any]]:
-    """Build ``model`` in eval mode on ``device``, with ``checkpoint``'s weights if given.
-
-    ``hf-hub:`` and ``local-dir:`` names build the architecture named in their ``config.json`` and load
-    their weights unless ``checkpoint`` overrides them. The class count comes from the checkpoint's head;
-    ``num_classes`` must agree with it (or may be omitted). Returns the model and provenance: resolved name,
-    checkpoint and weights paths, sha256, class count, label names, mean and std.
-    """
+def _resolve_source(model: str, checkpoint: str | Path | None) -> tuple[str, dict[str, Any] | None, Path | None]:
+    """(architecture, timm config or None, weights file or None) for a model name and optional checkpoint."""
     try:
         source, model_id = parse_model_name(model)
     except ValueError as e:
@@ -254,7 +241,25 @@ def load_model(
     _check_registered(arch)
     if checkpoint is not None:
         weights, config = _resolve_checkpoint(checkpoint)
+    return arch, config, weights
 
+
+def load_model(
+    model: str,
+    checkpoint: str | Path | None = None,
+    *,
+    num_classes: int | None = None,
+    device: str | torch.device = "cpu",
+    **model_kwargs: Any,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Build ``model`` in eval mode on ``device``, with ``checkpoint``'s weights if given.
+
+    ``hf-hub:`` and ``local-dir:`` names build the architecture named in their ``config.json`` and load
+    their weights unless ``checkpoint`` overrides them. The class count comes from the checkpoint's head;
+    ``num_classes`` must agree with it (or may be omitted). Returns the model and provenance: resolved name,
+    checkpoint and weights paths, sha256, class count, label names, mean and std.
+    """
+    arch, config, weights = _resolve_source(model, checkpoint)
     kwargs = {**_model_args(config, arch), **model_kwargs}
     shapes = None
     if weights is not None:
