@@ -2,7 +2,7 @@
 
 Each case is its own process running the real command exactly as ``python -m`` does (``runpy.run_module`` as
 ``__main__``, with ``sys.argv`` set); the processes are forked from one interpreter that has already imported
-torch, timm and friends, so the ~30 cases cost one library import (5-10 s on a busy 2-core machine) instead of
+torch, timm and friends, so the 28 cases cost one library import (5-10 s on a busy 2-core machine) instead of
 thirty. Every case fails before any data or model is loaded (one loads the 3,000-image sample to list its splits).
 """
 
