@@ -31,62 +31,72 @@ from harness.faithfulness import evaluate_faithfulness, plot_faithfulness
 from harness.features import extract, saliency_maps
 from harness.figures import plot_cosine_matrix, plot_heatmaps
 from timm_rollout.atomic import atomic_path, write_json, write_text
-from timm_rollout.data import ImageSet, balanced_indices, load_image_set, normalize
+from timm_rollout.data import ImageSet, balanced_indices, dataset_arg, load_image_set, normalize
 from timm_rollout.device import AMP_CHOICES, resolve_amp, resolve_device
-from timm_rollout.errors import UserError, run_cli
+from timm_rollout.errors import (
+    CliParser,
+    UserError,
+    as_type,
+    device_arg,
+    existing_path,
+    non_negative_int,
+    number,
+    output_dir,
+    positive,
+    positive_int,
+    run_cli,
+    seed_arg,
+)
 from timm_rollout.explain import MAP_LABELS, READOUTS
-from timm_rollout.loading import load_model
+from timm_rollout.loading import check_model, load_model
 
 __all__ = ["build_parser", "evaluate", "main", "select_classes", "set_pool"]
 
 PACKAGES = ("torch", "timm", "faiss-cpu", "scikit-learn", "numpy", "datasets", "safetensors", "timm-rollout")
 
 
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
-    return n
-
-
-def _non_negative(value: str) -> int:
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
-    return n
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m harness.eval", description=__doc__.split("\n")[0])
+def build_parser() -> CliParser:
+    """The CLI; bad values, missing paths and unknown models are one-line errors before anything is loaded."""
+    p = CliParser(prog="python -m harness.eval", description=__doc__.split("\n")[0], checks=[_check_args])
     p.add_argument("--model", required=True, help="registered timm name, hf-hub:org/name or local-dir:PATH")
-    p.add_argument("--checkpoint", help=".safetensors file or training output folder (model.safetensors + config)")
-    p.add_argument("--dataset", default="cifar10", help="alias (cifar10, cifar100, svhn), Hub id or local folder")
+    p.add_argument("--checkpoint", type=existing_path,
+                   help=".safetensors file or training output folder (model.safetensors + config)")
+    p.add_argument("--dataset", default="cifar10", type=as_type(dataset_arg),
+                   help="alias (cifar10, cifar100, svhn), Hub id or local folder")
     p.add_argument("--split", default="test", help="split to evaluate (default: test)")
     p.add_argument("--image-column", help="image column (detected when omitted)")
     p.add_argument("--label-column", help="label column (detected when omitted)")
     sel = p.add_mutually_exclusive_group()
     sel.add_argument("--classes", nargs="+", metavar="NAME", help="evaluate only these classes")
-    sel.add_argument("--num-classes", type=_positive, metavar="K", help="evaluate only the first K classes")
-    p.add_argument("--per-class", type=_positive, metavar="N", help="N random images per class (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the per-class draws, heatmap picks, silhouette sample")
+    sel.add_argument("--num-classes", type=number(int, 2), metavar="K", help="evaluate only the first K classes")
+    p.add_argument("--per-class", type=positive_int, metavar="N", help="N random images per class (default: all)")
+    p.add_argument("--seed", type=seed_arg, default=0,
+                   help="seed of the per-class draws, heatmap picks, silhouette sample")
     p.add_argument("--pool", choices=tuple(READOUTS), help="read the features out with this pooling instead of the "
                    "model's own (token: [CLS], avg: patch mean, rollout: rollout weights)")
-    p.add_argument("--k", type=_positive, default=5, help="neighbours of the leave-one-out k-NN (default 5)")
+    p.add_argument("--k", type=positive_int, default=5, help="neighbours of the leave-one-out k-NN (default 5)")
     p.add_argument("--bank-split", help="split whose features form the k-NN bank (e.g. train); off by default")
-    p.add_argument("--bank-per-class", type=_positive, metavar="N", help="N random bank images per class")
-    p.add_argument("--bank-k", type=_positive, default=20, help="neighbours of the bank k-NN (default 20)")
-    p.add_argument("--temperature", type=float, default=0.07, help="bank k-NN vote temperature (default 0.07)")
+    p.add_argument("--bank-per-class", type=positive_int, metavar="N", help="N random bank images per class")
+    p.add_argument("--bank-k", type=positive_int, default=20, help="neighbours of the bank k-NN (default 20)")
+    p.add_argument("--temperature", type=positive, default=0.07,
+                   help="bank k-NN vote temperature, > 0 (default 0.07)")
     p.add_argument("--cosine-classes", nargs="+", metavar="NAME", help="classes of the cosine matrix (default: all)")
-    p.add_argument("--heatmaps", type=_non_negative, default=8, metavar="N", help="images in heatmaps.png (0: none)")
+    p.add_argument("--heatmaps", type=non_negative_int, default=8, metavar="N", help="images in heatmaps.png (0: none)")
     p.add_argument("--save-features", action="store_true", help="write features.safetensors (features, labels)")
     p.add_argument("--faithfulness", action="store_true", help="deletion/insertion curves of saliency maps")
-    p.add_argument("--faithfulness-images", type=_positive, default=1000, metavar="N",
+    p.add_argument("--faithfulness-images", type=positive_int, default=1000, metavar="N",
                    help="score the first N evaluated images (default 1000)")
-    p.add_argument("--batch-size", type=_positive, default=512)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--batch-size", type=positive_int, default=512)
+    p.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="autocast dtype (auto: bf16 only where native)")
-    p.add_argument("--output", required=True, help="folder for results.json, figures and features")
+    p.add_argument("--output", required=True, type=output_dir, help="folder for results.json, figures and features")
     return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.bank_split is not None and args.bank_split == args.split:
+        raise UserError(f"--bank-split {args.bank_split} is the evaluated split; use another split (e.g. train)")
+    check_model(args.model)
 
 
 class Stopwatch:

@@ -24,38 +24,55 @@ from timm.data import create_transform, resolve_data_config
 from timm.utils import ParseKwargs
 
 from timm_rollout.atomic import atomic_path
+from timm_rollout.data import dataset_arg
 from timm_rollout.device import resolve_device
-from timm_rollout.errors import UserError, run_cli
+from timm_rollout.errors import (
+    CliParser,
+    UserError,
+    as_type,
+    device_arg,
+    existing_path,
+    key_value,
+    non_negative_int,
+    output_dir,
+    run_cli,
+)
 from timm_rollout.explain import Explanation, explain
-from timm_rollout.loading import load_model
+from timm_rollout.loading import check_model, load_model
 
 __all__ = ["build_parser", "denormalize", "main", "plot_explanation", "prepare_image"]
 
 COLUMNS = 5
 
 
-def _key_value(value: str) -> str:
-    if "=" not in value:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m harness.explain", description=__doc__.split("\n")[0])
+def build_parser() -> CliParser:
+    """The CLI; bad values, missing paths and unknown models are one-line errors before anything is loaded."""
+    p = CliParser(prog="python -m harness.explain", description=__doc__.split("\n")[0], checks=[_check_args])
     p.add_argument("--model", required=True, help="registered timm name, hf-hub:org/name or local-dir:PATH")
-    p.add_argument("--checkpoint", help=".safetensors file or training output folder (model.safetensors + config)")
-    p.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, type=_key_value, metavar="KEY=VALUE",
+    p.add_argument("--checkpoint", type=existing_path,
+                   help=".safetensors file or training output folder (model.safetensors + config)")
+    p.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
                    help="extra timm.create_model arguments, e.g. depth=2")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--image", help="an image file of any size and mode (converted to RGB and resized)")
-    src.add_argument("--dataset", help="data set alias, Hub id or local folder; pick the image with --index")
+    src.add_argument("--image", type=existing_path,
+                     help="an image file of any size and mode (converted to RGB and resized)")
+    src.add_argument("--dataset", type=as_type(dataset_arg),
+                     help="data set alias, Hub id or local folder; pick the image with --index")
     p.add_argument("--split", default="test", help="split of --dataset (default: test)")
     p.add_argument("--index", type=int, default=0, help="image index in --dataset's split (default 0)")
-    p.add_argument("--target-class", type=int, help="class explained by the gradient map (default: predicted)")
+    p.add_argument("--target-class", type=non_negative_int,
+                   help="class explained by the gradient map (default: predicted)")
     p.add_argument("--no-flow", action="store_true", help="skip attention flow (one max-flow per patch)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, auto ...")
-    p.add_argument("--output", required=True, help="folder for the figure")
+    p.add_argument("--device", default="cpu", type=device_arg, help="cpu, cuda, auto ...")
+    p.add_argument("--output", required=True, type=output_dir, help="folder for the figure")
     return p
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
+    if "num_classes" in args.model_kwargs and (args.dataset or args.checkpoint or prefixed):
+        raise UserError("drop --model-kwargs num_classes: the class count comes from the checkpoint or the data set")
+    check_model(args.model, None if prefixed or args.checkpoint else args.model_kwargs)
 
 
 def prepare_image(image: Image.Image, model: torch.nn.Module) -> tuple[torch.Tensor, str]:

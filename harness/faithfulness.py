@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 
 from harness.features import saliency_maps
 from timm_rollout.atomic import atomic_path
-from timm_rollout.capture import take_model_attention
+from timm_rollout.capture import record_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast
 from timm_rollout.explain import MAP_LABELS
@@ -146,11 +146,14 @@ def _sequence(model: nn.Module, tokens: torch.Tensor, fill: torch.Tensor, rank: 
 
 
 def _logits(model: nn.Module, seq: torch.Tensor) -> torch.Tensor:
-    h = model.norm(model.blocks(model.norm_pre(seq)))
-    if h.shape[1] == model.num_prefix_tokens and model.global_pool != "token":
-        for block in model.blocks:  # release what a rollout-pooled model recorded: it pools nothing here
-            take_model_attention(block.attn)
+    """Logits of the blocks' input sequence ``seq``; a rollout-pooled model pools by this pass's attention."""
+    rollout = getattr(model, "global_pool", None) == "rollout"
+    with record_attention(model) if rollout else nullcontext() as attentions:
+        h = model.norm(model.blocks(model.norm_pre(seq)))
+    if h.shape[1] == model.num_prefix_tokens and model.global_pool != "token":  # no patch left to pool
         return model.head(model.head_drop(model.fc_norm(h.new_zeros(h.shape[0], h.shape[2]))))
+    if rollout:
+        model.keep_rollout_weights(attentions)
     return model.forward_head(h)
 
 

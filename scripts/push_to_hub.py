@@ -19,7 +19,7 @@ from pathlib import Path
 import timm
 
 import timm_rollout  # noqa: F401  (registers the architectures with timm)
-from timm_rollout.errors import UserError, run_cli
+from timm_rollout.errors import CliParser, UserError, output_dir, run_cli
 from timm_rollout.hub import (
     check_eval_matches,
     describe_model,
@@ -34,13 +34,14 @@ from timm_rollout.hub import (
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = CliParser(prog="python scripts/push_to_hub.py", description=__doc__.split("\n\n")[0])
     p.add_argument("run", help="training output folder (model.safetensors + config.json + train_args.json)")
     p.add_argument("--repo-id", required=True, help="Hub repository, e.g. org/vit-tiny-cifar10-rollout")
     p.add_argument("--eval", metavar="DIR", help="harness output folder whose results.json goes into the card")
     p.add_argument("--private", action="store_true", help="create the repository as private")
     p.add_argument("--dry-run", action="store_true", help="write the upload folder to --output, upload nothing")
-    p.add_argument("--output", metavar="DIR", help="where to write the upload folder (required with --dry-run)")
+    p.add_argument("--output", metavar="DIR", type=output_dir,
+                   help="where to write the upload folder (required with --dry-run)")
     p.add_argument("--commit-message", default="", help="default: 'Upload <architecture> from <run>'")
     return p.parse_args(argv)
 

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import timm_rollout
+from timm_rollout.checkpoint import save_model
 from timm_rollout.convert import convert_checkpoint, guess_pooling, load_original, map_keys
 from timm_rollout.errors import UserError
 
@@ -120,6 +121,11 @@ def test_converted_logits_match_reference(tmp_path, images, layout, pooling):
     assert cfg["model_args"]["depth"] == 2 and cfg["model_args"]["embed_dim"] == 32
     assert cfg["label_names"] == [f"c{i}" for i in range(10)]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    # the export is training's: byte for byte what save_model writes for the same model
+    save_model(tmp_path / "train_export", model, cfg["label_names"], model.pretrained_cfg["mean"],
+               model.pretrained_cfg["std"])
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "train_export" / name).read_bytes()
 
 
 def test_qkv_is_the_packed_in_projection(tmp_path):

@@ -13,11 +13,13 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
+from timm_rollout import hub
 from timm_rollout.augment import random_crop_flip
 from timm_rollout.data import (
     KNOWN_STATS,
     balanced_indices,
     compute_stats,
+    dataset_arg,
     load_image_set,
     normalization_stats,
     normalize,
@@ -102,8 +104,46 @@ def test_loader_errors_name_the_fix(odd_dataset: Path, monkeypatch: pytest.Monke
         load_image_set("./no/such/folder")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(UserError, match=r"unknown or not available offline.*cifar10-sample"):
+    with pytest.raises(UserError, match=r"not in the local cache and the Hugging Face Hub is offline.*cifar10-sample"):
         load_image_set("no-such-user/no-such-dataset")
+
+
+def test_folder_that_is_not_a_data_set(tmp_path: Path) -> None:
+    """Before anything is loaded: empty folders and folders of other files; then a corrupt saved data set."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    (tmp_path / "run" / "log.csv").write_text("epoch,loss\n1,2\n")
+    (tmp_path / "empty").mkdir()
+    for name in ("run", "empty"):
+        with pytest.raises(UserError, match=r"is not a data set folder: it must hold .*dataset_dict.json.*parquet"):
+            dataset_arg(str(tmp_path / name))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "dataset_dict.json").write_text("{")
+    assert dataset_arg(str(broken)) == str(broken)  # looks like one: datasets decides
+    with pytest.raises(UserError, match=r"datasets cannot read the folder .*broken \(JSONDecodeError"):
+        load_image_set(str(broken))
+
+
+def test_hub_data_set_without_network_uses_only_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No network: one failed probe switches datasets to offline mode (cache only) instead of retrying."""
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
+    seen = []
+    real = datasets.load_dataset
+
+    def spy(*args, **kwargs):
+        seen.append((args[0], datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", spy)
+    repo = "timm-rollout-tests/never-cached"  # the same path as the aliases, for a repo no cache can hold
+    with pytest.raises(UserError, match=r"is not in the local cache and the Hugging Face Hub is offline or "
+                                        r"unreachable.*\.\./shared/data/cifar10.*cifar10-sample"):
+        load_image_set(repo)
+    assert seen == [(repo, True, True)]
+    assert not datasets.config.HF_HUB_OFFLINE and not huggingface_hub.constants.HF_HUB_OFFLINE  # restored
 
 
 def test_balanced_indices() -> None:

@@ -2,9 +2,12 @@
 the dry run, the model card and the one-line errors."""
 
 import hashlib
+import http.server
 import json
 import os
 import runpy
+import socket
+import threading
 from pathlib import Path
 from typing import ClassVar
 
@@ -138,6 +141,63 @@ def test_hf_hub_from_offline_cache(tmp_path, run, images, monkeypatch):
         timm.create_model("hf-hub:org/not-in-cache", pretrained=True)
 
 
+def test_hf_hub_without_network_loads_from_cache_without_retries(tmp_path, run, images, monkeypatch):
+    """HF_HUB_OFFLINE unset and no network: the failed probe makes the download use the cache only, at once."""
+    import timm.models._hub as timm_hub
+
+    folder, model = run
+    cache = tmp_path / "hub"
+    populate_hub_cache(cache, REPO, [folder / "config.json", folder / "model.safetensors"])
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
+    offline_at_call = []
+    real = timm_hub.download_from_hf
+
+    def spy(*args, **kwargs):
+        offline_at_call.append(constants.HF_HUB_OFFLINE)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(timm_hub, "download_from_hf", spy)
+    loaded, _ = load_model(f"hf-hub:{REPO}")
+    with torch.no_grad():
+        assert torch.equal(loaded(images), model(images))
+    with pytest.raises(UserError, match="not in the local Hugging Face cache and the Hub is unreachable"):
+        load_model("hf-hub:org/not-in-cache")
+    assert offline_at_call == [True, True, True] and constants.HF_HUB_OFFLINE is False
+
+
+class _Answer(http.server.BaseHTTPRequestHandler):
+    def do_HEAD(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_hub_probe_answers_from_a_local_server_only(monkeypatch):
+    """hub_reachable makes one request to the endpoint: True when something answers, False when nothing listens."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        hub.hub_reachable.cache_clear()
+        assert hub.hub_reachable()
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    hub.hub_reachable.cache_clear()
+    try:
+        assert not hub.hub_reachable()
+    finally:
+        hub.hub_reachable.cache_clear()
+
+
 class FakeHfApi:
     """Stands in for huggingface_hub.HfApi: records the repo creation and the uploaded folder's files."""
 
@@ -167,6 +227,7 @@ def fake_hub(monkeypatch):
     FakeHfApi.calls = []
     monkeypatch.setattr(hub, "HfApi", FakeHfApi)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "hub_reachable", lambda: True)  # tests never touch the network
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")
     return FakeHfApi.calls
 
@@ -231,6 +292,7 @@ def test_normalisation_mismatch_is_named():
         ("dry_no_output", "--dry-run needs --output DIR"),
         ("busy_output", "already holds other files (notes.txt); choose an empty --output"),
         ("offline", "HF_HUB_OFFLINE is set: unset it to upload, or use --dry-run --output DIR"),
+        ("unreachable", "is unreachable; check the network, or use --dry-run --output DIR"),
         ("no_token", "no Hugging Face token: run `hf auth login` or set HF_TOKEN"),
         ("hub_fails", f"upload to {REPO} failed (ConnectionError: no route to host); check the network"),
     ],
@@ -253,6 +315,8 @@ def test_errors_are_one_line(tmp_path, run, eval_dir, fake_hub, monkeypatch, cap
         argv += ["--dry-run", "--output", str(tmp_path)]
     elif case == "offline":
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    elif case == "unreachable":
+        monkeypatch.setattr(hub, "hub_reachable", lambda: False)
     elif case == "no_token":
         monkeypatch.delenv("HF_TOKEN")
         monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)

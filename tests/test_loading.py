@@ -12,7 +12,7 @@ from timm.models import save_for_hf
 
 import timm_rollout  # noqa: F401  (registers the models)
 from timm_rollout.errors import UserError
-from timm_rollout.loading import load_model
+from timm_rollout.loading import check_model, load_model
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
 LABELS = [f"class{i}" for i in range(10)]
@@ -110,6 +110,21 @@ def test_errors_name_the_mismatch_and_the_fix(cls_folder, tmp_path):
     assert "local-dir:" in _error(str(tmp_path / "folder"))
     (bin_folder / "config.json").write_text("{}")
     assert "names no architecture" in _error(f"local-dir:{bin_folder}")
+
+
+def test_model_arguments_timm_rejects_fail_fast(tmp_path):
+    """check_model builds on the meta device (no weights allocated); load_model reports the same way."""
+    for kwargs, reason in (({"dpeth": 2}, "unexpected keyword argument 'dpeth'"),
+                           ({"global_pool": "nope"}, "pooling")):
+        with pytest.raises(UserError, match=rf"vit_tiny_cifar_cls cannot be built with .*{reason}.*fix or drop"):
+            check_model("vit_tiny_cifar_cls", kwargs)
+        assert "cannot be built" in _error("vit_tiny_cifar_cls", **kwargs)
+    check_model("vit_tiny_cifar_cls", {"depth": 2, "embed_dim": 64})
+    check_model("hf-hub:org/anything")  # checked when loaded
+    with pytest.raises(UserError, match="did you mean vit_tiny_cifar_cls"):
+        check_model("vit_tiny_cifar_clss")
+    with pytest.raises(UserError, match=r"is not a folder with config\.json"):
+        check_model(f"local-dir:{tmp_path}")
 
 
 def test_head_less_safetensors_file_uses_requested_classes(tmp_path):

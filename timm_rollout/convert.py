@@ -22,12 +22,13 @@ import math
 import os
 import pickle
 import re
-import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import timm
 import torch
 
+from .checkpoint import save_model
 from .errors import UserError
 
 __all__ = [
@@ -176,14 +177,16 @@ def convert_checkpoint(
     output: str | os.PathLike,
     pooling: str,
     num_heads: int = 4,
-    label_names: list[str] | None = None,
-    data_config: dict | None = None,
+    label_names: Sequence[str] | None = None,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
 ) -> torch.nn.Module:
     """Convert the original study's ``src`` state dict into a timm folder ``output``; returns the model.
 
-    ``output`` gets ``model.safetensors`` and ``config.json`` from ``timm.models.save_for_hf``, so
-    ``timm.create_model("local-dir:<output>", pretrained=True)`` loads it (after ``import timm_rollout``).
-    ``data_config`` may set the normalisation (``mean``/``std``) the weights were trained with.
+    ``output`` gets ``model.safetensors`` and ``config.json`` through training's atomic export
+    (:func:`timm_rollout.checkpoint.save_model`), so ``timm.create_model("local-dir:<output>", pretrained=True)``
+    loads it (after ``import timm_rollout``). ``mean``/``std`` set the normalisation the weights were trained
+    with (default: the model's).
     """
     if pooling not in POOLING_MODELS:
         raise UserError(f"unknown pooling {pooling!r}; use one of {', '.join(POOLING_MODELS)}")
@@ -202,14 +205,6 @@ def convert_checkpoint(
     if bad:
         raise UserError(f"shape mismatch (original vs timm): {_short_list(bad, 3)}")
     model.load_state_dict(state)
-    model_config = dict(label_names=list(label_names)) if label_names else None
-    output = Path(output)
-    output.mkdir(parents=True, exist_ok=True)
-    # save_for_hf writes in place; save next to the output and rename, so no torn file is ever left
-    with tempfile.TemporaryDirectory(dir=output, prefix=".convert-") as tmp:
-        timm.models.save_for_hf(
-            model, tmp, model_config=model_config, safe_serialization=True, data_config=data_config
-        )
-        for name in ("model.safetensors", "config.json"):
-            os.replace(Path(tmp) / name, output / name)
+    cfg = model.pretrained_cfg
+    save_model(output, model, list(label_names or []), mean or cfg["mean"], std or cfg["std"])
     return model.eval()

@@ -10,6 +10,7 @@ tensors in batches on the training device (:mod:`timm_rollout.augment`), never i
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -27,6 +28,7 @@ __all__ = [
     "ImageSet",
     "balanced_indices",
     "compute_stats",
+    "dataset_arg",
     "load_image_set",
     "normalization_stats",
     "normalize",
@@ -66,6 +68,9 @@ _HUB_TO_STATS = {spec.path: spec.stats_key for spec in ALIASES.values() if spec.
 IMAGE_COLUMNS = ("img", "image")
 LABEL_COLUMNS = ("label", "fine_label", "labels")
 CACHE_VERSION = 1
+# What makes a folder a data set: datasets' save_to_disk markers, or data files load_dataset reads as images.
+SAVED_MARKERS = {"dataset_dict.json", "state.json"}
+DATA_SUFFIXES = {".parquet", ".arrow", ".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
 
 @dataclass
@@ -102,6 +107,10 @@ def resolve_dataset(dataset: str) -> DatasetSpec:
     if local.exists():
         if not local.is_dir():
             raise UserError(f"--dataset {dataset} is a file; pass the folder that holds the data set")
+        if not _looks_like_dataset(local):
+            raise UserError(f"--dataset {dataset} is not a data set folder: it must hold a datasets save_to_disk "
+                            f"folder (dataset_dict.json), .parquet/.arrow files or images in class folders, as "
+                            f"../shared/data/cifar10 does; or pass one of {', '.join(ALIASES)}")
         return DatasetSpec(str(local.resolve()))
     if dataset.startswith((".", "/", "~")) or dataset.count("/") > 1:
         raise UserError(
@@ -110,21 +119,61 @@ def resolve_dataset(dataset: str) -> DatasetSpec:
     return DatasetSpec(dataset, stats_key=_HUB_TO_STATS.get(dataset))
 
 
-def _load_splits(spec: DatasetSpec, name: str):
-    """``DatasetDict`` of every split: ``load_from_disk`` for saved data sets, ``load_dataset`` otherwise."""
+def dataset_arg(value: str) -> str:
+    """``value`` once it names an alias, a Hub id or a folder holding a data set; nothing is loaded (for CLIs)."""
+    resolve_dataset(value)
+    return value
+
+
+def _looks_like_dataset(folder: Path, max_depth: int = 3, max_entries: int = 10_000) -> bool:
+    """True when ``folder`` holds a ``save_to_disk`` marker, parquet/arrow files or images (within a few levels)."""
+    seen = 0
+    for root, dirs, files in os.walk(folder):
+        if SAVED_MARKERS & set(files) or any(Path(f).suffix.lower() in DATA_SUFFIXES for f in files):
+            return True
+        seen += len(files) + len(dirs)
+        if seen > max_entries or len(Path(root).relative_to(folder).parts) >= max_depth:
+            dirs.clear()
+    return False
+
+
+def _load_local(spec: DatasetSpec, name: str):
+    """Splits of a local folder; anything ``datasets`` cannot make of it is a :class:`UserError`."""
     import datasets
 
     local = Path(spec.path)
     try:
-        if local.is_dir() and ((local / "dataset_dict.json").exists() or (local / "state.json").exists()):
+        if SAVED_MARKERS & {p.name for p in local.iterdir()}:
             loaded = datasets.load_from_disk(str(local))
             return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
         return datasets.load_dataset(spec.path, spec.config)
-    except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
-        raise UserError(
-            f"data set {name!r} ({spec.path}) is unknown or not available offline ({type(e).__name__}); use one of "
-            f"{', '.join(ALIASES)}, a local folder that datasets reads, or a Hub id already in the HF cache"
-        ) from None
+    except Exception as e:  # the folder is the user's: any failure to read it is theirs to fix, not a traceback
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise UserError(f"datasets cannot read the folder {name} ({type(e).__name__}: {reason}); pass a folder "
+                        "written by save_to_disk or holding .parquet/.arrow files or class folders of images") from None
+
+
+def _load_splits(spec: DatasetSpec, name: str):
+    """``DatasetDict`` of every split: ``load_from_disk`` for saved data sets, ``load_dataset`` otherwise.
+
+    Without network, a Hub data set loads from the local cache at once instead of after half a minute of retries.
+    """
+    import datasets
+
+    from .hub import hub_or_cache
+
+    if Path(spec.path).is_dir():
+        return _load_local(spec, name)
+    with hub_or_cache() as online:
+        try:
+            return datasets.load_dataset(spec.path, spec.config)
+        except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
+            where, also = ("is found neither on the Hugging Face Hub nor in the local cache", ", an existing Hub id") \
+                if online else ("is not in the local cache and the Hugging Face Hub is offline or unreachable", "")
+            raise UserError(
+                f"data set {name!r} ({spec.path}) {where} ({type(e).__name__}); pass a local data set folder "
+                f"(e.g. ../shared/data/cifar10){also} or cifar10-sample (shipped with the package)"
+            ) from None
 
 
 def _pick_column(features: dict, named: str | None, preferred: Sequence[str], kind: str, feature_type: type,

@@ -1,9 +1,39 @@
-"""User-facing errors and the CLI wrapper that turns them into one-line messages."""
+"""User-facing errors, the CLI wrapper that turns them into one-line messages, and strict argument types.
+
+Every CLI builds a :class:`CliParser` and runs under :func:`run_cli`: a bad flag value, an unknown flag or a
+mistake found later (missing column, mismatched checkpoint...) prints one line ``error: ...`` naming the fix
+and exits 2, never a traceback. The argument types below reject bad values while parsing, before any data or
+model is loaded.
+"""
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import math
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CliParser",
+    "UserError",
+    "as_type",
+    "device_arg",
+    "existing_path",
+    "fraction",
+    "key_value",
+    "non_negative",
+    "non_negative_int",
+    "number",
+    "output_dir",
+    "positive",
+    "positive_int",
+    "run_cli",
+    "seed_arg",
+]
 
 
 class UserError(ValueError):
@@ -18,8 +48,153 @@ def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None =
     try:
         main(argv)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        message = " ".join(str(e).split("\n"))
+        print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:
         print("interrupted; finished work is kept on disk", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+class CliParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are :class:`UserError`\\ s (one line under :func:`run_cli`).
+
+    ``checks`` run on the parsed namespace and raise :class:`UserError` for mistakes that involve several
+    flags. After each parse, ``given`` holds the destinations of the flags the user actually typed, so a
+    value equal to the default can be told from an omitted flag.
+    """
+
+    def __init__(self, *args: Any, checks: Sequence[Callable[[argparse.Namespace], None]] = (), **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.checks = list(checks)
+        self.given: frozenset[str] = frozenset()
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        head, _, rest = message.partition(": ")
+        if head.startswith("argument ") and rest.startswith(head.removeprefix("argument ").split("/")[0] + " "):
+            message = rest  # the validator already names the flag
+        raise UserError(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        unset = object()
+        probe = argparse.Namespace(**{a.dest: unset for a in self._actions if a.dest != argparse.SUPPRESS})
+        super().parse_known_args(args, probe)  # defaults are only filled in for attributes not set yet
+        self.given = frozenset(k for k, v in vars(probe).items() if v is not unset)
+        return super().parse_known_args(args, namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._unrecognized(extras)
+        for check in self.checks:
+            check(parsed)
+        return parsed
+
+    def _unrecognized(self, extras: list[str]) -> None:
+        options = [s for a in self._actions for s in a.option_strings]
+        flag = extras[0].split("=", 1)[0]
+        close = difflib.get_close_matches(flag, options, n=3, cutoff=0.6) if flag.startswith("-") else []
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise UserError(f"unrecognized arguments: {' '.join(extras)}{hint} (see {self.prog} --help)")
+
+
+def as_type(check: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` from a validator that raises :class:`UserError` (argparse keeps the message)."""
+
+    def convert(value: str) -> Any:
+        try:
+            return check(value)
+        except UserError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = getattr(check, "__name__", "value")
+    return convert
+
+
+def _interval(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if high is None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    if low is None:
+        return f"{'<' if high_open else '<='} {high:g}"
+    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def number(kind: type = float, low: float | None = None, high: float | None = None, *, low_open: bool = False,
+           high_open: bool = False) -> Callable[[str], Any]:
+    """An argparse ``type``: an ``int`` or finite ``float`` inside the given bounds."""
+    noun = "an integer" if kind is int else "a number"
+    allowed = _interval(low, high, low_open, high_open)
+
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun} {allowed}, got {text!r}") from None
+        bad = not math.isfinite(value) or (low is not None and (value < low or (low_open and value == low))) or \
+            (high is not None and (value > high or (high_open and value == high)))
+        if bad:
+            raise argparse.ArgumentTypeError(f"must be {noun} {allowed}, got {text}")
+        return value
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+# The ranges the CLIs use: counts, sizes, rates, probabilities and seeds.
+positive_int, non_negative_int = number(int, 1), number(int, 0)
+positive, non_negative = number(float, 0, low_open=True), number(float, 0)
+fraction = number(float, 0, 1, high_open=True)  # rates and probabilities in [0, 1)
+seed_arg = number(int, 0, 2**32 - 1)
+
+
+def key_value(text: str) -> str:
+    """An argparse ``type`` for ``KEY=VALUE`` items (timm's ``ParseKwargs`` splits them)."""
+    key = text.split("=", 1)[0]
+    if "=" not in text or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. depth=2), got {text!r}")
+    return text
+
+
+def existing_path(text: str) -> str:
+    """An argparse ``type``: a file or folder that exists."""
+    if not Path(text).expanduser().exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist; check the path")
+    return text
+
+
+def output_dir(text: str) -> str:
+    """An argparse ``type``: a folder that exists or can be created, and can be written to."""
+    path = Path(text).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; pass a folder (it is created if missing)")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{parent} is a file, so {text} cannot be created; pass another folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write into {parent}; pass a folder you can write to")
+    return text
+
+
+def device_arg(text: str) -> str:
+    """An argparse ``type``: ``auto`` or a torch device that exists on this machine (``cpu``, ``cuda:1``...)."""
+    import torch
+
+    if text == "auto":
+        return text
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return text
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        raise argparse.ArgumentTypeError(f"{device.type} is not available on this machine; use --device cpu or auto")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise argparse.ArgumentTypeError(f"{text} does not exist: this machine has {count} {device.type} "
+                                         f"device(s), {device.type}:0..{device.type}:{count - 1}")
+    return text

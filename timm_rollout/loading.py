@@ -26,7 +26,7 @@ from torch import nn
 
 from .errors import UserError
 
-__all__ = ["WEIGHTS_NAME", "load_model", "sha256_file"]
+__all__ = ["WEIGHTS_NAME", "check_model", "create_model", "load_model", "sha256_file"]
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -58,13 +58,58 @@ def _check_registered(name: str) -> None:
     raise UserError(f"unknown model {name!r}{hint}")
 
 
+def _rejected(arch: str, kwargs: dict[str, Any], error: Exception) -> UserError:
+    shown = {k: v for k, v in kwargs.items() if k not in ("pretrained", "pretrained_cfg_overlay")}
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return UserError(f"{arch} cannot be built with {shown} ({reason}); fix or drop the model arguments")
+
+
+def create_model(arch: str, **kwargs: Any) -> nn.Module:
+    """``timm.create_model`` for a registered ``arch``; arguments the model rejects are a one-line UserError."""
+    try:
+        return timm.create_model(arch, **kwargs)
+    except (TypeError, ValueError, AssertionError, RuntimeError) as e:
+        raise _rejected(arch, kwargs, e) from None
+
+
+def check_model(name: str, kwargs: dict[str, Any] | None = None) -> None:
+    """Fail fast on a model name or model arguments that timm rejects, without allocating weights.
+
+    A registered name is built on the meta device; ``local-dir:`` must be a folder with a ``config.json``;
+    ``hf-hub:`` names are checked when they are loaded. A failure that only the meta device can cause
+    (``RuntimeError``, e.g. ``.item()`` on a meta tensor) is left to the real build.
+    """
+    try:
+        source, model_id = parse_model_name(name)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if source == "local-dir":
+        if not (Path(model_id) / CONFIG_NAME).is_file():
+            raise UserError(f"local-dir:{model_id} is not a folder with {CONFIG_NAME}; pass a training output folder")
+        return
+    if source is not None:
+        return
+    _check_registered(model_id)
+    kwargs = kwargs or {}
+    try:
+        with torch.device("meta"):
+            timm.create_model(model_id, **kwargs)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise _rejected(model_id, kwargs, e) from None
+    except (RuntimeError, NotImplementedError):
+        pass
+
+
 def _hub_folder(repo: str) -> Path:
     """Local snapshot folder holding ``config.json`` and ``model.safetensors`` of a Hub repo (cache first)."""
     from timm.models._hub import download_from_hf
 
+    from .hub import hub_or_cache
+
     try:
-        config = download_from_hf(repo, CONFIG_NAME)
-        download_from_hf(repo, WEIGHTS_NAME)
+        with hub_or_cache():
+            config = download_from_hf(repo, CONFIG_NAME)
+            download_from_hf(repo, WEIGHTS_NAME)
     except LocalEntryNotFoundError:
         raise UserError(
             f"hf-hub:{repo} is not in the local Hugging Face cache and the Hub is unreachable (offline); "
@@ -173,21 +218,8 @@ def _cfg_overlay(config: dict[str, Any] | None, num_classes: int) -> dict[str, A
     return overlay
 
 
-def load_model(
-    model: str,
-    checkpoint: str | Path | None = None,
-    *,
-    num_classes: int | None = None,
-    device: str | torch.device = "cpu",
-    **model_kwargs: Any,
-) -> tuple[nn.Module, dict[str, Any]]:
-    """Build ``model`` in eval mode on ``device``, with ``checkpoint``'s weights if given.
-
-    ``hf-hub:`` and ``local-dir:`` names build the architecture named in their ``config.json`` and load
-    their weights unless ``checkpoint`` overrides them. The class count comes from the checkpoint's head;
-    ``num_classes`` must agree with it (or may be omitted). Returns the model and provenance: resolved name,
-    checkpoint and weights paths, sha256, class count, label names, mean and std.
-    """
+def _resolve_source(model: str, checkpoint: str | Path | None) -> tuple[str, dict[str, Any] | None, Path | None]:
+    """(architecture, timm config or None, weights file or None) for a model name and optional checkpoint."""
     try:
         source, model_id = parse_model_name(model)
     except ValueError as e:
@@ -209,7 +241,25 @@ def load_model(
     _check_registered(arch)
     if checkpoint is not None:
         weights, config = _resolve_checkpoint(checkpoint)
+    return arch, config, weights
 
+
+def load_model(
+    model: str,
+    checkpoint: str | Path | None = None,
+    *,
+    num_classes: int | None = None,
+    device: str | torch.device = "cpu",
+    **model_kwargs: Any,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Build ``model`` in eval mode on ``device``, with ``checkpoint``'s weights if given.
+
+    ``hf-hub:`` and ``local-dir:`` names build the architecture named in their ``config.json`` and load
+    their weights unless ``checkpoint`` overrides them. The class count comes from the checkpoint's head;
+    ``num_classes`` must agree with it (or may be omitted). Returns the model and provenance: resolved name,
+    checkpoint and weights paths, sha256, class count, label names, mean and std.
+    """
+    arch, config, weights = _resolve_source(model, checkpoint)
     kwargs = {**_model_args(config, arch), **model_kwargs}
     shapes = None
     if weights is not None:
@@ -225,12 +275,7 @@ def load_model(
     if num_classes is not None:
         kwargs["num_classes"] = num_classes
 
-    try:
-        net = timm.create_model(
-            arch, pretrained=False, pretrained_cfg_overlay=_cfg_overlay(config, num_classes), **kwargs
-        )
-    except TypeError as e:
-        raise UserError(f"cannot build {arch} with {kwargs}: {e}") from None
+    net = create_model(arch, pretrained=False, pretrained_cfg_overlay=_cfg_overlay(config, num_classes), **kwargs)
     if weights is not None:
         _check_match(net, shapes, arch, weights)
         load_checkpoint(net, str(weights), strict=True)

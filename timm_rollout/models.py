@@ -74,17 +74,22 @@ class RolloutPooledVisionTransformer(RolloutVisionTransformer):
     def forward_features(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         with record_attention(self) as attentions:
             x = super().forward_features(x, *args, **kwargs)
-        self._keep_weights(attentions)
+        self.keep_rollout_weights(attentions)
         return x
 
     def forward_intermediates(self, x: torch.Tensor, *args, **kwargs) -> tuple | list | dict:
         with record_attention(self) as attentions:
             out = super().forward_intermediates(x, *args, **kwargs)
-        self._keep_weights(attentions)
+        self.keep_rollout_weights(attentions)
         return out
 
-    def _keep_weights(self, attentions: list[torch.Tensor | None]) -> None:
-        """Store this pass's pooling weights; none when some block did not run (``stop_early``)."""
+    def keep_rollout_weights(self, attentions: list[torch.Tensor | None]) -> None:
+        """Store the pooling weights of one pass's recorded attention for the next ``forward_head``.
+
+        ``forward_features`` calls it; so does code that runs the blocks itself inside
+        :func:`~timm_rollout.capture.record_attention` (e.g. on a shortened token sequence). No weights
+        when some block did not run (``stop_early``).
+        """
         weights = None
         if all(a is not None for a in attentions):
             if not self.rollout_grad:

@@ -19,6 +19,8 @@ per step), ``evaluate`` and, on save epochs, ``_save``; ``_write_summary`` at th
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import math
 import os
 import platform
@@ -48,6 +50,7 @@ from .checkpoint import MODEL_FILES, RESUME_FILE, load_resume, save_model, save_
 from .data import (
     ImageSet,
     balanced_indices,
+    dataset_arg,
     load_image_set,
     normalization_stats,
     normalize,
@@ -56,7 +59,23 @@ from .data import (
 )
 from .device import AMP_CHOICES, autocast, resolve_amp, resolve_device
 from .dropout import use_fast_dropout
-from .errors import UserError, run_cli
+from .errors import (
+    CliParser,
+    UserError,
+    as_type,
+    device_arg,
+    fraction,
+    key_value,
+    non_negative,
+    non_negative_int,
+    number,
+    output_dir,
+    positive,
+    positive_int,
+    run_cli,
+    seed_arg,
+)
+from .loading import check_model
 from .train_log import plot_curves, write_log
 from .train_step import Batches, optimizer_step
 
@@ -73,47 +92,56 @@ EVAL_BATCH = 500
 BAR_EVERY = 50  # steps between loss updates of the progress bar (each costs one host sync)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The CLI; names follow timm's ``train.py`` where it has them."""
-    p = argparse.ArgumentParser(prog="python -m timm_rollout.train", description=__doc__.split("\n\n")[0])
+# Optimizer schedules that train steps every update (timm's plateau steps on epochs only).
+SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt", "none")
+
+
+def build_parser() -> CliParser:
+    """The CLI; names follow timm's ``train.py`` where it has them. Bad values are one-line errors at parse time."""
+    p = CliParser(prog="python -m timm_rollout.train", description=__doc__.split("\n\n")[0],
+                  checks=[_check_model_args])
     g = p.add_argument_group("data")
-    g.add_argument("--dataset", help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or local folder")
+    g.add_argument("--dataset", type=as_type(dataset_arg),
+                   help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or local folder")
     g.add_argument("--train-split", default="train")
     g.add_argument("--eval-split", default=None, help="default: test, else validation")
     g.add_argument("--image-column", default=None, help="default: img or image")
     g.add_argument("--label-column", default=None, help="default: label or fine_label")
-    g.add_argument("--max-train-samples", type=int, default=None, help="class-balanced seeded subset")
-    g.add_argument("--max-eval-samples", type=int, default=None, help="class-balanced seeded subset")
-    g.add_argument("--crop-padding", type=int, default=4, help="random crop after zero padding by this many pixels")
-    g.add_argument("--hflip", type=float, default=None, help="flip probability; default 0.5, 0 for svhn (digits)")
-    g.add_argument("--mixup", type=float, default=0.0, help="mixup alpha (timm Mixup), 0 = off")
-    g.add_argument("--cutmix", type=float, default=0.0, help="cutmix alpha (timm Mixup), 0 = off")
-    g.add_argument("--smoothing", type=float, default=0.0, help="label smoothing")
+    g.add_argument("--max-train-samples", type=positive_int, default=None, help="class-balanced seeded subset")
+    g.add_argument("--max-eval-samples", type=positive_int, default=None, help="class-balanced seeded subset")
+    g.add_argument("--crop-padding", type=non_negative_int, default=4,
+                   help="random crop after zero padding by this many pixels")
+    g.add_argument("--hflip", type=number(float, 0, 1), default=None,
+                   help="flip probability; default 0.5, 0 for svhn (digits)")
+    g.add_argument("--mixup", type=non_negative, default=0.0, help="mixup alpha (timm Mixup), 0 = off")
+    g.add_argument("--cutmix", type=non_negative, default=0.0, help="cutmix alpha (timm Mixup), 0 = off")
+    g.add_argument("--smoothing", type=fraction, default=0.0, help="label smoothing, in [0, 1)")
     g = p.add_argument_group("model")
     g.add_argument("--model", default="vit_tiny_cifar_rollout", help="any timm model name")
-    g.add_argument("--num-classes", type=int, default=None, help="default: the data set's class count")
-    g.add_argument("--drop-path", type=float, default=None, help="stochastic depth rate (model default if unset)")
-    g.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, help="extra key=value model args")
+    g.add_argument("--num-classes", type=positive_int, default=None, help="default: the data set's class count")
+    g.add_argument("--drop-path", type=fraction, default=None, help="stochastic depth rate (model default if unset)")
+    g.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
+                   help="extra timm.create_model arguments, e.g. depth=2")
     g.add_argument("--model-ema", action="store_true", help="keep a timm ModelEmaV3; evaluate and export it")
-    g.add_argument("--model-ema-decay", type=float, default=0.9998)
+    g.add_argument("--model-ema-decay", type=number(float, 0, 1, low_open=True, high_open=True), default=0.9998)
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=200)
-    g.add_argument("--batch-size", type=int, default=128, help="per process")
-    g.add_argument("--opt", default="adamw", help="any timm optimizer name")
-    g.add_argument("--lr", type=float, default=5e-4)
-    g.add_argument("--weight-decay", type=float, default=1e-4)
-    g.add_argument("--momentum", type=float, default=0.9, help="for SGD-family optimizers")
-    g.add_argument("--clip-grad", type=float, default=None, help="gradient norm clipping, off by default")
-    g.add_argument("--sched", default="cosine", help="any timm scheduler name, stepped every update")
-    g.add_argument("--warmup-epochs", type=float, default=5, help="linear warmup, clipped to the run length")
-    g.add_argument("--warmup-lr", type=float, default=1e-5)
-    g.add_argument("--min-lr", type=float, default=5e-6)
+    g.add_argument("--epochs", type=positive_int, default=200)
+    g.add_argument("--batch-size", type=positive_int, default=128, help="per process")
+    g.add_argument("--opt", default="adamw", type=as_type(_optimizer_arg), help="any timm optimizer name")
+    g.add_argument("--lr", type=positive, default=5e-4)
+    g.add_argument("--weight-decay", type=non_negative, default=1e-4)
+    g.add_argument("--momentum", type=fraction, default=0.9, help="for SGD-family optimizers")
+    g.add_argument("--clip-grad", type=positive, default=None, help="gradient norm clipping, off by default")
+    g.add_argument("--sched", default="cosine", choices=SCHEDULERS, help="timm scheduler, stepped every update")
+    g.add_argument("--warmup-epochs", type=non_negative, default=5, help="linear warmup, clipped to the run length")
+    g.add_argument("--warmup-lr", type=non_negative, default=1e-5)
+    g.add_argument("--min-lr", type=non_negative, default=5e-6)
     g = p.add_argument_group("run")
-    g.add_argument("--output", required=True, help="output folder")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--output", required=True, type=output_dir, help="output folder")
+    g.add_argument("--seed", type=seed_arg, default=0)
     g.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="auto: bf16 where it pays, else fp32")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
-    g.add_argument("--workers", type=int, default=None,
+    g.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
+    g.add_argument("--workers", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is far faster on a busy machine)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--save-every", type=int, default=1,
@@ -123,6 +151,30 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--resume", action="store_true", help="continue the run in --output (a finished run is kept)")
     mode.add_argument("--overwrite", action="store_true", help="replace a run already in --output")
     return p
+
+
+def _optimizer_arg(name: str) -> str:
+    from timm.optim import get_optimizer_info, list_optimizers
+
+    try:
+        get_optimizer_info(name.lower().removeprefix("lookahead_"))
+    except ValueError:
+        close = difflib.get_close_matches(name.lower(), list_optimizers(), n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}?" if close else "see timm.optim.list_optimizers()"
+        raise UserError(f"unknown optimizer {name!r}; {hint}") from None
+    return name
+
+
+def _check_model_args(args: argparse.Namespace) -> None:
+    """The model name and --model-kwargs, checked on the meta device before any data is loaded."""
+    kwargs = dict(args.model_kwargs)
+    if "num_classes" in kwargs:
+        raise UserError("pass --num-classes N instead of --model-kwargs num_classes=N")
+    if args.drop_path is not None:
+        kwargs["drop_path_rate"] = args.drop_path
+    if args.num_classes:
+        kwargs["num_classes"] = args.num_classes
+    check_model(args.model, kwargs)
 
 
 class NonFiniteLossError(UserError):
@@ -221,21 +273,29 @@ def _prepare_output(out: Path, args: argparse.Namespace, d: Dist) -> str:
     return "fresh"
 
 
-def _merge_saved_args(args: argparse.Namespace, out: Path, parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """On resume, the saved configuration wins; a flag given with another value is an error."""
-    import json
+def _merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) -> argparse.Namespace:
+    """On resume, the saved configuration wins; a flag typed with another value than the saved one is an error.
 
+    ``parser.given`` tells a typed flag from an omitted one, so ``--lr 5e-4`` is refused against a run saved
+    with 1e-3 even though 5e-4 is the default (it would otherwise silently continue at 1e-3).
+    """
     saved = json.loads((out / ARGS_FILE).read_text(encoding="utf-8"))
     merged = vars(args).copy()
     for key, value in vars(args).items():
         if key in RESUME_FREE or key not in saved:
             continue
-        if value != parser.get_default(key) and json.loads(json.dumps(value)) != saved[key]:
+        if key in parser.given and json.loads(json.dumps(value)) != saved[key]:
             flag = "--" + key.replace("_", "-")
-            raise UserError(f"{flag} {value} differs from the saved run's {saved[key]}; drop it to resume, "
-                            "or start a new --output")
+            raise UserError(f"{flag} {_shown(value)} differs from the saved run's {_shown(saved[key])}; drop it to "
+                            "resume with the saved value, or start a new --output")
         merged[key] = saved[key]
     return argparse.Namespace(**merged)
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, dict):
+        return " ".join(f"{k}={v}" for k, v in value.items()) or "(none)"
+    return str(value)
 
 
 def _versions() -> dict[str, str]:

@@ -1,0 +1,167 @@
+"""Strict CLIs: every bad value is one line ``error: ...`` naming the fix, exit code 2, no traceback.
+
+Each case is its own process running the real command exactly as ``python -m`` does (``runpy.run_module`` as
+``__main__``, with ``sys.argv`` set); the processes are forked from one interpreter that has already imported
+torch, timm and friends, so the 28 cases cost one library import (5-10 s on a busy 2-core machine) instead of
+thirty. Every case fails before any data or model is loaded (one loads the 3,000-image sample to list its splits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from timm_rollout.errors import UserError
+from timm_rollout.train import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ["timm_rollout.train", "--dataset", "cifar10-sample", "--output", "{out}", "--device", "cpu", "--amp",
+         "none", "--workers", "1", "--epochs", "1"]
+EVAL = ["harness.eval", "--model", "vit_tiny_cifar_cls", "--dataset", "cifar10-sample", "--output", "{out}",
+        "--device", "cpu", "--amp", "none"]
+EXPLAIN = ["harness.explain", "--model", "vit_tiny_cifar_cls", "--output", "{out}", "--device", "cpu"]
+
+# (command, extra flags, text the one-line message must contain); later flags override the base command's.
+CASES = [
+    (TRAIN, ["--epochs", "0"], "argument --epochs: must be an integer >= 1, got 0"),
+    (TRAIN, ["--batch-size", "0"], "argument --batch-size: must be an integer >= 1, got 0"),
+    (TRAIN, ["--lr", "-1"], "argument --lr: must be a number > 0, got -1"),
+    (TRAIN, ["--lr", "fast"], "argument --lr: expected a number > 0, got 'fast'"),
+    (TRAIN, ["--dataset", "{notdata}"], "is not a data set folder: it must hold a datasets save_to_disk folder"),
+    (TRAIN, ["--workers", "0"], "argument --workers: must be an integer >= 1, got 0"),
+    (TRAIN, ["--warmup-epochs", "-1"], "argument --warmup-epochs: must be a number >= 0, got -1"),
+    (TRAIN, ["--smoothing", "1"], "argument --smoothing: must be a number in [0, 1), got 1"),
+    (TRAIN, ["--mixup", "-0.2"], "argument --mixup: must be a number >= 0, got -0.2"),
+    (TRAIN, ["--model-ema-decay", "1"], "argument --model-ema-decay: must be a number in (0, 1), got 1"),
+    (TRAIN, ["--device", "cuda:99"], "argument --device: cuda"),  # no CUDA, or no 100th GPU: both refused
+    (TRAIN, ["--device", "gpu0"], "argument --device: unknown device 'gpu0'; use auto, cpu, cuda or cuda:N"),
+    (TRAIN, ["--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
+    (TRAIN, ["--model", "vit_tiny_cifar_roll"], "unknown model 'vit_tiny_cifar_roll'; did you mean"),
+    (TRAIN, ["--model-kwargs", "dpeth=2"], "cannot be built with {'dpeth': 2}"),
+    (TRAIN, ["--model-kwargs", "depth"], "argument --model-kwargs: expected KEY=VALUE"),
+    (TRAIN, ["--opt", "adamx"], "unknown optimizer 'adamx'; did you mean"),
+    (TRAIN, ["--sched", "cosin"], "argument --sched: invalid choice: 'cosin'"),
+    (TRAIN, ["--output", "{file}"], "is a file; pass a folder"),
+    (TRAIN, ["--epoch-count", "3"], "unrecognized arguments: --epoch-count 3; did you mean --epochs"),
+    (TRAIN, ["--output", "{run}", "--resume", "--lr", "5e-4"], "--lr 0.0005 differs from the saved run's 0.001"),
+    (EVAL, ["--temperature", "0"], "argument --temperature: must be a number > 0, got 0"),
+    (EVAL, ["--checkpoint", "{missing}"], "does not exist; check the path"),
+    (EVAL, ["--split", "nope"], "has no split 'nope'; its splits are train, test"),
+    (EVAL, ["--model"], "argument --model: expected one argument"),
+    (EXPLAIN, ["--image", "{missing}"], "does not exist; check the path"),
+    (EXPLAIN, ["--dataset", "cifar10-sample", "--target-class", "-1"], "argument --target-class: must be an integer"),
+    (EXPLAIN, ["--dataset", "cifar10-sample", "--image", "{file}"], "not allowed with argument"),
+]
+
+
+def _paths(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "notdata").mkdir()
+    (tmp_path / "notdata" / "notes.txt").write_text("not images")
+    (tmp_path / "file.txt").write_text("a file")
+    run = tmp_path / "run"  # an unfinished run saved with --lr 1e-3
+    run.mkdir()
+    (run / "train_args.json").write_text(json.dumps({"lr": 1e-3, "epochs": 1, "dataset": "cifar10-sample"}))
+    (run / "resume.safetensors").write_bytes(b"")
+    return {"out": str(tmp_path / "out"), "notdata": str(tmp_path / "notdata"), "file": str(tmp_path / "file.txt"),
+            "run": str(run), "missing": str(tmp_path / "missing.png")}
+
+
+# Reads [[argv, stderr_file], ...] on stdin; runs each argv as `python -m` would, in a forked child whose stderr
+# goes to its file (a few at a time); prints the exit codes as JSON.
+DRIVER = """
+import json, os, runpy, sys, traceback
+import datasets, faiss, matplotlib.figure, scipy.optimize, sklearn.metrics, timm, torch  # what the CLIs import
+import timm_rollout
+
+
+def start(argv, err_path):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    os.dup2(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    code = 0
+    try:
+        sys.argv = list(argv)
+        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)
+
+
+jobs, width, running, codes = json.load(sys.stdin), max(2, os.cpu_count() or 2), {}, {}
+for i, (argv, err_path) in enumerate(jobs):
+    if len(running) >= width:
+        pid, status = os.wait()
+        codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+    running[start(argv, err_path)] = i
+while running:
+    pid, status = os.wait()
+    codes[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+print(json.dumps([codes[i] for i in range(len(jobs))]))
+"""
+
+
+def _run_all(cases: list[list[str]], tmp_path: Path) -> list[tuple[int, str]]:
+    """(exit code, stderr) of each argv, each run as ``python -m argv[0] argv[1:]`` in its own process."""
+    jobs = [[argv, str(tmp_path / f"stderr-{i}.txt")] for i, argv in enumerate(cases)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "1"}  # fork-safe
+    proc = subprocess.run([sys.executable, "-c", DRIVER], input=json.dumps(jobs), capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=600, check=True)
+    codes = json.loads(proc.stdout.strip().splitlines()[-1])
+    return [(code, Path(err).read_text()) for code, (_, err) in zip(codes, jobs, strict=True)]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="runs each case in a process forked from a warm interpreter")
+def test_bad_values_are_one_line_errors_with_exit_code_2(tmp_path: Path) -> None:
+    paths = _paths(tmp_path)
+    results = _run_all([[a.format(**paths) for a in [*command, *extra]] for command, extra, _ in CASES], tmp_path)
+    failures = []
+    for (command, extra, message), (code, stderr) in zip(CASES, results, strict=True):
+        lines = stderr.strip().splitlines()
+        ok = code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+        if not ok or "Traceback" in stderr:
+            failures.append(f"{command[0]} {' '.join(extra)}: exit {code}, stderr {stderr[-600:]!r}")
+    assert not failures, "\n".join(failures)
+    assert not (tmp_path / "out").exists()  # every case stopped before writing anything
+
+
+def _resume(tmp_path: Path, *flags: str):
+    """Parse ``flags`` as the train CLI does and merge them with a run saved with --lr 1e-3 and depth=2."""
+    from timm_rollout.train import _merge_saved_args
+
+    saved = {"lr": 1e-3, "epochs": 3, "model_kwargs": {"depth": 2}, "workers": 2, "dataset": "cifar10-sample"}
+    (tmp_path / "train_args.json").write_text(json.dumps(saved))
+    parser = build_parser()
+    args = parser.parse_args(["--output", str(tmp_path), "--resume", *flags])
+    return _merge_saved_args(args, tmp_path, parser)
+
+
+def test_resume_refuses_a_typed_flag_that_differs_even_at_its_default(tmp_path: Path) -> None:
+    assert build_parser().get_default("lr") == 5e-4  # the case that used to continue silently at 1e-3
+    with pytest.raises(UserError, match=r"--lr 0.0005 differs from the saved run's 0.001; drop it"):
+        _resume(tmp_path, "--lr", "5e-4")
+    with pytest.raises(UserError, match=r"--model-kwargs depth=3 differs from the saved run's depth=2"):
+        _resume(tmp_path, "--model-kwargs", "depth=3")
+    merged = _resume(tmp_path)  # omitted flags take the saved values
+    assert merged.lr == 1e-3 and merged.epochs == 3 and merged.model_kwargs == {"depth": 2}
+    merged = _resume(tmp_path, "--lr", "1e-3", "--model-kwargs", "depth=2", "--workers", "1")
+    assert merged.lr == 1e-3 and merged.workers == 1  # the same values typed again; where/how it runs may change
+
+
+def test_parser_records_the_flags_typed() -> None:
+    parser = build_parser()
+    parser.parse_args(["--output", "o", "--lr", "5e-4", "--model-ema", "--model-kwargs", "depth=2"])
+    assert parser.given == {"output", "lr", "model_ema", "model_kwargs"}
