@@ -49,6 +49,7 @@ from timm_rollout.errors import (
 )
 from timm_rollout.explain import MAP_LABELS, READOUTS
 from timm_rollout.loading import check_model, load_model
+from timm_rollout.models import RolloutVisionTransformer
 
 __all__ = ["build_parser", "evaluate", "main", "select_classes", "set_pool"]
 
@@ -167,7 +168,7 @@ def set_pool(model: torch.nn.Module, pool: str | None) -> str:
     own = getattr(model, "global_pool", None)
     if pool is None or pool == own:
         return own
-    if pool == "rollout" and not hasattr(model, "rollout_weights"):
+    if pool == "rollout" and not isinstance(model, RolloutVisionTransformer):
         raise UserError(f"--pool rollout needs a timm_rollout model; {type(model).__name__} cannot pool by rollout")
     if not isinstance(getattr(model, "fc_norm", torch.nn.Identity()), torch.nn.Identity):
         raise UserError(f"the model normalises after pooling (fc_norm), so --pool {pool} would read un-normed "

@@ -21,6 +21,7 @@ from harness.faithfulness import (
     step_counts,
 )
 from harness.features import saliency_maps
+from timm_rollout import capture_attention, patch_weights, rollout_cls_row
 from timm_rollout.data import load_image_set, normalize
 
 
@@ -91,7 +92,14 @@ def _drop_loop(model, x, rank, k, target) -> np.ndarray:
             tokens = [model.cls_token[0, 0] + model.pos_embed[0, 0]]
             tokens += [h[j] + model.pos_embed[0, 1 + j] for j in range(64) if int(rank[i, j]) >= k]
             seq = torch.stack(tokens)[None]
-            logits = model.forward_head(model.norm(model.blocks(seq)))
+            with capture_attention(model) as cap:
+                h = model.norm(model.blocks(seq))
+            if model.global_pool == "rollout":  # pooling by hand: rollout [CLS] row over the kept patches
+                w = patch_weights(rollout_cls_row(cap.attentions, num_prefix_tokens=1), 1)
+                pooled = (w[:, :, None] * h[:, 1:]).sum(dim=1)
+            else:
+                pooled = h[:, 0]
+            logits = model.head(pooled)
             out.append(float(logits.softmax(dim=1)[0, target[i]]))
     return np.array(out)
 
