@@ -28,6 +28,7 @@ from harness.figures import plot_comparison
 from harness.metrics import ACCURACIES
 from timm_rollout.atomic import write_text
 from timm_rollout.errors import UserError, run_cli
+from timm_rollout.records import ARGS_FILE, PREDICTIONS_FILE, RESULTS_FILE
 
 __all__ = ["METRICS", "ORIGINAL_METRICS", "PRIMARY", "Group", "MetricComparison", "ci_half_widths",
            "compare_groups",
@@ -75,7 +76,7 @@ def load_results(folders: Sequence[str | Path]) -> list[dict[str, Any]]:
     loaded = []
     for folder in folders:
         path = Path(folder)
-        path = path / "results.json" if path.is_dir() else path
+        path = path / RESULTS_FILE if path.is_dir() else path
         try:
             result = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
@@ -105,7 +106,7 @@ def run_seed(result: dict[str, Any]) -> int | None:
     checkpoint = result.get("model", {}).get("checkpoint")
     if checkpoint:
         path = Path(checkpoint)
-        args_file = (path if path.is_dir() else path.parent) / "train_args.json"
+        args_file = (path if path.is_dir() else path.parent) / ARGS_FILE
         try:
             seed = json.loads(args_file.read_text(encoding="utf-8")).get("seed")
         except (OSError, json.JSONDecodeError, AttributeError):
@@ -152,7 +153,7 @@ def _by_seed(group: Group) -> dict[int, int]:
 def correct_per_image(folder: str | Path, metric: str) -> dict[int, bool] | None:
     """Per-image correctness of ``metric`` in an evaluation folder's predictions.json, keyed by split index;
     None when the file or the metric is missing."""
-    path = Path(folder) / "predictions.json"
+    path = Path(folder) / PREDICTIONS_FILE
     if not path.is_file():
         return None
     pred = json.loads(path.read_text(encoding="utf-8"))

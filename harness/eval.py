@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +48,18 @@ from timm_rollout.errors import (
 from timm_rollout.explain import MAP_LABELS, READOUTS
 from timm_rollout.loading import check_model, load_model
 from timm_rollout.models import RolloutVisionTransformer
+from timm_rollout.records import (
+    COSINE_FILE,
+    FAITHFULNESS_FILE,
+    FEATURES_FILE,
+    HEATMAPS_FILE,
+    PREDICTIONS_FILE,
+    RESULTS_FILE,
+    versions,
+)
 
 __all__ = ["build_parser", "evaluate", "main", "select_classes", "set_pool"]
 
-PACKAGES = ("torch", "timm", "faiss-cpu", "scikit-learn", "numpy", "datasets", "safetensors", "timm-rollout")
 
 
 def build_parser() -> CliParser:
@@ -141,16 +147,6 @@ def _subset(data: ImageSet, class_ids: list[int], per_class: int | None, seed: i
     return data.subset(idx), idx
 
 
-def _versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {"python": platform.python_version()}
-    for name in PACKAGES:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    return found
-
-
 def _check_head(info: dict[str, Any], data: ImageSet) -> None:
     if info["num_classes"] != data.num_classes:
         raise UserError(
@@ -187,7 +183,7 @@ def _heatmap_figure(model, data: ImageSet, info: dict, args, device, amp_dtype, 
     pred = [names[int(i)] if int(i) < len(names) else str(int(i)) for i in found.logits.argmax(dim=1)]
     maps = {f"{MAP_LABELS[k]}\n(readout {found.readout})": v for k, v in found.maps.items()}
     title = f"{info['name']}: maps of its readout ({found.readout}, {data.split})"
-    return plot_heatmaps(images, maps, true, pred, out / "heatmaps.png", title)
+    return plot_heatmaps(images, maps, true, pred, out / HEATMAPS_FILE, title)
 
 
 def _predictions(feats: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
@@ -297,10 +293,10 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         with clock.stage("linear_probe"):
             predicted["linear_probe"] = metrics.linear_probe_predictions(bank_feats, bank.labels, feats)
     results_metrics = _metric_values(predicted, labels, geometry, sil)
-    write_text(out / "predictions.json", _predictions_json(predicted, labels, data_index))
+    write_text(out / PREDICTIONS_FILE, _predictions_json(predicted, labels, data_index))
 
     with clock.stage("figures"):
-        figures = [plot_cosine_matrix(cos, cos_names, out / "cosine_matrix.png",
+        figures = [plot_cosine_matrix(cos, cos_names, out / COSINE_FILE,
                                       f"{info['name']}: centroid cosine similarity ({data.split})").name]
         if args.heatmaps:
             figures.append(_heatmap_figure(model, data, info, args, device, amp_dtype, out).name)
@@ -313,11 +309,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                                                  batch_size=args.batch_size, tie_seed=args.seed,
                                                  seeds=[args.seed + i for i in range(1, 4)], device=device,
                                                  dtype=amp_dtype)
-            figures.append(plot_faithfulness(faithfulness, out / "faithfulness.png",
+            figures.append(plot_faithfulness(faithfulness, out / FAITHFULNESS_FILE,
                                              f"{info['name']}: faithfulness ({data.split})").name)
 
     if args.save_features:
-        with clock.stage("save_features"), atomic_path(out / "features.safetensors") as tmp:
+        with clock.stage("save_features"), atomic_path(out / FEATURES_FILE) as tmp:
             save_file({"features": feats.contiguous(), "labels": labels.contiguous()}, str(tmp),
                       metadata={"model": info["name"], "dataset": data.dataset, "split": data.split})
 
@@ -346,13 +342,13 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "args": vars(args),
         "environment": {
             "device": str(device), "dtype": str(amp_dtype or torch.float32).replace("torch.", ""),
-            "torch_threads": torch.get_num_threads(), "faiss_threads": faiss_threads, "packages": _versions(),
+            "torch_threads": torch.get_num_threads(), "faiss_threads": faiss_threads, "packages": versions(),
         },
-        "outputs": {"figures": figures, "features": "features.safetensors" if args.save_features else None,
-                    "predictions": "predictions.json"},
+        "outputs": {"figures": figures, "features": FEATURES_FILE if args.save_features else None,
+                    "predictions": PREDICTIONS_FILE},
         "timing": {**clock.seconds, "total": round(time.perf_counter() - start, 3)},
     }
-    write_json(out / "results.json", results)
+    write_json(out / RESULTS_FILE, results)
     return results
 
 

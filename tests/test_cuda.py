@@ -22,8 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from timm_rollout.checkpoint import RESUME_FILE
 from timm_rollout.data import load_image_set
+from timm_rollout.records import RESUME_FILE, WEIGHTS_FILE
 from timm_rollout.train import train
 from timm_rollout.train_log import read_log
 
@@ -81,7 +81,7 @@ def test_fp16_with_grad_scaler_clipping_mixup_and_ema_on_cuda(tmp_path: Path) ->
     with safe_open(str(out / RESUME_FILE), "pt") as f:
         scaler = json.loads(f.metadata()["resume"])["scaler"]
     assert scaler is not None and 0 < scaler["scale"] < float("inf")  # the GradScaler ran and was saved
-    exported, state = load_file(out / "model.safetensors"), load_file(out / RESUME_FILE)
+    exported, state = load_file(out / WEIGHTS_FILE), load_file(out / RESUME_FILE)
     assert all(torch.isfinite(v).all() for v in exported.values())
     assert all(torch.equal(exported[k], state[f"ema.{k}"]) for k in exported)  # the EMA is what is published
     assert not torch.equal(exported["head.weight"], state["model.head.weight"])

@@ -21,8 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import timm_rollout
-from timm_rollout.checkpoint import RESUME_FILE
 from timm_rollout.errors import UserError
+from timm_rollout.records import RESUME_FILE
 from timm_rollout.train import train
 from timm_rollout.train_log import LOG_COLUMNS, read_log
 

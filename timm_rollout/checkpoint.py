@@ -24,12 +24,9 @@ from timm.models import save_for_hf
 from torch import nn
 
 from .atomic import atomic_path, publish
-from .loading import CONFIG_NAME, WEIGHTS_NAME
+from .records import MODEL_FILES
 
-__all__ = ["MODEL_FILES", "RESUME_FILE", "load_resume", "save_model", "save_resume"]
-
-RESUME_FILE = "resume.safetensors"
-MODEL_FILES = (WEIGHTS_NAME, CONFIG_NAME)  # timm's HF layout, the names the loader reads
+__all__ = ["load_resume", "save_model", "save_resume"]
 
 
 def save_model(

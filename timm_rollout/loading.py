@@ -25,11 +25,10 @@ from timm.models import load_checkpoint, parse_model_name
 from torch import nn
 
 from .errors import UserError
+from .records import CONFIG_FILE, WEIGHTS_FILE
 
-__all__ = ["WEIGHTS_NAME", "check_model", "create_model", "load_model", "sha256_file"]
+__all__ = ["check_model", "create_model", "load_model", "sha256_file"]
 
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".tar", ".ckpt", ".pkl")
 CONVERT_HINT = "convert it with scripts/convert_checkpoint.py (pickled checkpoints are never loaded)"
 # Reconstruction arguments that describe the head/pooling rather than the architecture.
@@ -84,8 +83,8 @@ def check_model(name: str, kwargs: dict[str, Any] | None = None) -> None:
     except ValueError as e:
         raise UserError(str(e)) from None
     if source == "local-dir":
-        if not (Path(model_id) / CONFIG_NAME).is_file():
-            raise UserError(f"local-dir:{model_id} is not a folder with {CONFIG_NAME}; pass a training output folder")
+        if not (Path(model_id) / CONFIG_FILE).is_file():
+            raise UserError(f"local-dir:{model_id} is not a folder with {CONFIG_FILE}; pass a training output folder")
         return
     if source is not None:
         return
@@ -108,8 +107,8 @@ def _hub_folder(repo: str) -> Path:
 
     try:
         with hub_or_cache():
-            config = download_from_hf(repo, CONFIG_NAME)
-            download_from_hf(repo, WEIGHTS_NAME)
+            config = download_from_hf(repo, CONFIG_FILE)
+            download_from_hf(repo, WEIGHTS_FILE)
     except LocalEntryNotFoundError:
         raise UserError(
             f"hf-hub:{repo} is not in the local Hugging Face cache and the Hub is unreachable (offline); "
@@ -118,28 +117,28 @@ def _hub_folder(repo: str) -> Path:
     except RepositoryNotFoundError:
         raise UserError(f"hf-hub:{repo} does not exist on the Hub (or is private); check the repo id") from None
     except EntryNotFoundError:
-        raise UserError(f"hf-hub:{repo} lacks {CONFIG_NAME} or {WEIGHTS_NAME} (timm safetensors export)") from None
+        raise UserError(f"hf-hub:{repo} lacks {CONFIG_FILE} or {WEIGHTS_FILE} (timm safetensors export)") from None
     return Path(config).parent
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
-    path = folder / CONFIG_NAME
+    path = folder / CONFIG_FILE
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"{folder} has no {CONFIG_NAME}; pass its {WEIGHTS_NAME} file as the checkpoint") from None
+        raise UserError(f"{folder} has no {CONFIG_FILE}; pass its {WEIGHTS_FILE} file as the checkpoint") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e}); re-export the model with timm.models.save_for_hf") from None
 
 
 def _weights_in(folder: Path) -> Path:
-    weights = folder / WEIGHTS_NAME
+    weights = folder / WEIGHTS_FILE
     if weights.is_file():
         return weights
     pickles = sorted(p.name for p in folder.iterdir() if p.name.lower().endswith(PICKLE_SUFFIXES))
     if pickles:
         raise UserError(f"{folder} holds only pickled weights ({', '.join(pickles)}); {CONVERT_HINT}")
-    raise UserError(f"{folder} has no {WEIGHTS_NAME}; pass a training output folder or a .safetensors file")
+    raise UserError(f"{folder} has no {WEIGHTS_FILE}; pass a training output folder or a .safetensors file")
 
 
 def _resolve_checkpoint(checkpoint: str | Path) -> tuple[Path, dict[str, Any] | None]:
@@ -231,11 +230,11 @@ def _resolve_source(model: str, checkpoint: str | Path | None) -> tuple[str, dic
     else:
         folder = _hub_folder(model_id) if source == "hf-hub" else Path(model_id)
         if not folder.is_dir():
-            raise UserError(f"local-dir:{model_id} is not a folder; pass one holding {CONFIG_NAME} + {WEIGHTS_NAME}")
+            raise UserError(f"local-dir:{model_id} is not a folder; pass one holding {CONFIG_FILE} + {WEIGHTS_FILE}")
         config = _read_config(folder)
         arch = str(config.get("architecture") or "")
         if not arch:
-            raise UserError(f"{folder / CONFIG_NAME} names no architecture; re-export with timm.models.save_for_hf")
+            raise UserError(f"{folder / CONFIG_FILE} names no architecture; re-export with timm.models.save_for_hf")
         if checkpoint is None:
             weights = _weights_in(folder)
     _check_registered(arch)

@@ -23,7 +23,6 @@ import difflib
 import json
 import math
 import os
-import platform
 import random
 import sys
 import time
@@ -32,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import timm
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -44,9 +42,8 @@ from timm.utils import ModelEmaV3, ParseKwargs
 from torch import nn
 from tqdm import tqdm
 
-from . import __version__
 from .atomic import write_json
-from .checkpoint import MODEL_FILES, RESUME_FILE, load_resume, save_model, save_resume
+from .checkpoint import load_resume, save_model, save_resume
 from .data import (
     ImageSet,
     balanced_indices,
@@ -75,16 +72,13 @@ from .errors import (
     run_cli,
     seed_arg,
 )
-from .loading import check_model
+from .loading import check_model, create_model
+from .records import ARGS_FILE, CURVES_FILE, LOG_FILE, MODEL_FILES, RESUME_FILE, SUMMARY_FILE, versions
 from .train_log import plot_curves, write_log
 from .train_step import Batches, optimizer_step
 
 __all__ = ["build_parser", "main", "train"]
 
-ARGS_FILE = "train_args.json"
-SUMMARY_FILE = "summary.json"
-LOG_FILE = "log.csv"
-CURVES_FILE = "curves.png"
 RUN_FILES = (*MODEL_FILES, ARGS_FILE, SUMMARY_FILE, LOG_FILE, CURVES_FILE, RESUME_FILE)
 # Flags that may differ when a run is resumed: where it lives and how it runs, not what it computes.
 RESUME_FREE = {"resume", "overwrite", "output", "workers", "device", "no_progress", "save_every", "compile"}
@@ -298,13 +292,6 @@ def _shown(value: object) -> str:
     return str(value)
 
 
-def _versions() -> dict[str, str]:
-    import datasets
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "timm": timm.__version__,
-            "datasets": datasets.__version__, "timm_rollout": __version__}
-
-
 def _criterion(args: argparse.Namespace) -> nn.Module:
     if args.mixup > 0 or args.cutmix > 0:
         return SoftTargetCrossEntropy()
@@ -460,13 +447,7 @@ def _create_model(args: argparse.Namespace, data: RunData) -> nn.Module:
     kwargs = dict(args.model_kwargs)
     if args.drop_path is not None:
         kwargs["drop_path_rate"] = args.drop_path
-    try:
-        model = timm.create_model(args.model, num_classes=data.num_classes, **kwargs)
-    except RuntimeError as e:
-        if "Unknown model" in str(e):
-            raise UserError(f"unknown model {args.model!r}; use a timm model name such as vit_tiny_cifar_rollout") \
-                from None
-        raise
+    model = create_model(args.model, num_classes=data.num_classes, **kwargs)
     _check_input_size(model, data.train.images)
     use_fast_dropout(model)
     return model
@@ -517,7 +498,7 @@ def _write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -
         "class_names": data.train.class_names, "num_classes": data.num_classes, "mean": list(data.mean),
         "std": list(data.std), "train_images": len(data.train), "eval_images": len(data.eval),
         "warmup_epochs_used": data.warmup, "hflip_used": data.hflip, "steps_per_epoch": data.steps,
-        "world_size": d.world, "device": str(d.device), "amp_dtype": amp, "versions": _versions()})
+        "world_size": d.world, "device": str(d.device), "amp_dtype": amp, "versions": versions()})
 
 
 def _train_epoch(t: Trainer, batches: Batches, args: argparse.Namespace, data: RunData, d: Dist, epoch: int,

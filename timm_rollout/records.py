@@ -1,0 +1,59 @@
+"""What a run leaves on disk: the name of every file the project writes, and the software versions it records.
+
+Training, evaluation, export, the Hub upload and the study all take their file names from here, so a name
+changes in one place and every reader follows.
+"""
+
+from __future__ import annotations
+
+import platform
+from importlib.metadata import PackageNotFoundError, version
+
+__all__ = [
+    "ARGS_FILE",
+    "CONFIG_FILE",
+    "COSINE_FILE",
+    "CURVES_FILE",
+    "FAITHFULNESS_FILE",
+    "FEATURES_FILE",
+    "HEATMAPS_FILE",
+    "LOG_FILE",
+    "MODEL_FILES",
+    "PREDICTIONS_FILE",
+    "RESULTS_FILE",
+    "RESUME_FILE",
+    "SUMMARY_FILE",
+    "WEIGHTS_FILE",
+    "versions",
+]
+
+# A model export (timm's save_for_hf layout): what `timm.create_model("local-dir:...")` and the Hub read.
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+MODEL_FILES = (WEIGHTS_FILE, CONFIG_FILE)
+# A training run (python -m timm_rollout.train --output).
+RESUME_FILE = "resume.safetensors"
+ARGS_FILE = "train_args.json"
+LOG_FILE = "log.csv"
+CURVES_FILE = "curves.png"
+SUMMARY_FILE = "summary.json"
+# An evaluation (python -m harness.eval --output).
+RESULTS_FILE = "results.json"
+PREDICTIONS_FILE = "predictions.json"
+FEATURES_FILE = "features.safetensors"
+COSINE_FILE = "cosine_matrix.png"
+HEATMAPS_FILE = "heatmaps.png"
+FAITHFULNESS_FILE = "faithfulness.png"
+
+PACKAGES = ("torch", "timm", "datasets", "faiss-cpu", "scikit-learn", "numpy", "safetensors", "timm-rollout")
+
+
+def versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
+    """Python's and each installed distribution's version (None when it is not installed), for run records."""
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for name in packages:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
