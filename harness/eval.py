@@ -46,7 +46,7 @@ from timm_rollout.errors import (
     seed_arg,
 )
 from timm_rollout.explain import MAP_LABELS, READOUTS
-from timm_rollout.loading import check_model, load_model
+from timm_rollout.loading import check_input_size, check_model, load_model
 from timm_rollout.models import RolloutVisionTransformer
 from timm_rollout.records import (
     COSINE_FILE,
@@ -258,6 +258,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         torch.manual_seed(args.seed)  # an untrained model's initial weights are reproducible too
         model, info = load_model(args.model, args.checkpoint, num_classes=default_classes, device=device)
         _check_head(info, full)
+        check_input_size(model, full.images, fix="evaluate it on a data set of its input size")
         info["pool"] = set_pool(model, args.pool)
     mean, std = info["mean"], info["std"]
 

@@ -12,7 +12,7 @@ from timm.models import save_for_hf
 
 import timm_rollout  # noqa: F401  (registers the models)
 from timm_rollout.errors import UserError
-from timm_rollout.loading import check_model, load_model
+from timm_rollout.loading import check_input_size, check_model, load_model
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
 LABELS = [f"class{i}" for i in range(10)]
@@ -143,3 +143,10 @@ def test_hf_hub_name_offline_and_not_cached(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     message = _error("hf-hub:nobody/not-a-cached-model")
     assert "not in the local Hugging Face cache" in message and "local-dir:PATH" in message
+
+
+def test_input_size_mismatch_is_a_one_line_error_naming_both_sizes():
+    model = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=1)
+    check_input_size(model, torch.zeros(2, 3, 32, 32, dtype=torch.uint8), fix="unused")
+    with pytest.raises(UserError, match=r"^the data set's images are 64x48 but vit_tiny_cifar_cls takes 32x32; fix it$"):
+        check_input_size(model, torch.zeros(2, 3, 64, 48, dtype=torch.uint8), fix="fix it")

@@ -27,7 +27,7 @@ from torch import nn
 from .errors import UserError
 from .records import CONFIG_FILE, WEIGHTS_FILE
 
-__all__ = ["check_model", "create_model", "load_model", "sha256_file"]
+__all__ = ["check_input_size", "check_model", "create_model", "load_model", "sha256_file"]
 
 PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".tar", ".ckpt", ".pkl")
 CONVERT_HINT = "convert it with scripts/convert_checkpoint.py (pickled checkpoints are never loaded)"
@@ -69,6 +69,16 @@ def create_model(arch: str, **kwargs: Any) -> nn.Module:
         return timm.create_model(arch, **kwargs)
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:
         raise _rejected(arch, kwargs, e) from None
+
+
+def check_input_size(model: nn.Module, images: torch.Tensor, fix: str) -> None:
+    """A one-line error when a fixed-size model cannot take the data set's (N, C, H, W) ``images``; ``fix`` ends it."""
+    cfg = getattr(model, "pretrained_cfg", {}) or {}
+    want = tuple(cfg.get("input_size", ())[1:])
+    got = tuple(images.shape[-2:])
+    if cfg.get("fixed_input_size") and want and want != got:
+        raise UserError(f"the data set's images are {got[0]}x{got[1]} but {cfg.get('architecture')} takes "
+                        f"{want[0]}x{want[1]}; {fix}")
 
 
 def check_model(name: str, kwargs: dict[str, Any] | None = None) -> None:

@@ -72,7 +72,7 @@ from .errors import (
     run_cli,
     seed_arg,
 )
-from .loading import check_model, create_model
+from .loading import check_input_size, check_model, create_model
 from .records import ARGS_FILE, CURVES_FILE, LOG_FILE, MODEL_FILES, RESUME_FILE, SUMMARY_FILE, versions
 from .train_log import plot_curves, write_log
 from .train_step import Batches, optimizer_step
@@ -239,15 +239,6 @@ def _load_data(args: argparse.Namespace) -> tuple[ImageSet, ImageSet, tuple, tup
     if args.max_eval_samples:
         eval_set = eval_set.subset(balanced_indices(eval_set.labels, total=args.max_eval_samples, seed=args.seed))
     return train_set, eval_set, mean, std
-
-
-def _check_input_size(model: nn.Module, images: torch.Tensor) -> None:
-    cfg = getattr(model, "pretrained_cfg", {}) or {}
-    want = tuple(cfg.get("input_size", ())[1:])
-    got = tuple(images.shape[-2:])
-    if cfg.get("fixed_input_size") and want and want != got:
-        raise UserError(f"the data set's images are {got[0]}x{got[1]} but {cfg.get('architecture')} takes "
-                        f"{want[0]}x{want[1]}; pass --model-kwargs img_size={got[0]}")
 
 
 def _prepare_output(out: Path, args: argparse.Namespace, d: Dist) -> str:
@@ -448,7 +439,7 @@ def _create_model(args: argparse.Namespace, data: RunData) -> nn.Module:
     if args.drop_path is not None:
         kwargs["drop_path_rate"] = args.drop_path
     model = create_model(args.model, num_classes=data.num_classes, **kwargs)
-    _check_input_size(model, data.train.images)
+    check_input_size(model, data.train.images, fix=f"pass --model-kwargs img_size={data.train.images.shape[-1]}")
     use_fast_dropout(model)
     return model
 
