@@ -148,5 +148,6 @@ def test_hf_hub_name_offline_and_not_cached(monkeypatch):
 def test_input_size_mismatch_is_a_one_line_error_naming_both_sizes():
     model = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=1)
     check_input_size(model, torch.zeros(2, 3, 32, 32, dtype=torch.uint8), fix="unused")
-    with pytest.raises(UserError, match=r"^the data set's images are 64x48 but vit_tiny_cifar_cls takes 32x32; fix it$"):
+    want = r"^the data set's images are 64x48 but vit_tiny_cifar_cls takes 32x32; fix it$"
+    with pytest.raises(UserError, match=want):
         check_input_size(model, torch.zeros(2, 3, 64, 48, dtype=torch.uint8), fix="fix it")
