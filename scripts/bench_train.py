@@ -4,12 +4,15 @@
     in-memory uint8 CIFAR images, batched crop+flip and normalisation (``Batches``), the model step
     (``optimizer_step``: FastDropout, timm's explicit attention path, AdamW), scheduler update;
 (b) the bare model step of the same model on one batch already in memory;
+(a0) the same full loop without dropout;
 (b0) the same bare step with PyTorch's own ``nn.Dropout`` (what FastDropout saves);
+(f)/(e) the bare step of ``vit_tiny_cifar_cls`` with fused (SDPA) and explicit attention (why training on CPU
+    switches attention to the explicit path);
 (c) what a user gets from stock timm: the same architecture as a plain timm ``VisionTransformer`` (fused
     attention, nn.Dropout), fed by a ``DataLoader`` over the Hugging Face data set with per-image PIL
     transforms (RandomCrop(32, padding=4), RandomHorizontalFlip, ToTensor, Normalize).
 
-The four run round-robin, one step each per round, so they share whatever load the machine has; each is
+They run round-robin, one step each per round, so they share whatever load the machine has; each is
 reported as the median over rounds of batch / step time (loader waits included for (c); on a GPU each step
 ends with a device synchronisation so it is timed whole). All in the precision ``--amp auto`` picks on
 ``--device`` (fp16 gets a GradScaler); ``--bf16-steps N`` adds (b) and (c) in bf16 autocast (emulated, and
@@ -39,6 +42,7 @@ from torch.utils.data import DataLoader
 from torchvision import transforms
 from tqdm import tqdm
 
+from timm_rollout.capture import set_fused_attention
 from timm_rollout.data import load_image_set, normalization_stats
 from timm_rollout.device import resolve_amp, resolve_device
 from timm_rollout.errors import run_cli
@@ -69,9 +73,12 @@ def device_name(device: torch.device) -> str:
     return f"CPU {names[0] if names else platform.processor()}, {torch.get_num_threads()} threads"
 
 
-def ours(fast_dropout: bool = True) -> nn.Module:
+NO_DROPOUT = {"pos_drop_rate": 0.0, "attn_drop_rate": 0.0, "proj_drop_rate": 0.0}
+
+
+def ours(fast_dropout: bool = True, **kwargs) -> nn.Module:
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_cifar_rollout", num_classes=10)
+    model = timm.create_model("vit_tiny_cifar_rollout", num_classes=10, **kwargs)
     if not fast_dropout:  # back to PyTorch's dropout: same p, same modules
         for m in model.modules():
             if isinstance(m, nn.Dropout):
@@ -79,11 +86,11 @@ def ours(fast_dropout: bool = True) -> nn.Module:
     return model
 
 
-def full_loop(dataset: str, batch: int, dtype, device) -> Step:
+def full_loop(dataset: str, batch: int, dtype, device, **model_kwargs) -> Step:
     """(a): the training loop's per-step work on real images (see the module docstring)."""
     train = load_image_set(dataset, "train")
     mean, std = normalization_stats(dataset, train)
-    step, opt = _model_step(ours(), dtype, device)
+    step, opt = _model_step(ours(**model_kwargs), dtype, device)
     sched, _ = create_scheduler_v2(opt, sched="cosine", num_epochs=200, warmup_epochs=5, min_lr=5e-6,
                                    step_on_epochs=False, updates_per_epoch=390)
     batches = Batches(train.images.to(device), train.labels.to(device), mean, std)
@@ -99,6 +106,13 @@ def full_loop(dataset: str, batch: int, dtype, device) -> Step:
         return batch
 
     return run
+
+
+def cls_model(fused: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_cifar_cls", num_classes=10)
+    set_fused_attention(model, fused)
+    return model
 
 
 def bare(model: nn.Module, batch: int, dtype, device) -> Step:
@@ -170,20 +184,27 @@ def main(argv: list[str] | None = None) -> None:
           f"--amp auto = {precision}")
     labels = {
         "a": f"(a) full loop: data + augmentation + step ({precision})",
+        "a0": f"(a0) the same full loop without dropout ({precision})",
         "b": f"(b) bare step, FastDropout ({precision})",
         "b0": f"(b0) bare step, nn.Dropout ({precision})",
         "c": f"(c) stock timm + PIL DataLoader, {args.loader_workers} workers ({precision})",
+        "f": f"(f) bare step, CLS model, fused attention ({precision})",
+        "e": f"(e) bare step, CLS model, explicit attention ({precision})",
     }
     r = race({
         "a": full_loop(args.dataset, b, dtype, device),
+        "a0": full_loop(args.dataset, b, dtype, device, **NO_DROPOUT),
         "b": bare(ours(), b, dtype, device),
         "b0": bare(ours(fast_dropout=False), b, dtype, device),
         "c": stock(args.dataset, b, args.steps, args.loader_workers, dtype, device),
+        "f": bare(cls_model(True), b, dtype, device),
+        "e": bare(cls_model(False), b, dtype, device),
     }, args.steps, precision, device)
     for key, label in labels.items():
         print(f"{label:<64} {r[key]:8.1f} img/s")
     print(f"ratios ({precision}): (a)/(b) = {r['a'] / r['b']:.2f}, (a)/(c) = {r['a'] / r['c']:.2f}, "
-          f"(b)/(b0) = {r['b'] / r['b0']:.2f}")
+          f"(b)/(b0) = {r['b'] / r['b0']:.2f}, (a0)/(c) = {r['a0'] / r['c']:.2f}, "
+          f"(e)/(f) = {r['e'] / r['f']:.2f}")
     if args.bf16_steps:
         n = args.bf16_steps
         rb = race({"b": bare(ours(), b, torch.bfloat16, device),

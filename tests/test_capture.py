@@ -5,6 +5,7 @@ import timm
 import torch
 
 from timm_rollout import attention_modules, capture_attention
+from timm_rollout.capture import set_fused_attention
 
 
 def hook_count(model: torch.nn.Module) -> int:
@@ -76,3 +77,17 @@ def test_capture_on_model_without_attention_is_a_one_line_error():
     with pytest.raises(ValueError, match=r"^Sequential has no timm attention blocks .*VisionTransformer-family"):
         with capture_attention(model):
             pass
+
+
+def test_set_fused_attention_switches_every_block_but_a_rollout_pooled_model_stays_explicit():
+    cls = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=2).eval()
+    assert set_fused_attention(cls, False) == 2 and [b.attn.fused_attn for b in cls.blocks] == [False, False]
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        explicit = cls(x)
+        set_fused_attention(cls, True)
+        assert [b.attn.fused_attn for b in cls.blocks] == [True, True]
+        torch.testing.assert_close(cls(x), explicit, rtol=1e-5, atol=1e-5)  # the same function, another kernel
+    rollout = timm.create_model("vit_tiny_cifar_rollout", num_classes=10, depth=2)
+    set_fused_attention(rollout, True)
+    assert [b.attn.fused_attn for b in rollout.blocks] == [False, False]  # its pooling reads the attention

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["AttentionCapture", "attention_modules", "capture_attention", "record_attention", "set_attention_recorder"]
+__all__ = [
+    "AttentionCapture",
+    "attention_modules",
+    "capture_attention",
+    "record_attention",
+    "set_attention_recorder",
+    "set_fused_attention",
+]
 
 CAPTURE_SLOT = "_captured_attn"  # used by capture_attention()
 RECORD_SLOT = "_rollout_attn"  # used by the rollout-pooled model itself (record_attention)
@@ -37,6 +44,18 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
             "`attn_drop`); attention capture supports timm VisionTransformer-family models"
         )
     return found
+
+
+def set_fused_attention(model: nn.Module, fused: bool) -> int:
+    """Switch every timm attention module of ``model`` to the fused (SDPA) or explicit path; returns the count.
+
+    A rollout-pooled model keeps the explicit path whatever is asked: its pooling reads the attention.
+    """
+    modules = [m for m in model.modules() if hasattr(m, "fused_attn")]
+    keep_explicit = getattr(model, "global_pool", None) == "rollout"
+    for m in modules:
+        m.fused_attn = fused and not keep_explicit
+    return len(modules)
 
 
 def _store_captured_attention(module: nn.Module, args: tuple, output: torch.Tensor) -> None:

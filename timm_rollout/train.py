@@ -43,6 +43,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .atomic import write_json
+from .capture import set_fused_attention
 from .checkpoint import load_resume, save_model, save_resume
 from .data import (
     ImageSet,
@@ -432,8 +433,12 @@ def _prepare_data(args: argparse.Namespace, d: Dist) -> RunData:
                    resolve_amp(args.amp, d.device))
 
 
-def _create_model(args: argparse.Namespace, data: RunData) -> nn.Module:
-    """The timm model named by ``--model`` (seeded), with FastDropout, checked against the image size."""
+def _create_model(args: argparse.Namespace, data: RunData, device: torch.device) -> nn.Module:
+    """The timm model named by ``--model`` (seeded), with FastDropout, checked against the image size.
+
+    On CPU its attention runs timm's explicit path: the fused (flash) kernel's backward is the slowest op of a
+    training step there (``scripts/bench_train.py``); on GPUs fused attention stays.
+    """
     _seed_everything(args.seed)
     kwargs = dict(args.model_kwargs)
     if args.drop_path is not None:
@@ -441,12 +446,14 @@ def _create_model(args: argparse.Namespace, data: RunData) -> nn.Module:
     model = create_model(args.model, num_classes=data.num_classes, **kwargs)
     check_input_size(model, data.train.images, fix=f"pass --model-kwargs img_size={data.train.images.shape[-1]}")
     use_fast_dropout(model)
+    if device.type == "cpu":
+        set_fused_attention(model, False)
     return model
 
 
 def _build(args: argparse.Namespace, data: RunData, d: Dist) -> Trainer:
     """Model, optimizer, per-update schedule, EMA, grad scaler (fp16 only), loss, DDP and ``--compile``."""
-    model = _create_model(args, data).to(d.device)
+    model = _create_model(args, data, d.device).to(d.device)
     optimizer = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
                                     momentum=args.momentum)
     scheduler, _ = create_scheduler_v2(optimizer, sched=args.sched, num_epochs=args.epochs, min_lr=args.min_lr,
