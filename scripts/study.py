@@ -1,15 +1,18 @@
-"""The study in one command: train both models per seed with one recipe, evaluate every run, write a report.
+"""The study in one command: train every pooling arm per seed with one recipe, evaluate every run, write a report.
 
     python scripts/study.py --dataset cifar10 --epochs 30 --seeds 0 1 2 --output study/c10
 
-The two models differ only in pooling. Each run trains with ``python -m timm_rollout.train`` and is
-evaluated with ``python -m harness.eval`` (k-NN against the train split as bank). Finished runs and
-evaluations are skipped and interrupted runs resume, so re-running the same command after a crash
-completes the study. ``report.md`` in ``--output`` holds every metric per arm (mean +- std over seeds), the
-paired-by-seed difference of each arm against ``cls`` and against ``gap`` when present (95% CI, p-value,
-Holm-adjusted p for the secondary metrics, minimum detectable effect, McNemar's per-image test for
-accuracies; see :mod:`harness.compare`), overlaid training curves, the cosine-similarity matrices and a
-heatmap grid of the same test images under both models.
+The arms (``--arms``, default all: ``cls``, ``gap``, ``rollout``, ``rollout-grad``) differ only in pooling.
+Each run trains with ``python -m timm_rollout.train`` and is evaluated with ``python -m harness.eval`` (k-NN
+and linear probe against the train split); each ``cls`` backbone is also read out post hoc with rollout
+weights and with the patch mean (``harness.eval --pool``, no training), arms of their own in the report.
+Finished runs and evaluations are skipped and interrupted runs resume, so re-running the same command after
+a crash completes the study; arms and seeds can be added to a folder later. ``--commit`` commits each
+finished run (weights, logs, evaluation) to the git repository holding ``--output``. ``report.md`` holds
+every metric per arm (mean +- std over seeds), the paired-by-seed difference of each arm against ``cls`` and
+against ``gap`` (95% CI, p-value, Holm-adjusted p for the secondary metrics, minimum detectable effect,
+McNemar's per-image test for accuracies; see :mod:`harness.compare`), overlaid training curves, the
+cosine-similarity matrices and a heatmap grid of the same test images under every arm.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,6 +42,7 @@ from harness.compare import (
     render_comparison,
     summarise,
 )
+from harness.eval import set_pool
 from harness.features import saliency_maps
 from harness.figures import save_figure, upsample_patch_map
 from timm_rollout.atomic import write_json, write_text
@@ -47,9 +52,19 @@ from timm_rollout.explain import MAP_LABELS
 from timm_rollout.loading import load_model, sha256_file
 from timm_rollout.train_log import read_log
 
-MODELS = {"cls": "vit_tiny_cifar_cls", "rollout": "vit_tiny_cifar_rollout"}
+# Trained arms: timm model and the --model-kwargs that set it apart (merged into --train-args' own).
+ARMS = {
+    "cls": ("vit_tiny_cifar_cls", ()),
+    "gap": ("vit_tiny_cifar_gap", ()),
+    "rollout": ("vit_tiny_cifar_rollout", ()),
+    "rollout-grad": ("vit_tiny_cifar_rollout", ("rollout_grad=True",)),
+}
+# Post-hoc readouts of the cls backbones (no training): arm -> harness.eval --pool.
+POSTHOC = {"cls-posthoc-rollout": "rollout", "cls-posthoc-avg": "avg"}
 REFERENCES = ("cls", "gap")  # every other arm is compared with each of these that the study has
-# Study flags that change what is computed: a re-run must repeat them to reuse the folder.
+COMMIT_METRICS = ("top1", "linear_probe", "knn_bank")  # named in --commit messages
+_GIT = threading.Lock()  # runs side by side commit one at a time (git's index lock)
+# Study flags that change what is computed: a re-run must repeat them to reuse the folder (arms and seeds may grow).
 IDENTITY = ("dataset", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class",
             "faithfulness_images")
 
@@ -59,8 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", required=True, help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or folder")
     p.add_argument("--epochs", type=int, required=True)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS),
+                   help="trained arms (default: all); cls brings its post-hoc rollout and patch-mean readouts")
     p.add_argument("--output", required=True, help="study folder (runs/, eval/, report.md)")
-    p.add_argument("--train-args", default="", help="extra flags for timm_rollout.train, quoted, same for both models")
+    p.add_argument("--train-args", default="", help="extra flags for timm_rollout.train, quoted, same for every arm")
     p.add_argument("--max-train-samples", type=int, help="class-balanced training subset (quick studies)")
     p.add_argument("--eval-per-class", type=int, help="evaluate N random test images per class (default: all)")
     p.add_argument("--bank-per-class", type=int, help="k-NN bank: N random train images per class (default: all)")
@@ -68,13 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deletion/insertion faithfulness on N evaluated images (0: off)")
     p.add_argument("--heatmaps", type=int, default=6, help="test images in the side-by-side heatmap grid")
     p.add_argument("--jobs", type=int, default=1,
-                   help="seeds run side by side, the CPU cores split between them")
+                   help="runs side by side, the CPU cores split between them")
+    p.add_argument("--commit", action="store_true",
+                   help="git-commit each finished run with its evaluations (--output must be in a git work tree)")
     p.add_argument("--device", default="auto")
     return p
 
 
 def _run(cmd: list[str], threads: int | None) -> None:
-    """Run one step; ``threads`` caps its torch/OpenMP threads when seeds run side by side."""
+    """Run one step; ``threads`` caps its torch/OpenMP threads when runs go side by side."""
     print("+ " + shlex.join(cmd), flush=True)
     env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(cmd, check=False, env=env)
@@ -84,32 +103,61 @@ def _run(cmd: list[str], threads: int | None) -> None:
 
 
 def _check_identity(args: argparse.Namespace, out: Path) -> None:
-    """The folder remembers the flags that define the study; a re-run with other values is refused."""
+    """The folder remembers the flags that define the study; a re-run with other values is refused. Arms and
+    seeds are not part of it: they accumulate in ``study.json``, so a later command can add some."""
     path = out / "study.json"
     wanted = {k: getattr(args, k) for k in IDENTITY}
+    arms, seeds = set(args.arms), set(args.seeds)
     if path.exists():
-        saved = json.loads(path.read_text(encoding="utf-8"))["identity"]
-        diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} (now {v!r})" for k, v in wanted.items() if saved.get(k) != v]
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        diff = [f"--{k.replace('_', '-')} {saved['identity'].get(k)!r} (now {v!r})" for k, v in wanted.items()
+                if saved["identity"].get(k) != v]
         if diff:
             raise UserError(f"{out} holds a study run with {', '.join(diff)}; repeat those flags or use a new --output")
-    write_json(path, {"identity": wanted, "seeds": args.seeds, "command": args.command})
+        arms |= set(saved.get("arms", ()))
+        seeds |= set(saved.get("seeds", ()))
+    write_json(path, {"identity": wanted, "arms": [a for a in ARMS if a in arms], "seeds": sorted(seeds),
+                      "command": args.command})
 
 
-def train_run(args: argparse.Namespace, model: str, seed: int, folder: Path) -> None:
-    """Train one run, or resume it; a finished run (summary.json) is left alone."""
+def merge_model_kwargs(argv: Sequence[str], extra: Sequence[str]) -> list[str]:
+    """``argv`` with its ``--model-kwargs`` lists and ``extra`` merged into one trailing ``--model-kwargs``: timm's
+    ``ParseKwargs`` keeps only the last occurrence. A key of ``extra`` overrides the same key of ``argv``."""
+    rest: list[str] = []
+    pairs: list[str] = []
+    collecting = False
+    for token in argv:
+        if token == "--model-kwargs":
+            collecting = True
+        elif token.startswith("--model-kwargs="):
+            pairs.append(token.split("=", 1)[1])
+            collecting = False
+        elif collecting and not token.startswith("-"):
+            pairs.append(token)
+        else:
+            collecting = False
+            rest.append(token)
+    merged = {pair.split("=", 1)[0]: pair for pair in [*pairs, *extra]}
+    return [*rest, "--model-kwargs", *merged.values()] if merged else rest
+
+
+def train_run(args: argparse.Namespace, arm: str, seed: int, folder: Path) -> None:
+    """Train one run of ``arm``, or resume it; a finished run (summary.json) is left alone."""
     if (folder / "summary.json").exists():
         print(f"= {folder} finished, skipped")
         return
+    model, kwargs = ARMS[arm]
     cmd = [sys.executable, "-m", "timm_rollout.train", "--model", model, "--dataset", args.dataset,
            "--epochs", str(args.epochs), "--seed", str(seed), "--output", str(folder), "--resume",
-           "--device", args.device, *shlex.split(args.train_args)]
+           "--device", args.device, *merge_model_kwargs(shlex.split(args.train_args), kwargs)]
     if args.max_train_samples:
         cmd += ["--max-train-samples", str(args.max_train_samples)]
     _run(cmd, args.threads)
 
 
-def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder: Path) -> None:
-    """Evaluate one finished run unless ``folder`` already holds results for these exact weights."""
+def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder: Path, pool: str | None = None) -> None:
+    """Evaluate one finished run (read out with ``pool``, default its own) unless ``folder`` already holds results
+    for these exact weights."""
     results = folder / "results.json"
     if results.exists():
         saved = json.loads(results.read_text(encoding="utf-8"))["model"].get("sha256")
@@ -119,6 +167,8 @@ def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder:
     cmd = [sys.executable, "-m", "harness.eval", "--model", model, "--checkpoint", str(run), "--dataset",
            args.dataset, "--output", str(folder), "--seed", str(seed), "--bank-split", "train",
            "--device", args.device]
+    if pool:
+        cmd += ["--pool", pool]
     if args.eval_per_class:
         cmd += ["--per-class", str(args.eval_per_class)]
     if args.bank_per_class:
@@ -126,6 +176,61 @@ def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder:
     if args.faithfulness_images:
         cmd += ["--faithfulness", "--faithfulness-images", str(args.faithfulness_images)]
     _run(cmd, args.threads)
+
+
+def _git(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *argv], cwd=cwd, capture_output=True, text=True, check=False)
+
+
+def check_commit(out: Path) -> None:
+    """``--commit`` needs ``out`` inside a git work tree whose ``.gitignore`` lets the run weights in."""
+    probe = out.resolve()
+    while not probe.exists():
+        probe = probe.parent
+    inside = _git(probe, "rev-parse", "--is-inside-work-tree")
+    if inside.returncode != 0 or inside.stdout.strip() != "true":
+        raise UserError(f"--commit needs --output inside a git work tree, and {out} is not; use a folder of the "
+                        "repository such as results/cifar10-cpu")
+    weights = out.resolve() / "runs" / "cls-s0" / "model.safetensors"
+    if _git(probe, "check-ignore", "-q", str(weights)).returncode == 0:
+        raise UserError(f"git ignores the weights written under {out} (.gitignore); use --output results/<name>")
+
+
+def commit_paths(paths: Sequence[Path], message: str) -> bool:
+    """``git add`` and commit exactly ``paths`` (other staged changes stay staged); False when nothing changed."""
+    files = [str(p.resolve()) for p in paths]
+    cwd = Path(files[0]).parent
+    with _GIT:
+        added = _git(cwd, "add", "--", *files)
+        if added.returncode == 0 and _git(cwd, "diff", "--cached", "--quiet", "--", *files).returncode == 0:
+            return False
+        done = added if added.returncode else _git(cwd, "commit", "--quiet", "-m", message, "--only", "--", *files)
+    if done.returncode != 0:
+        raise UserError(f"git could not commit {', '.join(files)}: {(done.stderr or done.stdout).strip()}; "
+                        "fix the repository and re-run the study command")
+    print(f"+ git commit: {message}", flush=True)
+    return True
+
+
+def _commit_message(arm: str, seed: int, folder: Path, posthoc: Sequence[str]) -> str:
+    metrics = json.loads((folder / "results.json").read_text(encoding="utf-8"))["metrics"]
+    shown = ", ".join(f"{m} {metrics[m]:.4f}" for m in COMMIT_METRICS if metrics.get(m) is not None)
+    extra = f"; post-hoc readouts {', '.join(posthoc)}" if posthoc else ""
+    return f"study: {arm} seed {seed} ({shown}{extra})"
+
+
+def run_arm(args: argparse.Namespace, arm: str, seed: int, runs: dict[tuple[str, int], Path],
+            evals: dict[tuple[str, int], Path]) -> None:
+    """Train and evaluate one run (for ``cls`` also its post-hoc readouts), then commit it when asked."""
+    run, model = runs[arm, seed], ARMS[arm][0]
+    train_run(args, arm, seed, run)
+    eval_run(args, model, seed, run, evals[arm, seed])
+    posthoc = [name for name in POSTHOC if arm == "cls"]
+    for name in posthoc:
+        eval_run(args, model, seed, run, evals[name, seed], pool=POSTHOC[name])
+    if args.commit:
+        commit_paths([run, evals[arm, seed], *(evals[name, seed] for name in posthoc)],
+                     _commit_message(arm, seed, evals[arm, seed], [POSTHOC[name] for name in posthoc]))
 
 
 def means_table(groups: dict[str, Group], metrics: Sequence[str]) -> str:
@@ -175,18 +280,21 @@ def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], pat
     return save_figure(fig, path)
 
 
-def plot_side_by_side(args: argparse.Namespace, runs: dict[str, Path], seed: int, path: Path) -> Path:
-    """The same test images under each model: its attention rollout and gradient-weighted rollout of its own readout."""
+def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Path, str | None]], seed: int,
+                      path: Path) -> Path:
+    """The same test images under every arm (``arm -> (model, run folder, pooling or None for its own)``): the
+    attention rollout and gradient-weighted rollout of the readout the arm classifies from."""
     data = load_image_set(args.dataset, "test")
     gen = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(data.labels), generator=gen)[: args.heatmaps].sort().values
     images, labels = data.images[pick], data.labels[pick]
     found = {}
-    for short, run in runs.items():
-        model, info = load_model(MODELS[short], run)
+    for short, (name, run, pool) in panels.items():
+        model, info = load_model(name, run)
+        set_pool(model, pool)
         found[short] = saliency_maps(model, normalize(images, info["mean"], info["std"]), device=torch.device("cpu"))
     names = data.class_names
-    columns = [(short, key) for short in runs for key in ("rollout", "gradient_rollout")]
+    columns = [(short, key) for short in panels for key in ("rollout", "gradient_rollout")]
     b, _, h, w = images.shape
     fig = Figure(figsize=(3.3 * (len(columns) + 1), 3.0 * b))
     axes = fig.subplots(b, len(columns) + 1, squeeze=False)
@@ -199,11 +307,11 @@ def plot_side_by_side(args: argparse.Namespace, runs: dict[str, Path], seed: int
             im = ax.imshow(upsample_patch_map(found[short].maps[key][i], (h, w)), cmap="inferno", alpha=0.6)
             fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label("patch weight", fontsize=7)
             pred = names[int(found[short].logits[i].argmax())]
-            ax.set_title(f"{short} model: {MAP_LABELS[key]}\n(readout {found[short].readout}), pred: {pred}",
+            ax.set_title(f"{short}: {MAP_LABELS[key]}\n(readout {found[short].readout}), pred: {pred}",
                          fontsize=8)
         for ax in axes[i]:
             ax.set(xlabel="x (pixels)", ylabel="y (pixels)")
-    fig.suptitle(f"Same test images under every model, maps of each model's own readout (seed {seed})")
+    fig.suptitle(f"Same test images under every arm, maps of each arm's own readout (seed {seed})")
     fig.tight_layout()
     return save_figure(fig, path)
 
@@ -225,21 +333,41 @@ def _report_tables(groups: dict[str, Group], faithfulness: list[str]) -> list[st
     return lines
 
 
+def backbone(arm: str) -> str:
+    """The trained arm whose run ``arm`` reads: itself, or ``cls`` for a post-hoc readout."""
+    return arm if arm in ARMS else "cls"
+
+
+def finished_arms(seeds: Sequence[int], evals: dict[tuple[str, int], Path]) -> list[str]:
+    """Arms (trained and post-hoc, in study order) evaluated for every seed: the ones the report can pair."""
+    return [a for a in (*ARMS, *POSTHOC) if all((evals[a, s] / "results.json").exists() for s in seeds)]
+
+
+def _figures(args: argparse.Namespace, out: Path, arms: list[str], runs: dict[tuple[str, int], Path]) -> None:
+    """Training curves of the trained arms and the heatmap grid of every arm, on the first seed's test images."""
+    trained = [a for a in arms if a in ARMS]
+    logs = {a: {seed: read_log(runs[a, seed] / "log.csv") for seed in args.seeds} for a in trained}
+    plot_training_curves(logs, out / "curves.png", f"Training on {args.dataset}, {args.epochs} epochs")
+    first = args.seeds[0]
+    panels = {a: (ARMS[backbone(a)][0], runs[backbone(a), first], POSTHOC.get(a)) for a in arms}
+    plot_side_by_side(args, panels, first, out / "heatmaps.png")
+
+
 def write_report(args: argparse.Namespace, out: Path, runs: dict[tuple[str, int], Path],
                  evals: dict[tuple[str, int], Path]) -> Path:
-    """report.md with the statistics of every arm, curves, cosine matrices and side-by-side heatmaps."""
-    arms = [a for a in MODELS if (a, args.seeds[0]) in evals]
+    """report.md over every arm of the folder evaluated for all ``--seeds`` (including arms run by earlier
+    commands): statistics, curves, cosine matrices and side-by-side heatmaps."""
+    arms = finished_arms(args.seeds, evals)
     results = [{**r, "metrics": {**r["metrics"], **faithfulness_metrics(r)}}
                for r in load_results([evals[a, s] for a in arms for s in args.seeds])]
     faithfulness = list(dict.fromkeys(m for r in results for m in faithfulness_metrics(r)))
     shown = [*METRICS, *faithfulness, *ORIGINAL_METRICS]
     groups = {g.label: g for g in summarise(results, shown, label=lambda r: run_short(r["path"]))}
-    logs = {short: {seed: read_log(runs[short, seed] / "log.csv") for seed in args.seeds} for short in arms}
-    plot_training_curves(logs, out / "curves.png", f"Training on {args.dataset}, {args.epochs} epochs")
+    _figures(args, out, arms, runs)
+    trained = [(a, s) for a in arms if a in ARMS for s in args.seeds]
+    minutes = sum(float(json.loads((runs[k] / "summary.json").read_text(encoding="utf-8"))["wall_seconds"])
+                  for k in trained) / 60
     first = args.seeds[0]
-    plot_side_by_side(args, {s: runs[s, first] for s in MODELS}, first, out / "heatmaps_both.png")
-    summaries = {k: json.loads((p / "summary.json").read_text(encoding="utf-8")) for k, p in runs.items()}
-    minutes = sum(float(s["wall_seconds"]) for s in summaries.values()) / 60
     lines = [
         f"# Pooling arms ({', '.join(arms)}) on {args.dataset}",
         "",
@@ -247,6 +375,7 @@ def write_report(args: argparse.Namespace, out: Path, runs: dict[tuple[str, int]
         "",
         f"{len(args.seeds)} seed(s) ({', '.join(map(str, args.seeds))}), {args.epochs} epoch(s) per run, the same "
         f"recipe for every arm (only the pooling differs); {minutes:.1f} training minutes in all. "
+        "`cls-posthoc-*` are the `cls` runs read out with another pooling, untrained (`harness.eval --pool`). "
         "Metrics are from `python -m harness.eval` on the test split with the train split as k-NN bank and "
         "linear-probe training set (definitions in the project README).",
         "",
@@ -254,12 +383,13 @@ def write_report(args: argparse.Namespace, out: Path, runs: dict[tuple[str, int]
         "## Training curves", "", "![training curves](curves.png)", "",
         f"## Cosine similarity of class centroids (seed {first})", "",
         *[f"![{a}]({evals[a, first].relative_to(out)}/cosine_matrix.png)" for a in arms], "",
-        "## The same test images under both models", "", "![heatmaps](heatmaps_both.png)", "",
+        "## The same test images under every arm", "", "![heatmaps](heatmaps.png)", "",
         "## Runs", "",
     ]
-    for (short, seed), folder in sorted(evals.items()):
-        lines.append(f"- {short}, seed {seed}: training `{runs[short, seed].relative_to(out)}`, "
-                     f"evaluation `{folder.relative_to(out)}`")
+    for arm in arms:
+        for seed in args.seeds:
+            lines.append(f"- {arm}, seed {seed}: training `{runs[backbone(arm), seed].relative_to(out)}`, "
+                         f"evaluation `{evals[arm, seed].relative_to(out)}`")
     return write_text(out / "report.md", "\n".join(lines) + "\n")
 
 
@@ -292,19 +422,20 @@ def main(argv: list[str] | None = None) -> Path:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     args.threads = None if args.jobs == 1 else max(1, cores // args.jobs)
     out = Path(args.output)
+    if args.commit:
+        check_commit(out)
     _check_identity(args, out)
-    runs = {(short, seed): out / "runs" / f"{short}-s{seed}" for seed in args.seeds for short in MODELS}
-    evals = {(short, seed): out / "eval" / f"{short}-s{seed}" for seed in args.seeds for short in MODELS}
-
-    def one_seed(seed: int) -> None:
-        for short, model in MODELS.items():
-            train_run(args, model, seed, runs[short, seed])
-            eval_run(args, model, seed, runs[short, seed], evals[short, seed])
-
+    runs = {(arm, seed): out / "runs" / f"{arm}-s{seed}" for seed in args.seeds for arm in ARMS}
+    evals = {(arm, seed): out / "eval" / f"{arm}-s{seed}" for seed in args.seeds for arm in (*ARMS, *POSTHOC)}
+    todo = [(arm, seed) for seed in args.seeds for arm in ARMS if arm in args.arms]  # seed by seed: pairs early
     with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(one_seed, args.seeds))
+        list(pool.map(lambda job: run_arm(args, *job, runs, evals), todo))
     report = write_report(args, out, runs, evals)
-    print(f"study finished: {len(runs)} runs on {args.dataset}; report at {report}")
+    if args.commit:
+        commit_paths([out / name for name in ("study.json", "report.md", "curves.png", "heatmaps.png")],
+                     f"study: report ({', '.join(finished_arms(args.seeds, evals))}; seeds "
+                     f"{' '.join(map(str, args.seeds))})")
+    print(f"study finished: {len(todo)} runs on {args.dataset}; report at {report}")
     return report
 
 

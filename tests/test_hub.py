@@ -29,8 +29,8 @@ REPO = "org/vit-tiny-cifar10-rollout"
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
 METRICS = {
-    "top1": 0.8125, "top5": 0.9875, "knn_loo": 0.7625, "knn_bank": None, "intra": 0.6125, "inter": 0.5375,
-    "ratio": 0.8775, "silhouette": 0.1125,
+    "top1": 0.8125, "top5": 0.9875, "linear_probe": 0.775, "knn_loo": 0.7625, "knn_bank": None, "intra": 0.6125,
+    "inter": 0.5375, "ratio": 0.8775, "silhouette": 0.1125, "ratio_original": 3.5,
 }
 # results.json as python -m harness.eval writes it (metrics, provenance sections); model.sha256 set per run
 RESULTS = {
@@ -51,10 +51,10 @@ def push_main():
     return runpy.run_path(str(PUSH))["main"]
 
 
-def save_run(folder: Path, name: str) -> torch.nn.Module:
+def save_run(folder: Path, name: str, **kwargs) -> torch.nn.Module:
     """A training output folder as the training contract describes it (depth 2 to keep it fast)."""
     torch.manual_seed(0)
-    model = timm.create_model(name, num_classes=10, depth=2).eval()
+    model = timm.create_model(name, num_classes=10, depth=2, **kwargs).eval()
     timm.models.save_for_hf(model, folder, model_config=dict(label_names=CLASSES), safe_serialization=True,
                             data_config=dict(mean=MEAN, std=STD))
     (folder / "train_args.json").write_text(json.dumps({**TRAIN_ARGS, "model": name}))
@@ -247,6 +247,9 @@ def test_push_uploads_exactly_the_model_and_card(tmp_path, run, eval_dir, fake_h
         if METRICS[key] is not None:
             assert f"| {key} | {METRICS[key]} | {definition.format(k=7, bank_k=20, temperature=0.07)} |" in card
     assert "| knn_bank" not in card  # null in results.json: no row
+    assert "| ratio_original" not in card  # the original study's mixed units stay off the card
+    assert "| linear_probe | 0.775 | accuracy of a linear probe on the frozen features" in card
+    assert "| intra | 0.6125 | mean over classes of the mean angle (radians)" in card
     assert "k-NN accuracy inside the evaluated set (cosine similarity, k = 7," in card
     assert "(data set cifar10, split test, images: 200)" in card
     assert "# Model card for vit-tiny-cifar10-rollout" in card
@@ -273,6 +276,36 @@ def test_card_tolerates_missing_optional_files():
     assert "| top1 | 0.5 |" in text and "| top5" not in text and "k = 5," in text  # flat results, default k
     assert "Training recipe" not in text and "datasets:" not in text and "Pooling:** token" in text
     assert hub.render_card(hub.model_card("me/tiny", facts), "me/tiny").count("## Evaluation") == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "pooling", "words"),
+    [
+        ("vit_tiny_cifar_cls", {}, "token", "the final [CLS] token"),
+        ("vit_tiny_cifar_gap", {}, "avg", "the plain mean of the final (normed) patch tokens"),
+        ("vit_tiny_cifar_rollout", {}, "rollout", "weighted by the [CLS] row of the attention rollout"),
+        ("vit_tiny_cifar_rollout", {"rollout_grad": True}, "rollout", "gradients flow through the pooling weights"),
+    ],
+)
+def test_card_names_each_study_arm(tmp_path, name, kwargs, pooling, words):
+    """A saved run of every arm, reloaded as push_to_hub does: the card names its pooling and rollout_grad."""
+    save_run(tmp_path, name, **kwargs)
+    facts = hub.describe_model(load_model(name, tmp_path)[0])
+    assert facts["pooling"] == pooling and facts["rollout_grad"] == bool(kwargs)
+    card = hub.model_card("me/tiny", facts)
+    assert card["details"]["Pooling"].startswith(f"{pooling}: ") and words in card["details"]["Pooling"]
+    assert ("rollout_grad=True" in card["details"]["Pooling"]) == bool(kwargs)
+    assert ("gradients through the rollout weights" in card["description"]) == bool(kwargs)
+    assert hub.POOLING_SHORT[pooling] in card["description"]
+
+
+def test_metric_definitions_cover_the_readme_metrics():
+    """The card defines every metric of the README's table but the original study's (kept off the card)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").split("### Metrics")[1].split("### ")[0]
+    keys = {k for line in readme.splitlines() if line.startswith("| `") for k in
+            line.split("|")[1].replace("`", "").replace(" ", "").split(",")}
+    assert set(hub.METRIC_DEFINITIONS) == keys - {"intra_original", "inter_original", "ratio_original", "cosine_matrix"}
+    assert "angle (radians)" in hub.METRIC_DEFINITIONS["intra"] and "angle (radians)" in hub.METRIC_DEFINITIONS["inter"]
 
 
 def test_normalisation_mismatch_is_named():

@@ -1,10 +1,13 @@
-"""scripts/study.py end to end at toy scale on the shipped CIFAR-10 sample: report statistics, skipping, refusal."""
+"""scripts/study.py end to end at toy scale on the shipped CIFAR-10 sample: arms, post-hoc readouts, report
+statistics, commits, skipping, refusal."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -20,16 +23,40 @@ study = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(study)
 
 
-def _argv(out: Path, epochs: int = 1) -> list[str]:
+ARMS = ("cls", "gap", "rollout-grad")
+POSTHOC = ("cls-posthoc-rollout", "cls-posthoc-avg")
+SHOWN = (*ARMS, *POSTHOC)  # the report's columns, in study order
+RUNS = 6  # trained: 3 arms x 2 seeds
+EVALS = 10  # 5 arms (3 trained, 2 post-hoc) x 2 seeds
+
+
+def _argv(out: Path, epochs: int = 1, arms: tuple[str, ...] = ARMS) -> list[str]:
+    """Toy scale: depth-1 models (``--model-kwargs`` inside --train-args, merged with rollout-grad's own)."""
     return ["--dataset", "cifar10-sample", "--epochs", str(epochs), "--seeds", "0", "1", "--max-train-samples", "100",
-            "--train-args", "--batch-size 20 --warmup-epochs 0 --max-eval-samples 100 --no-progress",
-            "--eval-per-class", "5", "--bank-per-class", "10", "--faithfulness-images", "4", "--heatmaps", "2",
-            "--jobs", "2", "--device", "cpu", "--output", str(out)]
+            "--arms", *arms, "--train-args", "--batch-size 20 --model-kwargs depth=1 --warmup-epochs 0 "
+            "--max-eval-samples 100 --no-progress --workers 1", "--eval-per-class", "5", "--bank-per-class", "10",
+            "--faithfulness-images", "4", "--heatmaps", "2", "--jobs", "2", "--device", "cpu", "--commit",
+            "--output", str(out)]
+
+
+def _git(repo: Path, *argv: str) -> str:
+    return subprocess.run(["git", *argv], cwd=repo, check=True, capture_output=True, text=True).stdout
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("study") / "toy"
+def repo(tmp_path_factory) -> Path:
+    """A fresh git repository with the project's .gitignore, the study committing into results/toy."""
+    repo = tmp_path_factory.mktemp("repo")
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "study@test")
+    _git(repo, "config", "user.name", "study test")
+    shutil.copyfile(ROOT / ".gitignore", repo / ".gitignore")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def finished(repo) -> Path:
+    out = repo / "results" / "toy"
     study.main(_argv(out))
     return out
 
@@ -47,51 +74,63 @@ def _correct(folder: Path) -> dict[int, bool]:
     return {i: p == y for i, p, y in zip(pred["index"], pred["predicted"]["top1"], pred["label"], strict=True)}
 
 
+def _columns(report: str) -> list[str]:
+    """Arm names of the first means table's header (``cls (n=2)`` -> ``cls``)."""
+    header = next(line for line in report.splitlines() if line.startswith("| metric |"))
+    return [cell.strip().split(" (n=")[0] for cell in header.strip("|").split("|")[1:]]
+
+
 def test_report_matches_the_evaluations(finished):
-    """Every statistic in the report is recomputed from the four results.json / predictions.json files with numpy,
-    scipy and a hand count."""
+    """Every statistic in the report is recomputed from the results.json / predictions.json files of every arm
+    (post-hoc readouts included) with numpy, scipy and a hand count."""
     report = (finished / "report.md").read_text(encoding="utf-8")
     assert "Command: `python scripts/study.py --dataset cifar10-sample --epochs 1 --seeds 0 1" in report
     assert "beyond" not in report  # the spread rule is gone
-    for name in ("curves.png", "heatmaps_both.png", "eval/cls-s0/cosine_matrix.png",
-                 "eval/rollout-s0/cosine_matrix.png"):
+    assert _columns(report) == list(SHOWN)
+    for name in ("curves.png", "heatmaps.png", *(f"eval/{a}-s0/cosine_matrix.png" for a in SHOWN)):
         assert (finished / name).stat().st_size > 10_000, name
-    folders = {(m, s): finished / "eval" / f"{m}-s{s}" for m in ("cls", "rollout") for s in (0, 1)}
+    folders = {(a, s): finished / "eval" / f"{a}-s{s}" for a in SHOWN for s in (0, 1)}
     results = {k: json.loads((f / "results.json").read_text()) for k, f in folders.items()}
     for metric in ("top1", "linear_probe", "knn_loo", "knn_bank", "ratio", "silhouette", "ratio_original"):
-        per_model = {m: np.array([results[m, s]["metrics"][metric] for s in (0, 1)]) for m in ("cls", "rollout")}
-        _, cls_cell, rollout_cell = _table_row(report, metric)
-        for cell, values in ((cls_cell, per_model["cls"]), (rollout_cell, per_model["rollout"])):
+        values = {a: np.array([results[a, s]["metrics"][metric] for s in (0, 1)]) for a in SHOWN}
+        for arm, cell in zip(SHOWN, _table_row(report, metric)[1:], strict=True):
             mean, std = map(float, re.findall(r"-?\d+\.\d+", cell))
-            assert mean == pytest.approx(values.mean(), abs=6e-5)
-            assert std == pytest.approx(values.std(ddof=1), abs=6e-5)
+            assert mean == pytest.approx(values[arm].mean(), abs=6e-5)
+            assert std == pytest.approx(values[arm].std(ddof=1), abs=6e-5)
         if metric == "ratio_original":
             assert "| ratio_original |" not in report.split("## The original study")[0]  # shown, never tested
             continue
-        row = _table_row(report, metric, after="### rollout - cls")
-        diff = per_model["rollout"] - per_model["cls"]
-        assert row[1] == "2" and float(row[2]) == pytest.approx(diff.mean(), abs=6e-5)
-        if diff.std(ddof=1) > 0:
-            low, high = sps.t.interval(0.95, 1, loc=diff.mean(), scale=diff.std(ddof=1) / np.sqrt(2))
-            assert row[3] == f"[{low:+.4f}, {high:+.4f}]"
-            assert float(row[4]) == pytest.approx(sps.ttest_rel(per_model["rollout"], per_model["cls"]).pvalue,
-                                                  rel=1e-2)
+        for arm, ref in (("rollout-grad", "cls"), ("cls-posthoc-rollout", "cls"), ("cls-posthoc-avg", "gap")):
+            row = _table_row(report, metric, after=f"### {arm} - {ref}")
+            diff = values[arm] - values[ref]
+            assert row[1] == "2" and float(row[2]) == pytest.approx(diff.mean(), abs=6e-5)
+            if diff.std(ddof=1) > 0:
+                low, high = sps.t.interval(0.95, 1, loc=diff.mean(), scale=diff.std(ddof=1) / np.sqrt(2))
+                assert row[3] == f"[{low:+.4f}, {high:+.4f}]"
+                assert float(row[4]) == pytest.approx(sps.ttest_rel(values[arm], values[ref]).pvalue, rel=1e-2)
     # Per-image McNemar for top-1 pooled over both seeds, counted by hand from predictions.json.
     only = [0, 0]
     for s in (0, 1):
-        a, b = _correct(folders["cls", s]), _correct(folders["rollout", s])
+        a, b = _correct(folders["cls", s]), _correct(folders["rollout-grad", s])
         only[0] += sum(a[i] and not b[i] for i in a)
         only[1] += sum(b[i] and not a[i] for i in a)
-    assert _table_row(report, "top1", after="### rollout - cls")[7] == f"{only[0]} / {only[1]}"
-    deletion = [results[m, s]["faithfulness"]["fills"]["drop"]["maps"]["rollout"]["deletion_auc"]
-                for m in ("cls", "rollout") for s in (0, 1)]
-    _, cls_cell, rollout_cell = _table_row(report, "rollout deletion AUC (drop)")
-    assert float(cls_cell.split()[0]) == pytest.approx(np.mean(deletion[:2]), abs=6e-5)
-    assert float(rollout_cell.split()[0]) == pytest.approx(np.mean(deletion[2:]), abs=6e-5)
+    assert _table_row(report, "top1", after="### rollout-grad - cls")[7] == f"{only[0]} / {only[1]}"
+    deletion = {a: [results[a, s]["faithfulness"]["fills"]["drop"]["maps"]["rollout"]["deletion_auc"] for s in (0, 1)]
+                for a in SHOWN}
+    for arm, cell in zip(SHOWN, _table_row(report, "rollout deletion AUC (drop)")[1:], strict=True):
+        assert float(cell.split()[0]) == pytest.approx(np.mean(deletion[arm]), abs=6e-5)
+
+
+def test_posthoc_readouts_evaluate_the_cls_weights_with_another_pooling(finished):
+    cls = finished / "runs" / "cls-s1"
+    for arm, pool in (("cls", "token"), ("cls-posthoc-rollout", "rollout"), ("cls-posthoc-avg", "avg")):
+        model = json.loads((finished / "eval" / f"{arm}-s1" / "results.json").read_text())["model"]
+        assert model["pool"] == pool and model["sha256"] == study.sha256_file(cls / "model.safetensors")
+    assert not (finished / "runs" / "cls-posthoc-avg-s1").exists()  # no training of its own
 
 
 def test_predictions_file_reproduces_the_accuracies(finished):
-    folder = finished / "eval" / "rollout-s1"
+    folder = finished / "eval" / "rollout-grad-s1"
     results = json.loads((folder / "results.json").read_text())
     pred = json.loads((folder / "predictions.json").read_text())
     labels = np.array(pred["label"])
@@ -102,33 +141,74 @@ def test_predictions_file_reproduces_the_accuracies(finished):
     assert results["config"]["linear_probe"] == {"C": 1.0, "solver": "lbfgs", "max_iter": 1000, "tol": 1e-4}
 
 
-def test_both_models_share_one_recipe(finished):
-    """The runs of a seed differ only in the model (and where they are written)."""
-    cls, rollout = (json.loads((finished / "runs" / f"{m}-s0" / "train_args.json").read_text())
-                    for m in ("cls", "rollout"))
-    differing = {k for k in cls.keys() | rollout.keys() if cls.get(k) != rollout.get(k)}
-    assert differing == {"model", "output"}
-    assert cls["seed"] == 0 and cls["epochs"] == 1 and cls["batch_size"] == 20
+def test_arms_share_one_recipe(finished):
+    """The runs of a seed differ only in the model, rollout-grad's kwarg (merged with --train-args' own) and where
+    they are written."""
+    args = {a: json.loads((finished / "runs" / f"{a}-s0" / "train_args.json").read_text()) for a in ARMS}
+    for arm in ("gap", "rollout-grad"):
+        assert {k for k in args["cls"].keys() | args[arm].keys() if args["cls"].get(k) != args[arm].get(k)} == (
+            {"model", "output", "model_kwargs"} if arm == "rollout-grad" else {"model", "output"})
+    assert args["cls"]["model_kwargs"] == {"depth": 1}
+    assert args["rollout-grad"]["model_kwargs"] == {"depth": 1, "rollout_grad": True}
+    assert args["cls"]["seed"] == 0 and args["cls"]["epochs"] == 1 and args["cls"]["batch_size"] == 20
+    config = json.loads((finished / "runs" / "rollout-grad-s0" / "config.json").read_text())
+    assert config["model_args"]["rollout_grad"] is True and config["model_args"]["depth"] == 1
 
 
-def test_rerun_skips_finished_work_and_redoes_only_what_is_missing(finished, capfd):
+def test_merge_model_kwargs_keeps_one_list():
+    merge = study.merge_model_kwargs
+    assert merge(["--lr", "1e-3"], ()) == ["--lr", "1e-3"]
+    assert merge(["--model-kwargs", "depth=1", "--lr", "1e-3"], ("rollout_grad=True",)) == [
+        "--lr", "1e-3", "--model-kwargs", "depth=1", "rollout_grad=True"]
+    assert merge(["--model-kwargs", "depth=1", "a=2", "--smoothing", "0.1", "--model-kwargs=depth=2"],
+                 ("a=3",)) == ["--smoothing", "0.1", "--model-kwargs", "depth=2", "a=3"]
+
+
+def test_each_finished_run_is_committed_with_its_weights(repo, finished):
+    log = _git(repo, "log", "--format=%s").splitlines()
+    for arm in ARMS:
+        for seed in (0, 1):
+            message = next(line for line in log if line.startswith(f"study: {arm} seed {seed} (top1 "))
+            top1 = json.loads((finished / "eval" / f"{arm}-s{seed}" / "results.json").read_text())["metrics"]["top1"]
+            assert f"(top1 {top1:.4f}, linear_probe " in message
+            assert message.endswith("; post-hoc readouts rollout, avg)") == (arm == "cls")
+    assert log[0].startswith("study: report (cls, gap, rollout-grad, cls-posthoc-rollout, cls-posthoc-avg;")
+    tracked = set(_git(repo, "ls-files").splitlines())
+    assert {"results/toy/runs/cls-s0/model.safetensors", "results/toy/eval/cls-posthoc-avg-s1/predictions.json",
+            "results/toy/runs/gap-s1/log.csv", "results/toy/report.md"} <= tracked
+    assert not any(name.endswith(("resume.safetensors", "features.safetensors")) for name in tracked)
+    assert _git(repo, "status", "--porcelain", "--", "results") == ""  # nothing of the study left uncommitted
+
+
+def test_rerun_skips_finished_work_and_redoes_only_what_is_missing(repo, finished, capfd):
     kept = finished / "eval" / "cls-s1" / "results.json"
-    redo = finished / "eval" / "rollout-s1" / "results.json"
+    redo = finished / "eval" / "cls-posthoc-rollout-s1" / "results.json"
     stamp = kept.stat().st_mtime_ns
     redo.unlink()
+    capfd.readouterr()
     study.main(_argv(finished))
     printed = capfd.readouterr().out
-    assert printed.count("finished, skipped") == 4
-    assert printed.count("evaluated, skipped") == 3
+    assert printed.count("finished, skipped") == RUNS
+    assert printed.count("evaluated, skipped") == EVALS - 1
     assert kept.stat().st_mtime_ns == stamp
-    assert json.loads(redo.read_text())["metrics"]["top1"] >= 0
+    assert json.loads(redo.read_text())["model"]["pool"] == "rollout"
+    assert _git(repo, "log", "-1", "--format=%s", "--", str(redo)).startswith("study: cls seed 1 (top1 ")
+    # Naming fewer arms reuses the folder: the report still covers every arm run before.
+    study.main(_argv(finished, arms=("gap",)))
+    assert "evaluated, skipped" in capfd.readouterr().out
+    assert _columns((finished / "report.md").read_text(encoding="utf-8")) == list(SHOWN)
+    assert json.loads((finished / "study.json").read_text())["arms"] == list(ARMS)
 
 
-def test_rerun_with_other_study_flags_is_refused(finished):
+def test_rerun_with_other_study_flags_is_refused(finished, tmp_path, repo):
     with pytest.raises(UserError, match=r"--epochs 1 \(now 2\)"):
         study.main(_argv(finished, epochs=2))
     with pytest.raises(UserError, match="--jobs must be at least 1"):
         study.main([*_argv(finished), "--jobs", "0"])
+    with pytest.raises(UserError, match="--commit needs --output inside a git work tree"):
+        study.main(_argv(tmp_path / "outside"))
+    with pytest.raises(UserError, match=r"git ignores the weights written under .*\(\.gitignore\)"):
+        study.main(_argv(repo / "study" / "ignored"))
 
 
 def test_each_arm_is_compared_with_cls_and_with_gap():

@@ -52,33 +52,53 @@ UPLOAD_FILES = (WEIGHTS_NAME, CONFIG_NAME, README_NAME)
 # pickled weights left in the repo by earlier uploads (e.g. timm's push_to_hf_hub) are deleted in the same commit
 PICKLE_PATTERNS = ("*.bin", "*.pth", "*.pt", "*.ckpt", "*.pkl")
 
-POOLING_SHORT = {"token": "its [CLS] token", "rollout": "attention-rollout-weighted patch tokens"}
+POOLING_SHORT = {
+    "token": "its [CLS] token",
+    "avg": "the mean of its patch tokens",
+    "rollout": "attention-rollout-weighted patch tokens",
+}
 POOLING_TEXT = {
     "token": "the final [CLS] token",
+    "avg": (
+        "the plain mean of the final (normed) patch tokens (timm's global_pool='avg' with fc_norm=False: the final "
+        "LayerNorm stays before pooling, so the parameter names match the other pooling arms)"
+    ),
     "rollout": (
         "the mean of the final (normed) patch tokens weighted by the [CLS] row of the attention rollout "
         "(head-averaged attention plus identity, row-normalised, multiplied over layers; [CLS] column dropped "
         "and the row renormalised)"
     ),
 }
+ROLLOUT_GRAD_TEXT = "; trained with rollout_grad=True: gradients flow through the pooling weights (detached by default)"
 
-# Definitions of the harness metrics (python -m harness.eval), all on L2-normalised pooled features;
-# {k}, {bank_k} and {temperature} are filled from results.json (harness defaults otherwise).
+# Definitions of the harness metrics (python -m harness.eval, README "Metrics"), all on L2-normalised pooled
+# features; {k}, {bank_k} and {temperature} are filled from results.json (harness defaults otherwise). The original
+# study's mixed-unit geometry (*_original) is left off the card.
 METRIC_DEFINITIONS = {
-    "top1": "top-1 accuracy of the model's own classifier head",
-    "top5": "top-5 accuracy of the model's own classifier head",
+    "top1": "top-1 accuracy (fraction) of the model's own classifier head",
+    "top5": "top-5 accuracy (fraction) of the model's own classifier head",
+    "linear_probe": (
+        "accuracy of a linear probe on the frozen features: scikit-learn multinomial logistic regression (L2, C = 1, "
+        "lbfgs) trained on the train-split bank features, centred and PCA-whitened with the bank's statistics"
+    ),
     "knn_loo": (
         "leave-one-out k-NN accuracy inside the evaluated set (cosine similarity, k = {k}, majority vote, ties to "
-        "the larger summed similarity; a query is never its own neighbour)"
+        "the class with the larger summed similarity, then the lower class id; a query is never its own neighbour)"
     ),
     "knn_bank": (
         "k-NN accuracy of the evaluated images against a bank of train-split features (k = {bank_k}, votes "
         "weighted by exp(similarity / {temperature}), as in DINO)"
     ),
-    "intra": "mean over classes of the mean Euclidean distance of each feature to its class centroid (lower: tighter)",
-    "inter": "mean over class pairs of the cosine distance (1 - cosine similarity) between class centroids",
-    "ratio": "inter / intra (higher means better separated classes)",
-    "silhouette": "scikit-learn silhouette score, Euclidean on the normalised features (in [-1, 1])",
+    "intra": (
+        "mean over classes of the mean angle (radians) between a class's features and its direction, the "
+        "renormalised mean of its features (lower: tighter)"
+    ),
+    "inter": "mean over class pairs of the angle (radians) between their directions",
+    "ratio": "inter / intra, unitless (higher: better separated classes; unchanged when every angle is scaled)",
+    "silhouette": (
+        "scikit-learn silhouette score, Euclidean on the normalised features (in [-1, 1]; above 10,000 points on a "
+        "seeded sample of 10,000)"
+    ),
 }
 METRIC_DEFAULTS = {"k": 5, "bank_k": 20, "temperature": 0.07}
 
@@ -195,6 +215,7 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
     return {
         "architecture": model.pretrained_cfg.get("architecture", type(model).__name__),
         "pooling": str(model.global_pool),
+        "rollout_grad": bool(getattr(model, "rollout_grad", False)),
         "params": sum(p.numel() for p in model.parameters()),
         "img_size": tuple(model.patch_embed.img_size),
         "patch_size": tuple(model.patch_embed.patch_size),
@@ -269,6 +290,10 @@ def model_card(
     train_args = train_args or {}
     pooling = facts["pooling"]
     pool_text = POOLING_TEXT.get(pooling, f"timm global pooling {pooling!r}")
+    short = POOLING_SHORT.get(pooling, pool_text)
+    if pooling == "rollout" and facts.get("rollout_grad"):
+        pool_text += ROLLOUT_GRAD_TEXT
+        short += " (trained with gradients through the rollout weights)"
     details: dict[str, Any] = {
         "Model Type": "Image classification / feature backbone",
         "Architecture": (
@@ -298,9 +323,10 @@ def model_card(
         "license": LICENSE,
         "description": (
             f"A tiny Vision Transformer for {details['Image size']} images that classifies from "
-            f"{POOLING_SHORT.get(pooling, pool_text)}. "
-            "It is one of the two models of the timm-rollout study (does attention-rollout pooling help a tiny ViT?), "
-            "which differ only in pooling."
+            f"{short}. "
+            "It is one arm of the timm-rollout study (does attention-rollout pooling help a tiny ViT?): [CLS] token, "
+            "patch mean, and rollout-weighted patch tokens with detached or trained-through weights, differing only "
+            "in pooling."
         ),
         "details": details,
         "usage": _usage(repo_id),
@@ -309,7 +335,7 @@ def model_card(
 
 def _usage(repo_id: str) -> str:
     return f"""The architecture lives in the `timm_rollout` package: import it before creating the model, so that
-timm knows `vit_tiny_cifar_cls` / `vit_tiny_cifar_rollout`.
+timm knows `vit_tiny_cifar_cls` / `vit_tiny_cifar_gap` / `vit_tiny_cifar_rollout`.
 
 ```python
 import timm
