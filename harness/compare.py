@@ -28,7 +28,7 @@ from harness.figures import plot_comparison
 from harness.metrics import ACCURACIES
 from timm_rollout.atomic import write_text
 from timm_rollout.errors import UserError, run_cli
-from timm_rollout.records import ARGS_FILE, PREDICTIONS_FILE, RESULTS_FILE
+from timm_rollout.records import ARGS_FILE, COMPARISON_FILE, PREDICTIONS_FILE, REPORT_FILE, RESULTS_FILE
 
 __all__ = ["METRICS", "ORIGINAL_METRICS", "PRIMARY", "Group", "MetricComparison", "ci_half_widths",
            "compare_groups",
@@ -305,10 +305,10 @@ def main(argv: list[str] | None = None) -> list[Group]:
     args = build_parser().parse_args(argv)
     groups = summarise(load_results(args.runs), args.metrics)
     out = Path(args.output)
-    write_text(out / "report.md", render_markdown(groups, args.metrics))
+    write_text(out / REPORT_FILE, render_markdown(groups, args.metrics))
     shown = [m for m in args.metrics if any(g.mean.get(m) is not None for g in groups)]
     plot_comparison([g.label for g in groups], shown, {g.label: g.mean for g in groups},
-                    {g.label: ci_half_widths(g, shown) for g in groups}, out / "comparison.png",
+                    {g.label: ci_half_widths(g, shown) for g in groups}, out / COMPARISON_FILE,
                     "Evaluation metrics by run group")
     print(f"compared {sum(g.n for g in groups)} runs in {len(groups)} groups -> {out / 'report.md'}")
     return groups

@@ -50,6 +50,16 @@ from timm_rollout.data import load_image_set, normalize
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.explain import MAP_LABELS
 from timm_rollout.loading import load_model, sha256_file
+from timm_rollout.records import (
+    CURVES_FILE,
+    HEATMAPS_FILE,
+    LOG_FILE,
+    REPORT_FILE,
+    RESULTS_FILE,
+    STUDY_FILE,
+    SUMMARY_FILE,
+    WEIGHTS_FILE,
+)
 from timm_rollout.train_log import read_log
 
 # Trained arms: timm model and the --model-kwargs that set it apart (merged into --train-args' own).
@@ -105,7 +115,7 @@ def _run(cmd: list[str], threads: int | None) -> None:
 def _check_identity(args: argparse.Namespace, out: Path) -> None:
     """The folder remembers the flags that define the study; a re-run with other values is refused. Arms and
     seeds are not part of it: they accumulate in ``study.json``, so a later command can add some."""
-    path = out / "study.json"
+    path = out / STUDY_FILE
     wanted = {k: getattr(args, k) for k in IDENTITY}
     arms, seeds = set(args.arms), set(args.seeds)
     if path.exists():
@@ -143,7 +153,7 @@ def merge_model_kwargs(argv: Sequence[str], extra: Sequence[str]) -> list[str]:
 
 def train_run(args: argparse.Namespace, arm: str, seed: int, folder: Path) -> None:
     """Train one run of ``arm``, or resume it; a finished run (summary.json) is left alone."""
-    if (folder / "summary.json").exists():
+    if (folder / SUMMARY_FILE).exists():
         print(f"= {folder} finished, skipped")
         return
     model, kwargs = ARMS[arm]
@@ -158,10 +168,10 @@ def train_run(args: argparse.Namespace, arm: str, seed: int, folder: Path) -> No
 def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder: Path, pool: str | None = None) -> None:
     """Evaluate one finished run (read out with ``pool``, default its own) unless ``folder`` already holds results
     for these exact weights."""
-    results = folder / "results.json"
+    results = folder / RESULTS_FILE
     if results.exists():
         saved = json.loads(results.read_text(encoding="utf-8"))["model"].get("sha256")
-        if saved == sha256_file(run / "model.safetensors"):
+        if saved == sha256_file(run / WEIGHTS_FILE):
             print(f"= {folder} evaluated, skipped")
             return
     cmd = [sys.executable, "-m", "harness.eval", "--model", model, "--checkpoint", str(run), "--dataset",
@@ -191,7 +201,7 @@ def check_commit(out: Path) -> None:
     if inside.returncode != 0 or inside.stdout.strip() != "true":
         raise UserError(f"--commit needs --output inside a git work tree, and {out} is not; use a folder of the "
                         "repository such as results/cifar10-cpu")
-    weights = out.resolve() / "runs" / "cls-s0" / "model.safetensors"
+    weights = out.resolve() / "runs" / "cls-s0" / WEIGHTS_FILE
     if _git(probe, "check-ignore", "-q", str(weights)).returncode == 0:
         raise UserError(f"git ignores the weights written under {out} (.gitignore); use --output results/<name>")
 
@@ -213,7 +223,7 @@ def commit_paths(paths: Sequence[Path], message: str) -> bool:
 
 
 def _commit_message(arm: str, seed: int, folder: Path, posthoc: Sequence[str]) -> str:
-    metrics = json.loads((folder / "results.json").read_text(encoding="utf-8"))["metrics"]
+    metrics = json.loads((folder / RESULTS_FILE).read_text(encoding="utf-8"))["metrics"]
     shown = ", ".join(f"{m} {metrics[m]:.4f}" for m in COMMIT_METRICS if metrics.get(m) is not None)
     extra = f"; post-hoc readouts {', '.join(posthoc)}" if posthoc else ""
     return f"study: {arm} seed {seed} ({shown}{extra})"
@@ -340,17 +350,17 @@ def backbone(arm: str) -> str:
 
 def finished_arms(seeds: Sequence[int], evals: dict[tuple[str, int], Path]) -> list[str]:
     """Arms (trained and post-hoc, in study order) evaluated for every seed: the ones the report can pair."""
-    return [a for a in (*ARMS, *POSTHOC) if all((evals[a, s] / "results.json").exists() for s in seeds)]
+    return [a for a in (*ARMS, *POSTHOC) if all((evals[a, s] / RESULTS_FILE).exists() for s in seeds)]
 
 
 def _figures(args: argparse.Namespace, out: Path, arms: list[str], runs: dict[tuple[str, int], Path]) -> None:
     """Training curves of the trained arms and the heatmap grid of every arm, on the first seed's test images."""
     trained = [a for a in arms if a in ARMS]
-    logs = {a: {seed: read_log(runs[a, seed] / "log.csv") for seed in args.seeds} for a in trained}
-    plot_training_curves(logs, out / "curves.png", f"Training on {args.dataset}, {args.epochs} epochs")
+    logs = {a: {seed: read_log(runs[a, seed] / LOG_FILE) for seed in args.seeds} for a in trained}
+    plot_training_curves(logs, out / CURVES_FILE, f"Training on {args.dataset}, {args.epochs} epochs")
     first = args.seeds[0]
     panels = {a: (ARMS[backbone(a)][0], runs[backbone(a), first], POSTHOC.get(a)) for a in arms}
-    plot_side_by_side(args, panels, first, out / "heatmaps.png")
+    plot_side_by_side(args, panels, first, out / HEATMAPS_FILE)
 
 
 def write_report(args: argparse.Namespace, out: Path, runs: dict[tuple[str, int], Path],
@@ -365,7 +375,7 @@ def write_report(args: argparse.Namespace, out: Path, runs: dict[tuple[str, int]
     groups = {g.label: g for g in summarise(results, shown, label=lambda r: run_short(r["path"]))}
     _figures(args, out, arms, runs)
     trained = [(a, s) for a in arms if a in ARMS for s in args.seeds]
-    minutes = sum(float(json.loads((runs[k] / "summary.json").read_text(encoding="utf-8"))["wall_seconds"])
+    minutes = sum(float(json.loads((runs[k] / SUMMARY_FILE).read_text(encoding="utf-8"))["wall_seconds"])
                   for k in trained) / 60
     first = args.seeds[0]
     lines = [
@@ -390,7 +400,7 @@ def write_report(args: argparse.Namespace, out: Path, runs: dict[tuple[str, int]
         for seed in args.seeds:
             lines.append(f"- {arm}, seed {seed}: training `{runs[backbone(arm), seed].relative_to(out)}`, "
                          f"evaluation `{evals[arm, seed].relative_to(out)}`")
-    return write_text(out / "report.md", "\n".join(lines) + "\n")
+    return write_text(out / REPORT_FILE, "\n".join(lines) + "\n")
 
 
 def run_short(path: str) -> str:
@@ -432,7 +442,7 @@ def main(argv: list[str] | None = None) -> Path:
         list(pool.map(lambda job: run_arm(args, *job, runs, evals), todo))
     report = write_report(args, out, runs, evals)
     if args.commit:
-        commit_paths([out / name for name in ("study.json", "report.md", "curves.png", "heatmaps.png")],
+        commit_paths([out / name for name in (STUDY_FILE, REPORT_FILE, CURVES_FILE, HEATMAPS_FILE)],
                      f"study: report ({', '.join(finished_arms(args.seeds, evals))}; seeds "
                      f"{' '.join(map(str, args.seeds))})")
     print(f"study finished: {len(todo)} runs on {args.dataset}; report at {report}")

@@ -29,6 +29,7 @@ from timm.models._hub import generate_readme
 from .atomic import atomic_path, write_text
 from .errors import UserError
 from .loading import sha256_file
+from .records import ARGS_FILE, CARD_FILE, CONFIG_FILE, RESULTS_FILE, SUMMARY_FILE, WEIGHTS_FILE
 
 __all__ = [
     "METRIC_DEFAULTS",
@@ -47,8 +48,7 @@ __all__ = [
     "upload_folder",
 ]
 
-WEIGHTS_NAME, CONFIG_NAME, README_NAME = "model.safetensors", "config.json", "README.md"
-UPLOAD_FILES = (WEIGHTS_NAME, CONFIG_NAME, README_NAME)
+UPLOAD_FILES = (WEIGHTS_FILE, CONFIG_FILE, CARD_FILE)
 # pickled weights left in the repo by earlier uploads (e.g. timm's push_to_hf_hub) are deleted in the same commit
 PICKLE_PATTERNS = ("*.bin", "*.pth", "*.pt", "*.ckpt", "*.pkl")
 
@@ -178,22 +178,22 @@ def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     run = Path(run_dir)
     if not run.is_dir():
         raise UserError(f"run folder {run} does not exist; pass a training output folder (--output of training)")
-    missing = [name for name in (WEIGHTS_NAME, CONFIG_NAME) if not (run / name).is_file()]
+    missing = [name for name in (WEIGHTS_FILE, CONFIG_FILE) if not (run / name).is_file()]
     if missing:
         raise UserError(
             f"{run} has no {' or '.join(missing)}; pass a finished training output folder "
             "(written by timm.models.save_for_hf)"
         )
-    optional = {name: run / f"{name}.json" for name in ("train_args", "summary")}
+    optional = {"train_args": run / ARGS_FILE, "summary": run / SUMMARY_FILE}
     return {
-        "config": _read_json(run / CONFIG_NAME, "model export"),
+        "config": _read_json(run / CONFIG_FILE, "model export"),
         **{k: _read_json(p, k) if p.is_file() else None for k, p in optional.items()},
     }
 
 
 def read_eval(eval_dir: str | os.PathLike) -> dict[str, Any]:
     """``results.json`` of a harness evaluation folder."""
-    path = Path(eval_dir) / "results.json"
+    path = Path(eval_dir) / RESULTS_FILE
     if not path.is_file():
         raise UserError(f"{eval_dir} has no results.json; run python -m harness.eval --output {eval_dir} first")
     return _read_json(path, "evaluation")
@@ -202,9 +202,9 @@ def read_eval(eval_dir: str | os.PathLike) -> dict[str, Any]:
 def check_eval_matches(run_dir: str | os.PathLike, results: dict[str, Any]) -> None:
     """Refuse an evaluation whose recorded weights hash differs from the run's ``model.safetensors``."""
     recorded = _section(results, "model").get("sha256")
-    if recorded and recorded != sha256_file(Path(run_dir) / WEIGHTS_NAME):
+    if recorded and recorded != sha256_file(Path(run_dir) / WEIGHTS_FILE):
         raise UserError(
-            f"results.json evaluated other weights (sha256 {str(recorded)[:12]}...) than {run_dir}/{WEIGHTS_NAME}; "
+            f"results.json evaluated other weights (sha256 {str(recorded)[:12]}...) than {run_dir}/{WEIGHTS_FILE}; "
             "pass the --eval folder of this run"
         )
 
@@ -400,10 +400,10 @@ def prepare_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike
         if others:
             raise UserError(f"{out} already holds other files ({', '.join(others[:5])}); choose an empty --output")
     out.mkdir(parents=True, exist_ok=True)
-    for name in (WEIGHTS_NAME, CONFIG_NAME):
+    for name in (WEIGHTS_FILE, CONFIG_FILE):
         with atomic_path(out / name) as tmp:
             shutil.copyfile(run / name, tmp)
-    write_text(out / README_NAME, readme)
+    write_text(out / CARD_FILE, readme)
     return sorted(out / name for name in UPLOAD_FILES)
 
 

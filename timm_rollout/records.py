@@ -11,6 +11,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 __all__ = [
     "ARGS_FILE",
+    "CARD_FILE",
+    "COMPARISON_FILE",
     "CONFIG_FILE",
     "COSINE_FILE",
     "CURVES_FILE",
@@ -20,8 +22,10 @@ __all__ = [
     "LOG_FILE",
     "MODEL_FILES",
     "PREDICTIONS_FILE",
+    "REPORT_FILE",
     "RESULTS_FILE",
     "RESUME_FILE",
+    "STUDY_FILE",
     "SUMMARY_FILE",
     "WEIGHTS_FILE",
     "versions",
@@ -44,6 +48,12 @@ FEATURES_FILE = "features.safetensors"
 COSINE_FILE = "cosine_matrix.png"
 HEATMAPS_FILE = "heatmaps.png"
 FAITHFULNESS_FILE = "faithfulness.png"
+# A comparison (python -m harness.compare) and a study (scripts/study.py; it also writes CURVES_FILE and HEATMAPS_FILE).
+REPORT_FILE = "report.md"
+COMPARISON_FILE = "comparison.png"
+STUDY_FILE = "study.json"
+# The model card of a Hub upload.
+CARD_FILE = "README.md"
 
 PACKAGES = ("torch", "timm", "datasets", "faiss-cpu", "scikit-learn", "numpy", "safetensors", "timm-rollout")
 
