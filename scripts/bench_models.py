@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import timm_rollout  # noqa: F401  (registers the models)
+from timm_rollout.capture import set_fused_attention
 from timm_rollout.device import autocast, cpu_supports_bf16
 
 NAMES = ("vit_tiny_cifar_cls", "vit_tiny_cifar_rollout")
@@ -24,6 +25,8 @@ NAMES = ("vit_tiny_cifar_cls", "vit_tiny_cifar_rollout")
 def make_step(name: str, train: bool, dtype: torch.dtype | None, batch: int, device: torch.device):
     torch.manual_seed(0)
     model = timm.create_model(name, num_classes=10).to(device).train(train)
+    if train and device.type == "cpu":
+        set_fused_attention(model, False)  # as timm_rollout.train does on CPU
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randn(batch, 3, 32, 32, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
