@@ -17,6 +17,8 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +229,66 @@ def _predictions_json(predicted: dict[str, np.ndarray | None], labels: torch.Ten
     return json.dumps(body, separators=(",", ":")) + "\n"
 
 
+@dataclass
+class Selection:
+    """The evaluated images (``data``, at ``index`` in the split ``full``), their classes and the cosine matrix's."""
+
+    full: ImageSet
+    data: ImageSet
+    index: torch.Tensor
+    class_ids: list[int]
+    cosine_ids: list[int]
+
+
+def _select(args: argparse.Namespace) -> Selection:
+    """Load the evaluated split and pick its classes and images; one-line errors for selections that cannot work."""
+    if args.bank_split == args.split:
+        raise UserError(f"--bank-split {args.bank_split} is the evaluated split; use another split (e.g. train)")
+    full = load_image_set(args.dataset, args.split, image_column=args.image_column, label_column=args.label_column)
+    class_ids = select_classes(full.class_names, args.classes, args.num_classes)
+    if len(class_ids) < 2:
+        raise UserError("select at least 2 classes: centroid separation and silhouette compare classes")
+    data, index = _subset(full, class_ids, args.per_class, args.seed, "evaluated")
+    if len(data) <= args.k:
+        raise UserError(f"{len(data)} images selected; leave-one-out {args.k}-NN needs more than {args.k}")
+    cosine_ids = _class_ids(args.cosine_classes, full.class_names, "--cosine-classes") if args.cosine_classes \
+        else class_ids
+    missing = sorted(set(cosine_ids) - set(class_ids))
+    if missing:
+        raise UserError(f"--cosine-classes {', '.join(full.class_names[i] for i in missing)} are not evaluated; "
+                        "add them to --classes")
+    return Selection(full, data, index, class_ids, cosine_ids)
+
+
+def _load(args: argparse.Namespace, full: ImageSet, device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The model to evaluate, checked against the data set, read out with ``--pool``."""
+    prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
+    default_classes = None if args.checkpoint or prefixed else full.num_classes
+    torch.manual_seed(args.seed)  # an untrained model's initial weights are reproducible too
+    model, info = load_model(args.model, args.checkpoint, num_classes=default_classes, device=device)
+    _check_head(info, full)
+    check_input_size(model, full.images, fix="evaluate it on a data set of its input size")
+    info["pool"] = set_pool(model, args.pool)
+    return model, info
+
+
+def _load_bank(args: argparse.Namespace, class_ids: list[int]) -> ImageSet:
+    bank_full = load_image_set(args.dataset, args.bank_split, image_column=args.image_column,
+                               label_column=args.label_column)
+    bank, _ = _subset(bank_full, class_ids, args.bank_per_class, args.seed, "bank")
+    if len(bank) < args.bank_k:
+        raise UserError(f"the bank has {len(bank)} images, fewer than --bank-k {args.bank_k}")
+    return bank
+
+
+def _cosine(feats: torch.Tensor, labels: torch.Tensor, sel: Selection) -> tuple[np.ndarray, list[str]]:
+    """Cosine matrix of the class centroids of ``--cosine-classes`` (in the order asked for) and their names."""
+    present, cents = metrics.centroids(feats, labels)
+    row = {int(c): i for i, c in enumerate(present)}
+    ids = [c for c in sel.cosine_ids if c in row]
+    return metrics.cosine_matrix(cents[[row[c] for c in ids]]), [sel.full.class_names[c] for c in ids]
+
+
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """Run one evaluation and write its outputs; returns the results written to results.json."""
     clock = Stopwatch()
@@ -234,106 +296,45 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.output)
     device = resolve_device(args.device)
     amp_dtype = resolve_amp(args.amp, device)
-
-    if args.bank_split == args.split:
-        raise UserError(f"--bank-split {args.bank_split} is the evaluated split; use another split (e.g. train)")
     with clock.stage("load_data"):
-        full = load_image_set(args.dataset, args.split, image_column=args.image_column, label_column=args.label_column)
-        class_ids = select_classes(full.class_names, args.classes, args.num_classes)
-        if len(class_ids) < 2:
-            raise UserError("select at least 2 classes: centroid separation and silhouette compare classes")
-        data, data_index = _subset(full, class_ids, args.per_class, args.seed, "evaluated")
-        if len(data) <= args.k:
-            raise UserError(f"{len(data)} images selected; leave-one-out {args.k}-NN needs more than {args.k}")
-        cosine_ids = _class_ids(args.cosine_classes, full.class_names, "--cosine-classes") if args.cosine_classes \
-            else class_ids
-        missing = sorted(set(cosine_ids) - set(class_ids))
-        if missing:
-            raise UserError(f"--cosine-classes {', '.join(full.class_names[i] for i in missing)} are not evaluated; "
-                            "add them to --classes")
-
+        sel = _select(args)
+    data, labels = sel.data, sel.data.labels
     with clock.stage("load_model"):
-        prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
-        default_classes = None if args.checkpoint or prefixed else full.num_classes
-        torch.manual_seed(args.seed)  # an untrained model's initial weights are reproducible too
-        model, info = load_model(args.model, args.checkpoint, num_classes=default_classes, device=device)
-        _check_head(info, full)
-        check_input_size(model, full.images, fix="evaluate it on a data set of its input size")
-        info["pool"] = set_pool(model, args.pool)
-    mean, std = info["mean"], info["std"]
-
+        model, info = _load(args, sel.full, device)
+    features = partial(extract, model, mean=info["mean"], std=info["std"], device=device, amp_dtype=amp_dtype,
+                       batch_size=args.batch_size)
     with clock.stage("extract"):
-        feats, logits = extract(model, data.images, mean, std, device=device, amp_dtype=amp_dtype,
-                                batch_size=args.batch_size, desc=f"{data.split} features")
-
-    bank = None
+        feats, logits = features(data.images, desc=f"{data.split} features")
+    bank = bank_feats = None
     if args.bank_split:
         with clock.stage("load_bank"):
-            bank_full = load_image_set(args.dataset, args.bank_split, image_column=args.image_column,
-                                       label_column=args.label_column)
-            bank, _ = _subset(bank_full, class_ids, args.bank_per_class, args.seed, "bank")
-            if len(bank) < args.bank_k:
-                raise UserError(f"the bank has {len(bank)} images, fewer than --bank-k {args.bank_k}")
+            bank = _load_bank(args, sel.class_ids)
         with clock.stage("extract_bank"):
-            bank_feats, _ = extract(model, bank.images, mean, std, device=device, amp_dtype=amp_dtype,
-                                    batch_size=args.batch_size, desc=f"{bank.split} bank features")
+            bank_feats, _ = features(bank.images, desc=f"{bank.split} bank features")
 
-    labels = data.labels
     with clock.stage("metrics"):
         faiss_threads = metrics.default_threads()
-        predicted = _predictions(feats, logits, labels, None if bank is None else bank_feats,
-                                 None if bank is None else bank.labels, args)
+        predicted = _predictions(feats, logits, labels, bank_feats, None if bank is None else bank.labels, args)
         geometry = {**metrics.centroid_metrics(feats, labels), **metrics.original_centroid_metrics(feats, labels)}
         sil, sample = metrics.silhouette(feats, labels, seed=args.seed)
-        present, cents = metrics.centroids(feats, labels)
-        row = {int(c): i for i, c in enumerate(present)}
-        cos_ids = [c for c in cosine_ids if c in row]  # in the order asked for
-        cos = metrics.cosine_matrix(cents[[row[c] for c in cos_ids]])
-    cos_names = [full.class_names[c] for c in cos_ids]
+        cos, cos_names = _cosine(feats, labels, sel)
     if bank is not None:
         with clock.stage("linear_probe"):
             predicted["linear_probe"] = metrics.linear_probe_predictions(bank_feats, bank.labels, feats)
-    results_metrics = _metric_values(predicted, labels, geometry, sil)
-    write_text(out / PREDICTIONS_FILE, _predictions_json(predicted, labels, data_index))
+    write_text(out / PREDICTIONS_FILE, _predictions_json(predicted, labels, sel.index))
 
-    with clock.stage("figures"):
-        figures = [plot_cosine_matrix(cos, cos_names, out / COSINE_FILE,
-                                      f"{info['name']}: centroid cosine similarity ({data.split})").name]
-        if args.heatmaps:
-            figures.append(_heatmap_figure(model, data, info, args, device, amp_dtype, out).name)
-
-    faithfulness = None
-    if args.faithfulness:
-        with clock.stage("faithfulness"):
-            n = min(args.faithfulness_images, len(data))
-            faithfulness = evaluate_faithfulness(model, data.images[:n], data.labels[:n], mean, std,
-                                                 batch_size=args.batch_size, tie_seed=args.seed,
-                                                 seeds=[args.seed + i for i in range(1, 4)], device=device,
-                                                 dtype=amp_dtype)
-            figures.append(plot_faithfulness(faithfulness, out / FAITHFULNESS_FILE,
-                                             f"{info['name']}: faithfulness ({data.split})").name)
-
+    figures, faithfulness = _figures(model, info, data, (cos, cos_names), args, device, amp_dtype, clock)
     if args.save_features:
         with clock.stage("save_features"), atomic_path(out / FEATURES_FILE) as tmp:
             save_file({"features": feats.contiguous(), "labels": labels.contiguous()}, str(tmp),
                       metadata={"model": info["name"], "dataset": data.dataset, "split": data.split})
 
-    eval_names = [full.class_names[c] for c in class_ids]
-    counts = torch.bincount(labels, minlength=full.num_classes)
     results = {
-        "metrics": results_metrics,
+        "metrics": _metric_values(predicted, labels, geometry, sil),
         "cosine_matrix": {"classes": cos_names, "matrix": cos.round(6).tolist()},
         "faithfulness": faithfulness,
         "model": {**info, "pretrained_cfg": {k: v for k, v in model.pretrained_cfg.items() if k != "state_dict"}},
-        "data": {
-            "dataset": data.dataset, "argument": args.dataset, "split": data.split, "fingerprint": full.fingerprint,
-            "subset_fingerprint": data.fingerprint, "class_names": eval_names, "class_ids": class_ids,
-            "per_class_counts": {full.class_names[c]: int(counts[c]) for c in class_ids}, "num_images": len(data),
-            "bank": None if bank is None else {
-                "split": bank.split, "fingerprint": bank.fingerprint, "num_images": len(bank),
-                "per_class": args.bank_per_class,
-            },
-        },
+        "data": _data_record(args, sel, bank),
         "config": {
             "seed": args.seed, "per_class": args.per_class, "k": args.k, "bank_k": args.bank_k,
             "temperature": args.temperature, "silhouette_sample_size": sample, "heatmaps": args.heatmaps,
@@ -351,6 +352,45 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     }
     write_json(out / RESULTS_FILE, results)
     return results
+
+
+def _figures(model, info: dict, data: ImageSet, cosine: tuple[np.ndarray, list[str]], args, device, amp_dtype,
+             clock: Stopwatch) -> tuple[list[str], dict[str, Any] | None]:
+    """The cosine matrix, heatmaps and (``--faithfulness``) deletion/insertion figures; returns their names and
+    the faithfulness results, measured on the first ``--faithfulness-images`` evaluated images."""
+    out = Path(args.output)
+    with clock.stage("figures"):
+        figures = [plot_cosine_matrix(*cosine, out / COSINE_FILE,
+                                      f"{info['name']}: centroid cosine similarity ({data.split})").name]
+        if args.heatmaps:
+            figures.append(_heatmap_figure(model, data, info, args, device, amp_dtype, out).name)
+    if not args.faithfulness:
+        return figures, None
+    with clock.stage("faithfulness"):
+        n = min(args.faithfulness_images, len(data))
+        faithfulness = evaluate_faithfulness(model, data.images[:n], data.labels[:n], info["mean"], info["std"],
+                                             batch_size=args.batch_size, tie_seed=args.seed,
+                                             seeds=[args.seed + i for i in range(1, 4)], device=device,
+                                             dtype=amp_dtype)
+        figures.append(plot_faithfulness(faithfulness, out / FAITHFULNESS_FILE,
+                                         f"{info['name']}: faithfulness ({data.split})").name)
+    return figures, faithfulness
+
+
+def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None) -> dict[str, Any]:
+    """results.json's ``data``: what was evaluated (provenance and per-class counts) and the bank."""
+    full, data = sel.full, sel.data
+    counts = torch.bincount(data.labels, minlength=full.num_classes)
+    return {
+        "dataset": data.dataset, "argument": args.dataset, "split": data.split, "fingerprint": full.fingerprint,
+        "subset_fingerprint": data.fingerprint, "class_names": [full.class_names[c] for c in sel.class_ids],
+        "class_ids": sel.class_ids, "per_class_counts": {full.class_names[c]: int(counts[c]) for c in sel.class_ids},
+        "num_images": len(data),
+        "bank": None if bank is None else {
+            "split": bank.split, "fingerprint": bank.fingerprint, "num_images": len(bank),
+            "per_class": args.bank_per_class,
+        },
+    }
 
 
 def _summary(results: dict[str, Any]) -> str:
