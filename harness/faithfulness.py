@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 
 from harness.features import saliency_maps
 from timm_rollout.atomic import atomic_path
-from timm_rollout.capture import record_attention
+from timm_rollout.capture import record_attention, set_fused_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast
 from timm_rollout.explain import MAP_LABELS
@@ -94,21 +94,14 @@ def random_ranks(num_images: int, num_patches: int, seed: int) -> torch.Tensor:
 
 
 @contextmanager
-def _fused_attention(model: nn.Module) -> Iterator[bool]:
-    """Use torch's fused attention for the duration unless the model pools by its recorded attention.
-
-    The explicit path (softmax materialised) is only needed by rollout pooling; fused attention gives the
-    same outputs up to float rounding and is faster. Yields whether fused.
-    """
+def _fused_attention(model: nn.Module) -> Iterator[None]:
+    """Use torch's fused attention for the duration (a rollout-pooled model keeps the explicit path its pooling
+    reads), then restore each module's own setting: same outputs up to float rounding, faster."""
     modules = [m for m in model.modules() if hasattr(m, "fused_attn")]
-    if getattr(model, "global_pool", None) == "rollout" or not modules:
-        yield False
-        return
     before = [m.fused_attn for m in modules]
     try:
-        for m in modules:
-            m.fused_attn = True
-        yield True
+        set_fused_attention(model, True)
+        yield
     finally:
         for m, was in zip(modules, before, strict=True):
             m.fused_attn = was
