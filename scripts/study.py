@@ -24,6 +24,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -74,6 +75,7 @@ POSTHOC = {"cls-posthoc-rollout": "rollout", "cls-posthoc-avg": "avg"}
 REFERENCES = ("cls", "gap")  # every other arm is compared with each of these that the study has
 COMMIT_METRICS = ("top1", "linear_probe", "knn_bank")  # named in --commit messages
 _GIT = threading.Lock()  # runs side by side commit one at a time (git's index lock)
+_GIT_BUSY = ("index.lock", "middle of a merge", "during a merge")  # another process is using the repository
 # Study flags that change what is computed: a re-run must repeat them to reuse the folder (arms and seeds may grow).
 IDENTITY = ("dataset", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class",
             "faithfulness_images")
@@ -206,18 +208,27 @@ def check_commit(out: Path) -> None:
         raise UserError(f"git ignores the weights written under {out} (.gitignore); use --output results/<name>")
 
 
-def commit_paths(paths: Sequence[Path], message: str) -> bool:
-    """``git add`` and commit exactly ``paths`` (other staged changes stay staged); False when nothing changed."""
+def commit_paths(paths: Sequence[Path], message: str, *, attempts: int = 60, wait: float = 10.0) -> bool:
+    """``git add`` and commit exactly ``paths`` (other staged changes stay staged); False when nothing changed.
+
+    A repository busy with other work (another process's index lock, a merge in progress) is waited for, up to
+    ``attempts`` tries ``wait`` seconds apart, so a long study never dies of a concurrent ``git commit``.
+    """
     files = [str(p.resolve()) for p in paths]
     cwd = Path(files[0]).parent
-    with _GIT:
-        added = _git(cwd, "add", "--", *files)
-        if added.returncode == 0 and _git(cwd, "diff", "--cached", "--quiet", "--", *files).returncode == 0:
-            return False
-        done = added if added.returncode else _git(cwd, "commit", "--quiet", "-m", message, "--only", "--", *files)
+    for attempt in range(attempts):
+        with _GIT:
+            added = _git(cwd, "add", "--", *files)
+            if added.returncode == 0 and _git(cwd, "diff", "--cached", "--quiet", "--", *files).returncode == 0:
+                return False
+            done = added if added.returncode else _git(cwd, "commit", "--quiet", "-m", message, "--only", "--", *files)
+        error = (done.stderr or done.stdout).strip()
+        if done.returncode == 0 or not any(s in error for s in _GIT_BUSY) or attempt == attempts - 1:
+            break
+        time.sleep(wait)
     if done.returncode != 0:
-        raise UserError(f"git could not commit {', '.join(files)}: {(done.stderr or done.stdout).strip()}; "
-                        "fix the repository and re-run the study command")
+        raise UserError(f"git could not commit {', '.join(files)}: {error}; fix the repository and re-run the study "
+                        "command, finished runs are kept")
     print(f"+ git commit: {message}", flush=True)
     return True
 

@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -230,3 +231,20 @@ def test_each_arm_is_compared_with_cls_and_with_gap():
                                                                                   f"{0.04 + half:+.4f}]"]
     two = {k: groups[k] for k in ("cls", "gap")}
     assert "| top1 | 0.5000 ± 0.0000 | 0.5200 ± 0.0000 |" in study.means_table(two, ["top1"])
+
+
+def test_commit_waits_for_a_busy_repository(tmp_path):
+    """Another process holding git's index lock delays the study's commit; it never loses it."""
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "config", "user.email", "study@test")
+    _git(tmp_path, "config", "user.name", "study test")
+    (tmp_path / "run.txt").write_text("finished run\n")
+    lock = tmp_path / ".git" / "index.lock"
+    lock.write_text("")
+    threading.Timer(0.5, lock.unlink).start()
+    assert study.commit_paths([tmp_path / "run.txt"], "study: toy", wait=0.2)
+    assert _git(tmp_path, "log", "--format=%s") == "study: toy\n"
+    lock.write_text("")  # a lock that stays: the study stops with git's own reason
+    (tmp_path / "run.txt").write_text("changed\n")
+    with pytest.raises(UserError, match=r"index\.lock"):
+        study.commit_paths([tmp_path / "run.txt"], "study: toy 2", attempts=2, wait=0.01)
