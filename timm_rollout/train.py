@@ -301,8 +301,7 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean,
     """
     was_training = model.training
     model.eval()
-    count, images, labels = len(labels), images[d.rank::d.world], labels[d.rank::d.world]
-    count = len(labels)
+    count, images, labels = len(labels), images[d.rank::d.world], labels[d.rank::d.world]  # count: all ranks
     sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss, top-1, top-5
     for start in range(0, len(labels), EVAL_BATCH):
         x = normalize(images[start:start + EVAL_BATCH].to(d.device, non_blocking=True), mean, std)
