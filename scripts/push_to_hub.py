@@ -12,25 +12,12 @@ write access (``hf auth login`` or ``HF_TOKEN``).
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-import timm
-
 import timm_rollout  # noqa: F401  (registers the architectures with timm)
 from timm_rollout.errors import CliParser, UserError, output_dir, run_cli
-from timm_rollout.hub import (
-    check_eval_matches,
-    describe_model,
-    model_card,
-    normalisation_mismatch,
-    prepare_upload_folder,
-    read_eval,
-    read_run,
-    render_card,
-    upload_folder,
-)
+from timm_rollout.hub import upload_folder, write_upload_folder
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,39 +33,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _load(run: Path) -> timm.models.VisionTransformer:
-    try:
-        return timm.create_model(f"local-dir:{run.resolve()}", pretrained=True)
-    except (RuntimeError, ValueError, KeyError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{run} does not load with timm ({first}); re-export it with timm.models.save_for_hf") from None
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.dry_run and not args.output:
         raise UserError("--dry-run needs --output DIR to write the upload folder into")
     run = Path(args.run)
-    record = read_run(run)
-    results = read_eval(args.eval) if args.eval else None
-    if results is not None:
-        check_eval_matches(run, results)
-    if record["summary"] is None:
-        print(f"warning: {run} has no summary.json (unfinished run?); the card has no final metrics", file=sys.stderr)
-    mismatch = normalisation_mismatch(record["config"], record["train_args"])
-    if mismatch:
-        print(f"warning: {mismatch}; timm's transforms for this model will use config.json's", file=sys.stderr)
-    facts = describe_model(_load(run))
-    card = model_card(args.repo_id, facts, record["train_args"], record["summary"])
-    readme = render_card(card, args.repo_id, results)
-    message = args.commit_message or f"Upload {facts['architecture']} from {run.name}"
     with tempfile.TemporaryDirectory(prefix="hub-upload-") as tmp:
         folder = Path(args.output or tmp)
-        files = prepare_upload_folder(run, folder, readme)
+        files, architecture = write_upload_folder(run, folder, args.repo_id, args.eval)
         listing = ", ".join(f"{f.name} ({f.stat().st_size / 1e6:.2f} MB)" for f in files)
         if args.dry_run:
             print(f"dry run: wrote {listing} to {folder}; nothing uploaded")
             return
+        message = args.commit_message or f"Upload {architecture} from {run.name}"
         url = upload_folder(folder, args.repo_id, private=args.private, commit_message=message)
     print(f"uploaded {listing} to {url}{' (private)' if args.private else ''}")
 

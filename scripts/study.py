@@ -7,8 +7,10 @@ Each run trains with ``python -m timm_rollout.train`` and is evaluated with ``py
 and linear probe against the train split); each ``cls`` backbone is also read out post hoc with rollout
 weights and with the patch mean (``harness.eval --pool``, no training), arms of their own in the report.
 Finished runs and evaluations are skipped and interrupted runs resume, so re-running the same command after
-a crash completes the study; arms and seeds can be added to a folder later. ``--commit`` commits each
-finished run (weights, logs, evaluation) to the git repository holding ``--output``. ``report.md`` holds
+a crash completes the study; arms and seeds can be added to a folder later, and ``--report-only`` reports on
+the seeds every arm has finished so far. ``--commit`` commits each finished run (weights, logs, evaluation)
+to the git repository holding ``--output``. The best seed of each arm is exported as a Hub upload folder
+``hub/<arm>`` with its model card (``scripts/push_to_hub.py --dry-run``). ``report.md`` holds
 every metric per arm (mean +- std over seeds), the paired-by-seed difference of each arm against ``cls`` and
 against ``gap`` (95% CI, p-value, Holm-adjusted p for the secondary metrics, minimum detectable effect,
 McNemar's per-image test for accuracies; see :mod:`harness.compare`), overlaid training curves, the
@@ -50,10 +52,12 @@ from timm_rollout.atomic import write_json, write_text
 from timm_rollout.data import load_image_set, normalize
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.explain import MAP_LABELS
+from timm_rollout.hub import write_upload_folder
 from timm_rollout.loading import load_model, sha256_file
 from timm_rollout.records import (
     CURVES_FILE,
     HEATMAPS_FILE,
+    HUB_DIR,
     LOG_FILE,
     REPORT_FILE,
     RESULTS_FILE,
@@ -76,6 +80,17 @@ REFERENCES = ("cls", "gap")  # every other arm is compared with each of these th
 COMMIT_METRICS = ("top1", "linear_probe", "knn_bank")  # named in --commit messages
 _GIT = threading.Lock()  # runs side by side commit one at a time (git's index lock)
 _GIT_BUSY = ("index.lock", "middle of a merge", "during a merge")  # another process is using the repository
+# The original study's CIFAR-10 figures (200 epochs, one seed, dropout 0.1), to set beside the table above.
+ORIGINAL_STUDY = """The original study reported on CIFAR-10 (200 epochs, one seed, dropout 0.1; its k-NN@5 counts the
+query as its own neighbour, so it is not our `knn_loo`):
+
+| metric | cls | rollout |
+|---|---:|---:|
+| intra_original | 0.717 | 0.694 |
+| inter_original | 1.000 | 1.063 |
+| ratio_original | 1.40 | 1.53 |
+| silhouette | 0.143 | 0.134 |
+| k-NN@5 (query included) | 0.845 | 0.850 |"""
 # Study flags that change what is computed: a re-run must repeat them to reuse the folder (arms and seeds may grow).
 IDENTITY = ("dataset", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class",
             "faithfulness_images")
@@ -100,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="runs side by side, the CPU cores split between them")
     p.add_argument("--commit", action="store_true",
                    help="git-commit each finished run with its evaluations (--output must be in a git work tree)")
+    p.add_argument("--hub-org", default="timm-rollout",
+                   help="owner in the repo ids of the Hub exports (hub/<arm>: the best seed of each arm, dry run)")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: report (and export) over the seeds every arm of the folder has finished")
     p.add_argument("--device", default="auto")
     return p
 
@@ -114,9 +133,10 @@ def _run(cmd: list[str], threads: int | None) -> None:
                         "command, finished runs are kept")
 
 
-def _check_identity(args: argparse.Namespace, out: Path) -> None:
+def _check_identity(args: argparse.Namespace, out: Path) -> tuple[list[str], list[int], list[str]]:
     """The folder remembers the flags that define the study; a re-run with other values is refused. Arms and
-    seeds are not part of it: they accumulate in ``study.json``, so a later command can add some."""
+    seeds are not part of it: they accumulate in ``study.json``, so a later command can add some. Returns the
+    folder's arms, seeds and every distinct command run on it."""
     path = out / STUDY_FILE
     wanted = {k: getattr(args, k) for k in IDENTITY}
     arms, seeds = set(args.arms), set(args.seeds)
@@ -128,8 +148,13 @@ def _check_identity(args: argparse.Namespace, out: Path) -> None:
             raise UserError(f"{out} holds a study run with {', '.join(diff)}; repeat those flags or use a new --output")
         arms |= set(saved.get("arms", ()))
         seeds |= set(saved.get("seeds", ()))
+        commands = saved.get("commands", [saved["command"]] if "command" in saved else [])
+    else:
+        commands = []
+    commands += [] if args.command in commands else [args.command]
     write_json(path, {"identity": wanted, "arms": [a for a in ARMS if a in arms], "seeds": sorted(seeds),
-                      "command": args.command})
+                      "commands": commands})
+    return [a for a in ARMS if a in arms], sorted(seeds), commands
 
 
 def merge_model_kwargs(argv: Sequence[str], extra: Sequence[str]) -> list[str]:
@@ -350,7 +375,7 @@ def _report_tables(groups: dict[str, Group], faithfulness: list[str]) -> list[st
         lines += ["## The original study's geometry", "",
                   "Its mixed units (Euclidean intra, cosine-distance inter), only to set these runs beside its table; "
                   "the ratio shrinks when a layout shrinks, so it is not tested.", "",
-                  means_table(groups, ORIGINAL_METRICS), ""]
+                  means_table(groups, ORIGINAL_METRICS), "", ORIGINAL_STUDY, ""]
     return lines
 
 
@@ -359,58 +384,81 @@ def backbone(arm: str) -> str:
     return arm if arm in ARMS else "cls"
 
 
-def finished_arms(seeds: Sequence[int], evals: dict[tuple[str, int], Path]) -> list[str]:
-    """Arms (trained and post-hoc, in study order) evaluated for every seed: the ones the report can pair."""
-    return [a for a in (*ARMS, *POSTHOC) if all((evals[a, s] / RESULTS_FILE).exists() for s in seeds)]
+def report_scope(arms: Sequence[str], seeds: Sequence[int],
+                 evals: dict[tuple[str, int], Path]) -> tuple[list[str], list[int]]:
+    """The report's arms (the folder's trained arms, plus the post-hoc readouts when ``cls`` is one) and the seeds
+    every one of them has finished: only those pair up."""
+    shown = [a for a in ARMS if a in arms] + [a for a in POSTHOC if "cls" in arms]
+    return shown, [s for s in seeds if all((evals[a, s] / RESULTS_FILE).exists() for a in shown)]
 
 
-def _figures(args: argparse.Namespace, out: Path, arms: list[str], runs: dict[tuple[str, int], Path]) -> None:
+def _figures(args: argparse.Namespace, out: Path, arms: list[str], seeds: list[int],
+             runs: dict[tuple[str, int], Path]) -> None:
     """Training curves of the trained arms and the heatmap grid of every arm, on the first seed's test images."""
     trained = [a for a in arms if a in ARMS]
-    logs = {a: {seed: read_log(runs[a, seed] / LOG_FILE) for seed in args.seeds} for a in trained}
+    logs = {a: {seed: read_log(runs[a, seed] / LOG_FILE) for seed in seeds} for a in trained}
     plot_training_curves(logs, out / CURVES_FILE, f"Training on {args.dataset}, {args.epochs} epochs")
-    first = args.seeds[0]
+    first = seeds[0]
     panels = {a: (ARMS[backbone(a)][0], runs[backbone(a), first], POSTHOC.get(a)) for a in arms}
     plot_side_by_side(args, panels, first, out / HEATMAPS_FILE)
 
 
-def write_report(args: argparse.Namespace, out: Path, runs: dict[tuple[str, int], Path],
-                 evals: dict[tuple[str, int], Path]) -> Path:
-    """report.md over every arm of the folder evaluated for all ``--seeds`` (including arms run by earlier
-    commands): statistics, curves, cosine matrices and side-by-side heatmaps."""
-    arms = finished_arms(args.seeds, evals)
+def export_best(args: argparse.Namespace, out: Path, arms: Sequence[str], seeds: Sequence[int],
+                runs: dict[tuple[str, int], Path], evals: dict[tuple[str, int], Path]) -> dict[str, int]:
+    """The best seed (test top-1) of each trained arm as a Hub upload folder ``hub/<arm>`` with its model card,
+    as ``scripts/push_to_hub.py --dry-run`` writes it. Returns arm -> exported seed."""
+    best = {}
+    for arm in (a for a in arms if a in ARMS):
+        top1 = {s: json.loads((evals[arm, s] / RESULTS_FILE).read_text(encoding="utf-8"))["metrics"]["top1"]
+                for s in seeds}
+        best[arm] = seed = max(top1, key=top1.get)
+        write_upload_folder(runs[arm, seed], out / HUB_DIR / arm, hub_repo_id(args, arm), evals[arm, seed])
+    return best
+
+
+def hub_repo_id(args: argparse.Namespace, arm: str) -> str:
+    """Repo id in the exported model card: ``<org>/vit-tiny-<data set folder name>-<arm>``."""
+    return f"{args.hub_org}/vit-tiny-{Path(args.dataset).name}-{arm}"
+
+
+def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], list[int]], commands: list[str],
+                 runs: dict[tuple[str, int], Path], evals: dict[tuple[str, int], Path]) -> Path:
+    """report.md over the folder's arms and the seeds all of them finished (including runs of earlier commands):
+    statistics, curves, cosine matrices, side-by-side heatmaps and the exported checkpoints."""
+    arms, seeds = scope
     results = [{**r, "metrics": {**r["metrics"], **faithfulness_metrics(r)}}
-               for r in load_results([evals[a, s] for a in arms for s in args.seeds])]
+               for r in load_results([evals[a, s] for a in arms for s in seeds])]
     faithfulness = list(dict.fromkeys(m for r in results for m in faithfulness_metrics(r)))
     shown = [*METRICS, *faithfulness, *ORIGINAL_METRICS]
     groups = {g.label: g for g in summarise(results, shown, label=lambda r: run_short(r["path"]))}
-    _figures(args, out, arms, runs)
-    trained = [(a, s) for a in arms if a in ARMS for s in args.seeds]
+    _figures(args, out, arms, seeds, runs)
+    exported = export_best(args, out, arms, seeds, runs, evals)
+    trained = [(a, s) for a in arms if a in ARMS for s in seeds]
     minutes = sum(float(json.loads((runs[k] / SUMMARY_FILE).read_text(encoding="utf-8"))["wall_seconds"])
                   for k in trained) / 60
-    first = args.seeds[0]
     lines = [
-        f"# Pooling arms ({', '.join(arms)}) on {args.dataset}",
-        "",
-        f"Command: `{args.command}`",
-        "",
-        f"{len(args.seeds)} seed(s) ({', '.join(map(str, args.seeds))}), {args.epochs} epoch(s) per run, the same "
+        f"# Pooling arms ({', '.join(arms)}) on {args.dataset}", "",
+        "Commands run on this folder:", "", *[f"- `{c}`" for c in commands], "",
+        f"{len(seeds)} seed(s) ({', '.join(map(str, seeds))}), {args.epochs} epoch(s) per run, the same "
         f"recipe for every arm (only the pooling differs); {minutes:.1f} training minutes in all. "
         "`cls-posthoc-*` are the `cls` runs read out with another pooling, untrained (`harness.eval --pool`). "
         "Metrics are from `python -m harness.eval` on the test split with the train split as k-NN bank and "
-        "linear-probe training set (definitions in the project README).",
-        "",
+        "linear-probe training set (definitions in the project README).", "",
         *_report_tables(groups, faithfulness),
         "## Training curves", "", "![training curves](curves.png)", "",
-        f"## Cosine similarity of class centroids (seed {first})", "",
-        *[f"![{a}]({evals[a, first].relative_to(out)}/cosine_matrix.png)" for a in arms], "",
+        f"## Cosine similarity of class centroids (seed {seeds[0]})", "",
+        *[f"![{a}]({evals[a, seeds[0]].relative_to(out)}/cosine_matrix.png)" for a in arms], "",
         "## The same test images under every arm", "", "![heatmaps](heatmaps.png)", "",
+        "## Shareable checkpoints", "",
+        "The best seed (test top-1) of each trained arm as a Hub upload folder with its model card "
+        "(`scripts/push_to_hub.py --dry-run`); `timm.create_model(\"local-dir:<folder>\", pretrained=True)` "
+        "loads it, `scripts/push_to_hub.py <run> --repo-id <id> --eval <eval>` uploads it.", "",
+        *[f"- {arm}: `{HUB_DIR}/{arm}` (seed {seed}, repo id `{hub_repo_id(args, arm)}`)"
+          for arm, seed in exported.items()], "",
         "## Runs", "",
+        *[f"- {arm}, seed {seed}: training `{runs[backbone(arm), seed].relative_to(out)}`, "
+          f"evaluation `{evals[arm, seed].relative_to(out)}`" for arm in arms for seed in seeds],
     ]
-    for arm in arms:
-        for seed in args.seeds:
-            lines.append(f"- {arm}, seed {seed}: training `{runs[backbone(arm), seed].relative_to(out)}`, "
-                         f"evaluation `{evals[arm, seed].relative_to(out)}`")
     return write_text(out / REPORT_FILE, "\n".join(lines) + "\n")
 
 
@@ -435,7 +483,7 @@ def faithfulness_metrics(result: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def main(argv: list[str] | None = None) -> Path:
+def main(argv: list[str] | None = None) -> Path | None:
     args = build_parser().parse_args(argv)
     args.command = shlex.join(["python", "scripts/study.py", *(sys.argv[1:] if argv is None else argv)])
     if args.jobs < 1:
@@ -445,18 +493,22 @@ def main(argv: list[str] | None = None) -> Path:
     out = Path(args.output)
     if args.commit:
         check_commit(out)
-    _check_identity(args, out)
-    runs = {(arm, seed): out / "runs" / f"{arm}-s{seed}" for seed in args.seeds for arm in ARMS}
-    evals = {(arm, seed): out / "eval" / f"{arm}-s{seed}" for seed in args.seeds for arm in (*ARMS, *POSTHOC)}
-    todo = [(arm, seed) for seed in args.seeds for arm in ARMS if arm in args.arms]  # seed by seed: pairs early
-    with ThreadPoolExecutor(args.jobs) as pool:
+    arms, seeds, commands = _check_identity(args, out)
+    runs = {(arm, seed): out / "runs" / f"{arm}-s{seed}" for seed in seeds for arm in ARMS}
+    evals = {(arm, seed): out / "eval" / f"{arm}-s{seed}" for seed in seeds for arm in (*ARMS, *POSTHOC)}
+    todo = [] if args.report_only else [(arm, seed) for seed in args.seeds for arm in ARMS if arm in args.arms]
+    with ThreadPoolExecutor(args.jobs) as pool:  # seed by seed: pairs finish early
         list(pool.map(lambda job: run_arm(args, *job, runs, evals), todo))
-    report = write_report(args, out, runs, evals)
+    scope = report_scope(arms, seeds, evals)
+    if not scope[1]:
+        raise UserError(f"no seed of {out} is finished by every arm ({', '.join(scope[0])}) yet: run the study "
+                        "command without --report-only to train what is missing")
+    report = write_report(args, out, scope, commands, runs, evals)
     if args.commit:
-        commit_paths([out / name for name in (STUDY_FILE, REPORT_FILE, CURVES_FILE, HEATMAPS_FILE)],
-                     f"study: report ({', '.join(finished_arms(args.seeds, evals))}; seeds "
-                     f"{' '.join(map(str, args.seeds))})")
-    print(f"study finished: {len(todo)} runs on {args.dataset}; report at {report}")
+        commit_paths([out / name for name in (STUDY_FILE, REPORT_FILE, CURVES_FILE, HEATMAPS_FILE, HUB_DIR)],
+                     f"study: report ({', '.join(scope[0])}; seeds {' '.join(map(str, scope[1]))})")
+    print(f"study finished: {len(todo)} runs trained or checked on {args.dataset}; report over seeds "
+          f"{' '.join(map(str, scope[1]))} at {report}")
     return report
 
 

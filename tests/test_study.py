@@ -13,6 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import timm
+import torch
+from safetensors.torch import load_file
 from scipy import stats as sps
 
 from harness.compare import summarise
@@ -85,7 +88,7 @@ def test_report_matches_the_evaluations(finished):
     """Every statistic in the report is recomputed from the results.json / predictions.json files of every arm
     (post-hoc readouts included) with numpy, scipy and a hand count."""
     report = (finished / "report.md").read_text(encoding="utf-8")
-    assert "Command: `python scripts/study.py --dataset cifar10-sample --epochs 1 --seeds 0 1" in report
+    assert "- `python scripts/study.py --dataset cifar10-sample --epochs 1 --seeds 0 1" in report
     assert "beyond" not in report  # the spread rule is gone
     assert _columns(report) == list(SHOWN)
     for name in ("curves.png", "heatmaps.png", *(f"eval/{a}-s0/cosine_matrix.png" for a in SHOWN)):
@@ -248,3 +251,38 @@ def test_commit_waits_for_a_busy_repository(tmp_path):
     (tmp_path / "run.txt").write_text("changed\n")
     with pytest.raises(UserError, match=r"index\.lock"):
         study.commit_paths([tmp_path / "run.txt"], "study: toy 2", attempts=2, wait=0.01)
+
+
+def test_best_run_of_each_arm_is_exported_for_the_hub(repo, finished):
+    """hub/<arm> holds the seed with the best test top-1 as the upload folder push_to_hub writes, committed."""
+    report = (finished / "report.md").read_text(encoding="utf-8")
+    tracked = set(_git(repo, "ls-files").splitlines())
+    for arm in ARMS:
+        top1 = {s: json.loads((finished / "eval" / f"{arm}-s{s}" / "results.json").read_text())["metrics"]["top1"]
+                for s in (0, 1)}
+        best = 1 if top1[1] > top1[0] else 0
+        folder = finished / "hub" / arm
+        assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+        weights = load_file(folder / "model.safetensors")
+        run = load_file(finished / "runs" / f"{arm}-s{best}" / "model.safetensors")
+        assert weights.keys() == run.keys() and all(torch.equal(weights[k], run[k]) for k in run)
+        model = timm.create_model(f"local-dir:{folder}", pretrained=True)
+        assert all(torch.equal(v, run[k]) for k, v in model.state_dict().items())
+        assert f"timm-rollout/vit-tiny-cifar10-sample-{arm}" in (folder / "README.md").read_text()
+        assert f"- {arm}: `hub/{arm}` (seed {best}," in report
+        assert f"results/toy/hub/{arm}/model.safetensors" in tracked
+
+
+def test_report_only_covers_the_seeds_every_arm_finished(finished, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(finished, copy)
+    (copy / "eval" / "gap-s1" / "results.json").unlink()  # seed 1 unfinished for one arm
+    argv = [a for a in _argv(copy) if a != "--commit"] + ["--report-only"]
+    study.main(argv)
+    report = (copy / "report.md").read_text(encoding="utf-8")
+    assert _columns(report) == list(SHOWN) and "cls (n=1)" in report and "1 seed(s) (0)" in report
+    commands = json.loads((copy / "study.json").read_text())["commands"]
+    assert commands[-1].endswith("--report-only") and len(set(commands)) == len(commands) >= 2
+    empty = tmp_path / "empty"
+    with pytest.raises(UserError, match=r"no seed of .* is finished by every arm"):
+        study.main([a for a in _argv(empty) if a != "--commit"] + ["--report-only"])

@@ -22,6 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import timm
 import torch
 from huggingface_hub import HfApi, constants, get_session, get_token
 from timm.models._hub import generate_readme
@@ -46,6 +47,7 @@ __all__ = [
     "read_run",
     "render_card",
     "upload_folder",
+    "write_upload_folder",
 ]
 
 UPLOAD_FILES = (WEIGHTS_FILE, CONFIG_FILE, CARD_FILE)
@@ -436,3 +438,35 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
             "access and the repo id"
         ) from e
     return str(url)
+
+
+def _load_run_model(run: Path) -> torch.nn.Module:
+    try:
+        return timm.create_model(f"local-dir:{run.resolve()}", pretrained=True)
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{run} does not load with timm ({first}); re-export it with timm.models.save_for_hf") from None
+
+
+def write_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike, repo_id: str,
+                        eval_dir: str | os.PathLike | None = None) -> tuple[list[Path], str]:
+    """The upload folder of a training run for ``repo_id``: weights, config and a model card (with the metrics of
+    ``eval_dir``'s results.json, which must have evaluated these weights). Returns its files and the architecture.
+
+    The run must load with ``timm.create_model("local-dir:<run>", pretrained=True)``; that model gives the card
+    its architecture facts. Warns on stderr about an unfinished run or a config whose normalisation differs
+    from training's.
+    """
+    run = Path(run_dir)
+    record = read_run(run)
+    results = read_eval(eval_dir) if eval_dir else None
+    if results is not None:
+        check_eval_matches(run, results)
+    if record["summary"] is None:
+        print(f"warning: {run} has no summary.json (unfinished run?); the card has no final metrics", file=sys.stderr)
+    mismatch = normalisation_mismatch(record["config"], record["train_args"])
+    if mismatch:
+        print(f"warning: {mismatch}; timm's transforms for this model will use config.json's", file=sys.stderr)
+    facts = describe_model(_load_run_model(run))
+    card = model_card(repo_id, facts, record["train_args"], record["summary"])
+    return prepare_upload_folder(run, out_dir, render_card(card, repo_id, results)), facts["architecture"]

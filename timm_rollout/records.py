@@ -19,6 +19,7 @@ __all__ = [
     "FAITHFULNESS_FILE",
     "FEATURES_FILE",
     "HEATMAPS_FILE",
+    "HUB_DIR",
     "LOG_FILE",
     "MODEL_FILES",
     "PREDICTIONS_FILE",
@@ -52,6 +53,7 @@ FAITHFULNESS_FILE = "faithfulness.png"
 REPORT_FILE = "report.md"
 COMPARISON_FILE = "comparison.png"
 STUDY_FILE = "study.json"
+HUB_DIR = "hub"  # a study's Hub exports: hub/<arm>, the best run of each arm
 # The model card of a Hub upload.
 CARD_FILE = "README.md"
 
