@@ -20,13 +20,22 @@ slow, on CPUs without AVX512-BF16/AMX)::
 
     python scripts/bench_train.py --steps 20 --bf16-steps 3
     python scripts/bench_train.py --device cuda --batch-size 512 --steps 50
+
+``--ranks N`` (CPU) then compares two whole ``python -m timm_rollout.train`` runs of ``--steps`` updates each,
+alternated ``--repeats`` times: (a1) one process with all cores and batch B, (aN) ``torchrun`` with N
+single-thread processes and batch B/N each (the same global batch, learning rate and schedule). On small CPUs
+one thread per process beats intra-op threads: most of the step is ops too small to split well.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +56,7 @@ from timm_rollout.data import load_image_set, normalization_stats
 from timm_rollout.device import resolve_amp, resolve_device
 from timm_rollout.errors import run_cli
 from timm_rollout.models import _TINY_CIFAR
+from timm_rollout.train_log import read_log
 from timm_rollout.train_step import Batches, optimizer_step
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
@@ -167,6 +177,33 @@ def race(steps: dict[str, Step], rounds: int, desc: str, device: torch.device) -
     return {k: statistics.median(v) for k, v in rates.items()}
 
 
+def cli_rate(dataset: str, batch: int, steps: int, ranks: int, folder: Path) -> float:
+    """Training images/s of one whole ``timm_rollout.train`` run of ``steps`` updates (from its log.csv), in one
+    process (``ranks`` 1) or ``ranks`` single-thread torchrun processes sharing the global ``batch``."""
+    per_rank = batch // ranks
+    args = ["-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset, "--epochs", "1",
+            "--max-train-samples", str(batch * steps), "--max-eval-samples", "100", "--batch-size", str(per_rank),
+            "--warmup-epochs", "0", "--device", "cpu", "--no-progress", "--output", str(folder), "--overwrite"]
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc_per_node", str(ranks)]
+    env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if ranks > 1 else {})}
+    subprocess.run([*launcher, *args], check=True, env=env, capture_output=True)
+    return read_log(folder / "log.csv")[-1]["img_per_s"]
+
+
+def compare_ranks(dataset: str, batch: int, steps: int, ranks: int, repeats: int) -> None:
+    """(a1) vs (aN), alternated ``repeats`` times; medians and their ratio."""
+    rates: dict[int, list[float]] = {1: [], ranks: []}
+    with tempfile.TemporaryDirectory(prefix="bench-ranks-") as tmp:
+        for _ in tqdm(range(repeats), desc="train CLI", leave=False):
+            for n in rates:
+                rates[n].append(cli_rate(dataset, batch, steps, n, Path(tmp) / f"r{n}"))
+    one, many = statistics.median(rates[1]), statistics.median(rates[ranks])
+    print(f"{'(a1) timm_rollout.train, 1 process, batch ' + str(batch):<64} {one:8.1f} img/s")
+    print(f"{f'(a{ranks}) torchrun, {ranks} x 1 thread, batch {batch // ranks} each':<64} {many:8.1f} img/s")
+    print(f"ratio: (a{ranks})/(a1) = {many / one:.2f} (median of {repeats} alternated runs of {steps} updates)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default=str(SHARED) if SHARED.exists() else "cifar10-sample")
@@ -175,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bf16-steps", type=int, default=0, help="also time (b) and (c) in bf16 for this many rounds")
     p.add_argument("--loader-workers", type=int, default=2, help="DataLoader workers for (c)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--ranks", type=int, default=0, help="also compare the train CLI in 1 vs N processes (CPU)")
+    p.add_argument("--repeats", type=int, default=3, help="alternated CLI runs per variant with --ranks")
     args = p.parse_args(argv)
     device = resolve_device(args.device)
     dtype = resolve_amp("auto", device)
@@ -212,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'(b) bare step, FastDropout (bf16)':<64} {rb['b']:8.1f} img/s")
         print(f"{'(c) stock timm + PIL DataLoader (bf16)':<64} {rb['c']:8.1f} img/s")
         print(f"bf16: (b)/(c) = {rb['b'] / rb['c']:.2f}; (a, {precision}) / (c, bf16) = {r['a'] / rb['c']:.2f}")
+    if args.ranks > 1 and device.type == "cpu":
+        compare_ranks(args.dataset, b, args.steps * 3, args.ranks, args.repeats)
 
 
 if __name__ == "__main__":
