@@ -362,11 +362,14 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
     return save_figure(fig, path)
 
 
-def _report_tables(groups: dict[str, Group], faithfulness: list[str]) -> list[str]:
+def _report_tables(groups: dict[str, Group], extra: list[str]) -> list[str]:
     """The report's statistics: means per arm, paired differences, and the original study's geometry."""
-    shown = [*METRICS, *faithfulness]
+    shown = [*METRICS, *extra]
     tested = [m for m in shown if not m.startswith("random ")]  # the random-order baseline is no hypothesis
-    lines = ["## Metrics per arm", "", "Mean ± sample std over seeds. Faithfulness rows are `<map> <quantity>` from "
+    lines = ["## Metrics per arm", "", "Mean ± sample std over seeds. Learning-curve rows come from each run's "
+             "`log.csv` (eval top-1 on the test split after every epoch; trained arms only): its mean over all "
+             "epochs (the area under the curve, higher = learns faster) and its value after a quarter of the epochs. "
+             "Faithfulness rows are `<map> <quantity>` from "
              "`results.json[\"faithfulness\"]` (deletion AUC: lower is better; insertion AUC: higher is better; "
              "`random` is the random-order baseline, shown but not tested).", "", means_table(groups, shown), ""]
     if len(groups) > 1:
@@ -426,10 +429,11 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
     """report.md over the folder's arms and the seeds all of them finished (including runs of earlier commands):
     statistics, curves, cosine matrices, side-by-side heatmaps and the exported checkpoints."""
     arms, seeds = scope
-    results = [{**r, "metrics": {**r["metrics"], **faithfulness_metrics(r)}}
-               for r in load_results([evals[a, s] for a in arms for s in seeds])]
-    faithfulness = list(dict.fromkeys(m for r in results for m in faithfulness_metrics(r)))
-    shown = [*METRICS, *faithfulness, *ORIGINAL_METRICS]
+    loaded = load_results([evals[a, s] for a in arms for s in seeds])
+    added = [{**curve_metrics(r, args.epochs), **faithfulness_metrics(r)} for r in loaded]
+    results = [{**r, "metrics": {**r["metrics"], **more}} for r, more in zip(loaded, added, strict=True)]
+    extra = list(dict.fromkeys(m for more in added for m in more))
+    shown = [*METRICS, *extra, *ORIGINAL_METRICS]
     groups = {g.label: g for g in summarise(results, shown, label=lambda r: run_short(r["path"]))}
     _figures(args, out, arms, seeds, runs)
     exported = export_best(args, out, arms, seeds, runs, evals)
@@ -444,7 +448,7 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         "`cls-posthoc-*` are the `cls` runs read out with another pooling, untrained (`harness.eval --pool`). "
         "Metrics are from `python -m harness.eval` on the test split with the train split as k-NN bank and "
         "linear-probe training set (definitions in the project README).", "",
-        *_report_tables(groups, faithfulness),
+        *_report_tables(groups, extra),
         "## Training curves", "", "![training curves](curves.png)", "",
         f"## Cosine similarity of class centroids (seed {seeds[0]})", "",
         *[f"![{a}]({evals[a, seeds[0]].relative_to(out)}/cosine_matrix.png)" for a in arms], "",
@@ -465,6 +469,19 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
 def run_short(path: str) -> str:
     """Arm of a run or evaluation folder named ``<arm>-s<seed>``."""
     return Path(path).name.rsplit("-s", 1)[0]
+
+
+def curve_metrics(result: dict[str, Any], epochs: int) -> dict[str, float]:
+    """How fast a trained arm learned, from its run's ``log.csv``: eval top-1 (fraction) averaged over all epochs,
+    and after a quarter of them. Empty for a post-hoc readout, whose backbone is a ``cls`` run."""
+    evaluated = Path(result["path"])
+    if run_short(str(evaluated)) not in ARMS:
+        return {}
+    rows = read_log(evaluated.parent.parent / "runs" / evaluated.name / LOG_FILE)
+    quarter = max(1, round(epochs / 4))
+    top1 = {int(r["epoch"]): r["eval_top1"] / 100 for r in rows}
+    return {"learning curve mean top-1": sum(top1.values()) / len(top1),
+            f"eval top-1 at epoch {quarter}": top1[quarter]}
 
 
 def faithfulness_metrics(result: dict[str, Any]) -> dict[str, float]:

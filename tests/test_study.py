@@ -3,6 +3,7 @@ statistics, commits, skipping, refusal."""
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import re
@@ -286,3 +287,31 @@ def test_report_only_covers_the_seeds_every_arm_finished(finished, tmp_path):
     empty = tmp_path / "empty"
     with pytest.raises(UserError, match=r"no seed of .* is finished by every arm"):
         study.main([a for a in _argv(empty) if a != "--commit"] + ["--report-only"])
+
+
+def test_learning_curve_metrics_come_from_the_training_log(finished, tmp_path):
+    """By hand on a constructed log (8 epochs, quarter = epoch 2), and the report's rows against the toy runs' logs."""
+    evaluated = tmp_path / "eval" / "rollout-s3"
+    run = tmp_path / "runs" / "rollout-s3"
+    run.mkdir(parents=True)
+    top1 = [10.0, 20.0, 35.0, 40.0, 50.0, 55.0, 60.0, 62.0]
+    (run / "log.csv").write_text("epoch,train_loss,eval_loss,eval_top1,eval_top5,lr,img_per_s,seconds\n" + "".join(
+        f"{e},1,1,{t},90,0.001,100,10\n" for e, t in enumerate(top1, start=1)))
+    got = study.curve_metrics({"path": str(evaluated)}, epochs=8)
+    assert got == {"learning curve mean top-1": pytest.approx(sum(top1) / 800), "eval top-1 at epoch 2": 0.20}
+    assert study.curve_metrics({"path": str(tmp_path / "eval" / "cls-posthoc-avg-s3")}, epochs=8) == {}
+    report = (finished / "report.md").read_text(encoding="utf-8")
+    cells = _table_row(report, "learning curve mean top-1")[1:]
+    for arm, cell in zip(SHOWN, cells, strict=True):
+        if arm in POSTHOC:
+            assert cell == "-"
+            continue
+        logged = [_mean_logged_top1(finished / "runs" / f"{arm}-s{s}" / "log.csv") for s in (0, 1)]
+        assert float(cell.split()[0]) == pytest.approx(np.mean(logged), abs=6e-5)
+    assert _table_row(report, "eval top-1 at epoch 1", after="### rollout-grad - cls")[1] == "2"
+
+
+def _mean_logged_top1(log: Path) -> float:
+    """Mean eval top-1 (fraction) of a log.csv, read with the csv module."""
+    with log.open() as f:
+        return float(np.mean([float(row["eval_top1"]) / 100 for row in csv.DictReader(f)]))
