@@ -429,8 +429,10 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
     """report.md over the folder's arms and the seeds all of them finished (including runs of earlier commands):
     statistics, curves, cosine matrices, side-by-side heatmaps and the exported checkpoints."""
     arms, seeds = scope
-    loaded = load_results([evals[a, s] for a in arms for s in seeds])
-    added = [{**curve_metrics(r, args.epochs), **faithfulness_metrics(r)} for r in loaded]
+    pairs = [(a, s) for a in arms for s in seeds]
+    loaded = load_results([evals[pair] for pair in pairs])
+    added = [{**(curve_metrics(runs[pair], args.epochs) if pair[0] in ARMS else {}), **faithfulness_metrics(r)}
+             for pair, r in zip(pairs, loaded, strict=True)]
     results = [{**r, "metrics": {**r["metrics"], **more}} for r, more in zip(loaded, added, strict=True)]
     extra = list(dict.fromkeys(m for more in added for m in more))
     shown = [*METRICS, *extra, *ORIGINAL_METRICS]
@@ -471,15 +473,11 @@ def run_short(path: str) -> str:
     return Path(path).name.rsplit("-s", 1)[0]
 
 
-def curve_metrics(result: dict[str, Any], epochs: int) -> dict[str, float]:
-    """How fast a trained arm learned, from its run's ``log.csv``: eval top-1 (fraction) averaged over all epochs,
-    and after a quarter of them. Empty for a post-hoc readout, whose backbone is a ``cls`` run."""
-    evaluated = Path(result["path"])
-    if run_short(str(evaluated)) not in ARMS:
-        return {}
-    rows = read_log(evaluated.parent.parent / "runs" / evaluated.name / LOG_FILE)
+def curve_metrics(run: Path, epochs: int) -> dict[str, float]:
+    """How fast a trained run learned, from its ``log.csv``: eval top-1 (fraction) averaged over all epochs, and
+    after a quarter of them (a post-hoc readout has none: its backbone is a ``cls`` run)."""
+    top1 = {int(r["epoch"]): r["eval_top1"] / 100 for r in read_log(run / LOG_FILE)}
     quarter = max(1, round(epochs / 4))
-    top1 = {int(r["epoch"]): r["eval_top1"] / 100 for r in rows}
     return {"learning curve mean top-1": sum(top1.values()) / len(top1),
             f"eval top-1 at epoch {quarter}": top1[quarter]}
 

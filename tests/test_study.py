@@ -291,15 +291,13 @@ def test_report_only_covers_the_seeds_every_arm_finished(finished, tmp_path):
 
 def test_learning_curve_metrics_come_from_the_training_log(finished, tmp_path):
     """By hand on a constructed log (8 epochs, quarter = epoch 2), and the report's rows against the toy runs' logs."""
-    evaluated = tmp_path / "eval" / "rollout-s3"
-    run = tmp_path / "runs" / "rollout-s3"
-    run.mkdir(parents=True)
+    run = tmp_path / "rollout-s3"
+    run.mkdir()
     top1 = [10.0, 20.0, 35.0, 40.0, 50.0, 55.0, 60.0, 62.0]
     (run / "log.csv").write_text("epoch,train_loss,eval_loss,eval_top1,eval_top5,lr,img_per_s,seconds\n" + "".join(
         f"{e},1,1,{t},90,0.001,100,10\n" for e, t in enumerate(top1, start=1)))
-    got = study.curve_metrics({"path": str(evaluated)}, epochs=8)
+    got = study.curve_metrics(run, epochs=8)
     assert got == {"learning curve mean top-1": pytest.approx(sum(top1) / 800), "eval top-1 at epoch 2": 0.20}
-    assert study.curve_metrics({"path": str(tmp_path / "eval" / "cls-posthoc-avg-s3")}, epochs=8) == {}
     report = (finished / "report.md").read_text(encoding="utf-8")
     cells = _table_row(report, "learning curve mean top-1")[1:]
     for arm, cell in zip(SHOWN, cells, strict=True):
