@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import shlex
 import subprocess
 import sys
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deletion/insertion faithfulness on N evaluated images (0: off)")
     p.add_argument("--heatmaps", type=int, default=6, help="test images in the side-by-side heatmap grid")
     p.add_argument("--jobs", type=int, default=1,
-                   help="runs side by side, the CPU cores split between them")
+                   help="runs side by side, the CPU cores split between them (and the GPUs, when several are visible)")
     p.add_argument("--commit", action="store_true",
                    help="git-commit each finished run with its evaluations (--output must be in a git work tree)")
     p.add_argument("--hub-org", default="timm-rollout",
@@ -131,6 +132,13 @@ def _run(cmd: list[str], threads: int | None) -> None:
     if done.returncode != 0:
         raise UserError(f"step failed (exit {done.returncode}): {shlex.join(cmd)}; fix it and re-run the study "
                         "command, finished runs are kept")
+
+
+def job_devices(device: str, jobs: int) -> list[str]:
+    """The ``--device`` of each of ``jobs`` side-by-side runs: round-robin over the visible GPUs when there are
+    several and ``device`` is ``auto`` or ``cuda``; otherwise ``device`` for all (they share it)."""
+    count = torch.cuda.device_count() if device in ("auto", "cuda") and torch.cuda.is_available() else 0
+    return [f"cuda:{i % count}" for i in range(jobs)] if count > 1 else [device] * jobs
 
 
 def _check_identity(args: argparse.Namespace, out: Path) -> tuple[list[str], list[int], list[str]]:
@@ -277,6 +285,25 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int, runs: dict[tuple[str,
     if args.commit:
         commit_paths([run, evals[arm, seed], *(evals[name, seed] for name in posthoc)],
                      _commit_message(arm, seed, evals[arm, seed], [POSTHOC[name] for name in posthoc]))
+
+
+def run_all(args: argparse.Namespace, todo: Sequence[tuple[str, int]], runs: dict[tuple[str, int], Path],
+            evals: dict[tuple[str, int], Path]) -> None:
+    """Run ``todo`` (arm, seed) in order, ``--jobs`` side by side; a job holds one device of
+    :func:`job_devices` while it runs, so with several GPUs no two jobs share one."""
+    slots: queue.Queue[str] = queue.Queue()
+    for device in job_devices(args.device, args.jobs):
+        slots.put(device)
+
+    def job(arm: str, seed: int) -> None:
+        device = slots.get()
+        try:
+            run_arm(argparse.Namespace(**{**vars(args), "device": device}), arm, seed, runs, evals)
+        finally:
+            slots.put(device)
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(lambda pair: job(*pair), todo))
 
 
 def means_table(groups: dict[str, Group], metrics: Sequence[str]) -> str:
@@ -511,9 +538,9 @@ def main(argv: list[str] | None = None) -> Path | None:
     arms, seeds, commands = _check_identity(args, out)
     runs = {(arm, seed): out / "runs" / f"{arm}-s{seed}" for seed in seeds for arm in ARMS}
     evals = {(arm, seed): out / "eval" / f"{arm}-s{seed}" for seed in seeds for arm in (*ARMS, *POSTHOC)}
+    # Seed by seed, so the arms of a seed finish close together and pair up early.
     todo = [] if args.report_only else [(arm, seed) for seed in args.seeds for arm in ARMS if arm in args.arms]
-    with ThreadPoolExecutor(args.jobs) as pool:  # seed by seed: pairs finish early
-        list(pool.map(lambda job: run_arm(args, *job, runs, evals), todo))
+    run_all(args, todo, runs, evals)
     scope = report_scope(arms, seeds, evals)
     if not scope[1]:
         raise UserError(f"no seed of {out} is finished by every arm ({', '.join(scope[0])}) yet: run the study "

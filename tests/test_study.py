@@ -313,3 +313,14 @@ def _mean_logged_top1(log: Path) -> float:
     """Mean eval top-1 (fraction) of a log.csv, read with the csv module."""
     with log.open() as f:
         return float(np.mean([float(row["eval_top1"]) / 100 for row in csv.DictReader(f)]))
+
+
+def test_side_by_side_runs_spread_over_the_visible_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert study.job_devices("auto", 3) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert study.job_devices("cuda", 2) == ["cuda:0", "cuda:1"]
+    assert study.job_devices("cuda:1", 2) == ["cuda:1", "cuda:1"]  # a device named by the user is kept
+    assert study.job_devices("cpu", 2) == ["cpu", "cpu"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert study.job_devices("auto", 2) == ["auto", "auto"]  # one GPU: the runs share it
