@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hub-org", default="timm-rollout",
                    help="owner in the repo ids of the Hub exports (hub/<arm>: the best seed of each arm, dry run)")
     p.add_argument("--report-only", action="store_true",
-                   help="train nothing: report (and export) over the seeds every arm of the folder has finished")
+                   help="train nothing: report (and export) over the seeds every arm of --arms has finished")
     p.add_argument("--device", default="auto")
     return p
 
@@ -414,12 +414,17 @@ def backbone(arm: str) -> str:
     return arm if arm in ARMS else "cls"
 
 
-def report_scope(arms: Sequence[str], seeds: Sequence[int],
+def report_scope(named: Sequence[str], arms: Sequence[str], seeds: Sequence[int],
                  evals: dict[tuple[str, int], Path]) -> tuple[list[str], list[int]]:
-    """The report's arms (the folder's trained arms, plus the post-hoc readouts when ``cls`` is one) and the seeds
-    every one of them has finished: only those pair up."""
-    shown = [a for a in ARMS if a in arms] + [a for a in POSTHOC if "cls" in arms]
-    return shown, [s for s in seeds if all((evals[a, s] / RESULTS_FILE).exists() for a in shown)]
+    """The report's seeds: those every ``named`` arm (the command's ``--arms``) has finished, post-hoc readouts
+    of ``cls`` included; and its arms: the named ones plus every other arm of the folder finished for all those
+    seeds. So ``--arms cls gap rollout`` reports on those three while a fourth arm of the folder is unfinished."""
+    def with_posthoc(trained: Sequence[str]) -> list[str]:
+        return [a for a in ARMS if a in trained] + [a for a in POSTHOC if "cls" in trained]
+
+    done = [s for s in seeds if all((evals[a, s] / RESULTS_FILE).exists() for a in with_posthoc(named))]
+    shown = [a for a in with_posthoc(arms) if all((evals[a, s] / RESULTS_FILE).exists() for s in done)]
+    return shown, done
 
 
 def _figures(args: argparse.Namespace, out: Path, arms: list[str], seeds: list[int],
@@ -541,10 +546,10 @@ def main(argv: list[str] | None = None) -> Path | None:
     # Seed by seed, so the arms of a seed finish close together and pair up early.
     todo = [] if args.report_only else [(arm, seed) for seed in args.seeds for arm in ARMS if arm in args.arms]
     run_all(args, todo, runs, evals)
-    scope = report_scope(arms, seeds, evals)
+    scope = report_scope(args.arms, arms, seeds, evals)
     if not scope[1]:
-        raise UserError(f"no seed of {out} is finished by every arm ({', '.join(scope[0])}) yet: run the study "
-                        "command without --report-only to train what is missing")
+        raise UserError(f"no seed of {out} is finished by every arm of --arms ({' '.join(args.arms)}) yet: run the "
+                        "study command without --report-only to train what is missing")
     report = write_report(args, out, scope, commands, runs, evals)
     if args.commit:
         commit_paths([out / name for name in (STUDY_FILE, REPORT_FILE, CURVES_FILE, HEATMAPS_FILE, HUB_DIR)],

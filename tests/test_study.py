@@ -284,8 +284,12 @@ def test_report_only_covers_the_seeds_every_arm_finished(finished, tmp_path):
     assert _columns(report) == list(SHOWN) and "cls (n=1)" in report and "1 seed(s) (0)" in report
     commands = json.loads((copy / "study.json").read_text())["commands"]
     assert commands[-1].endswith("--report-only") and len(set(commands)) == len(commands) >= 2
+    # Naming the finished arms reports on both seeds, leaving out the arm that lacks one.
+    study.main([a for a in _argv(copy, arms=("cls", "rollout-grad")) if a != "--commit"] + ["--report-only"])
+    report = (copy / "report.md").read_text(encoding="utf-8")
+    assert _columns(report) == ["cls", "rollout-grad", *POSTHOC] and "2 seed(s) (0, 1)" in report
     empty = tmp_path / "empty"
-    with pytest.raises(UserError, match=r"no seed of .* is finished by every arm"):
+    with pytest.raises(UserError, match=r"no seed of .* is finished by every arm of --arms"):
         study.main([a for a in _argv(empty) if a != "--commit"] + ["--report-only"])
 
 
