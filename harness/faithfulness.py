@@ -51,7 +51,7 @@ from harness.features import saliency_maps
 from timm_rollout.atomic import atomic_path
 from timm_rollout.capture import record_attention, set_fused_attention
 from timm_rollout.data import normalize
-from timm_rollout.device import autocast
+from timm_rollout.device import autocast, inference_batch_size
 from timm_rollout.explain import MAP_LABELS
 
 __all__ = [
@@ -160,7 +160,7 @@ def removal_probabilities(
     target: torch.Tensor,
     *,
     mode: str = "mean",
-    batch_size: int = 512,
+    batch_size: int = 128,
     dtype: torch.dtype | None = None,
     bar: tqdm | None = None,
 ) -> list[torch.Tensor]:
@@ -307,7 +307,7 @@ def faithfulness_curves(
     tie_seed: int = 0,
     fills: Sequence[str] = tuple(FILLS),
     min_drop: float = 0.05,
-    batch_size: int = 512,
+    batch_size: int | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
@@ -315,10 +315,12 @@ def faithfulness_curves(
 
     ``x``: normalised images (B, 3, H, W); ``logits``: the model's logits on them, which fix the class
     tracked and the 0% point. Map ties are broken with ``tie_seed``; one random order per ``seeds`` entry.
+    ``batch_size`` defaults to :func:`~timm_rollout.device.inference_batch_size`.
     """
     if not seeds:
         raise ValueError("give at least one seed for the random baseline")
     device = torch.device(device)
+    batch_size = batch_size or inference_batch_size(device)
     pred = logits.argmax(dim=1).cpu()
     clean = logits.float().softmax(dim=1).cpu().gather(1, pred[:, None]).squeeze(1)
     tokens, fill = embed_patches(model, x, batch_size=batch_size, device=device, dtype=dtype)
@@ -357,7 +359,7 @@ def evaluate_faithfulness(
     mean: Sequence[float],
     std: Sequence[float],
     *,
-    batch_size: int = 512,
+    batch_size: int | None = None,
     map_batch_size: int = 128,
     seeds: Sequence[int] = (1, 2, 3),
     tie_seed: int = 0,

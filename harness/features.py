@@ -16,7 +16,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from timm_rollout.data import normalize
-from timm_rollout.device import autocast
+from timm_rollout.device import autocast, inference_batch_size
 from timm_rollout.explain import gradient_pass, readout_maps
 
 __all__ = ["SaliencyMaps", "extract", "saliency_maps"]
@@ -36,15 +36,16 @@ def extract(
     *,
     device: torch.device,
     amp_dtype: torch.dtype | None = None,
-    batch_size: int = 512,
+    batch_size: int | None = None,
     desc: str = "features",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pooled features (N, D) and logits (N, C), float32 on CPU, for uint8 (N, 3, H, W) ``images``.
 
     Images are normalised batch by batch on ``device`` with the model's mean/std, so the float copy of the
-    whole set never exists.
+    whole set never exists. ``batch_size`` defaults to :func:`~timm_rollout.device.inference_batch_size`.
     """
     model.eval()
+    batch_size = batch_size or inference_batch_size(device)
     n = images.shape[0]
     features = logits = None
     with tqdm(total=n, desc=desc, unit="img", leave=False) as bar:

@@ -1,6 +1,6 @@
 """Benchmark faithfulness against plain inference, variants interleaved in one run, ratios side by side.
 
-    python scripts/bench_faithfulness.py [--images 1000] [--rounds 2] [--batch-size 512]
+    python scripts/bench_faithfulness.py [--images 1000] [--rounds 2] [--batch-size 128]
 
 Per model (CLS and rollout pooling), on real CIFAR-10 test images (the shipped sample when the data is missing),
 times: plain inference (``harness.features.extract``), the maps (one forward + backward per image), and the
@@ -24,7 +24,7 @@ import timm_rollout  # noqa: F401  (registers the models)
 from harness.faithfulness import faithfulness_curves
 from harness.features import extract, saliency_maps
 from timm_rollout.data import load_image_set, normalize
-from timm_rollout.device import resolve_amp, resolve_device
+from timm_rollout.device import inference_batch_size, resolve_amp, resolve_device
 
 CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -68,12 +68,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--images", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--batch-size", type=int, help="default: inference_batch_size of the device")
     args = p.parse_args()
     source = str(CIFAR10) if CIFAR10.is_dir() else "cifar10-sample"
     images = load_image_set(source, "test").images[: args.images]
     device = resolve_device("auto")
     amp = resolve_amp("auto", device)
+    args.batch_size = args.batch_size or inference_batch_size(device)
     print(f"faithfulness: {len(images)} images of {source}, batch {args.batch_size}, {device}, {amp or 'fp32'}, "
           f"{torch.get_num_threads()} threads, best of {args.rounds} rounds")
     for name in ("vit_tiny_cifar_cls", "vit_tiny_cifar_rollout"):

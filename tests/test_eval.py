@@ -57,7 +57,7 @@ def runs(checkpoint, tmp_path_factory) -> list[Path]:
         out = tmp_path_factory.mktemp(f"eval{i}")
         harness_eval.main(_args(checkpoint, out, "--per-class", "10", "--seed", "3", "--bank-split", "train",
                                 "--bank-per-class", "20", "--heatmaps", "2", "--save-features",
-                                "--cosine-classes", "ship", "cat", "dog"))
+                                "--cosine-classes", "ship", "cat", "dog", "--device", "cpu"))
         outputs.append(out)
     return outputs
 
@@ -76,6 +76,7 @@ def test_results_json_has_metrics_and_provenance(runs, checkpoint):
     assert data["bank"]["split"] == "train" and data["bank"]["num_images"] == 200
     assert config["k"] == 5 and config["bank_k"] == 20 and config["seed"] == 3
     assert config["silhouette_sample_size"] is None
+    assert config["batch_size"] == 128  # the CPU default (inference_batch_size); 512 on a GPU
     assert results["cosine_matrix"]["classes"] == ["ship", "cat", "dog"]  # the order asked for
     assert np.allclose(np.diag(results["cosine_matrix"]["matrix"]), 1.0)
     env = results["environment"]

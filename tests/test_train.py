@@ -278,6 +278,13 @@ def test_resolve_amp_on_gpus_follows_compute_capability_not_is_bf16_supported(mo
         assert device.resolve_amp("bf16", torch.device("cuda")) is torch.bfloat16
 
 
+def test_inference_batch_size_by_device() -> None:
+    from timm_rollout.device import inference_batch_size
+
+    assert inference_batch_size(torch.device("cpu")) == 128  # cache-sized batches are faster on a CPU
+    assert inference_batch_size(torch.device("cuda", 1)) == 512
+
+
 def test_a_missing_gpu_is_a_user_error(monkeypatch) -> None:
     from timm_rollout.device import resolve_device
 
