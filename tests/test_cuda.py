@@ -138,10 +138,13 @@ def test_eval_with_faithfulness_on_cuda_agrees_with_the_cpu(bf16_run: Path, tmp_
     assert (tmp_path / "gpu" / "faithfulness.png").exists() and (tmp_path / "gpu" / "heatmaps.png").exists()
     assert gpu["metrics"]["top1"] == pytest.approx(cpu["metrics"]["top1"], abs=0.005)  # 5 of 1,000 images
     assert gpu["faithfulness"]["num_images"] == 8
-    for name in ("rollout_weights", "last_cls_attention", "gradient_rollout"):  # "random" draws its own ranks
-        for curve in ("deletion_curve", "insertion_curve"):
-            np.testing.assert_allclose(gpu["faithfulness"]["maps"][name][curve],
-                                       cpu["faithfulness"]["maps"][name][curve], atol=0.02, err_msg=name)
+    assert set(gpu["faithfulness"]["fills"]) == {"mean", "drop"}
+    for fill, block in gpu["faithfulness"]["fills"].items():
+        for name in ("rollout", "last_layer_attention", "gradient_rollout"):  # "random" draws its own ranks
+            for curve in ("deletion_curve", "insertion_curve"):
+                np.testing.assert_allclose(block["maps"][name][curve],
+                                           cpu["faithfulness"]["fills"][fill]["maps"][name][curve], atol=0.02,
+                                           err_msg=f"{fill} {name}")
 
 
 def test_explain_on_cuda_agrees_with_the_cpu(bf16_run: Path, tmp_path: Path) -> None:

@@ -180,6 +180,7 @@ def test_hub_probe_answers_from_a_local_server_only(monkeypatch):
     """hub_reachable makes one request to the endpoint: True when something answers, False when nothing listens."""
     server = http.server.HTTPServer(("127.0.0.1", 0), _Answer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the probe itself, whatever the shell's HF_HUB_OFFLINE
     try:
         monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
         hub.hub_reachable.cache_clear()
