@@ -332,24 +332,29 @@ def delta_tables(groups: dict[str, Group], metrics: Sequence[str]) -> str:
 
 
 def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], path: Path, title: str) -> Path:
-    """Train loss and eval top-1 per epoch, every arm overlaid (one colour each), one line per seed."""
-    fig = Figure(figsize=(11, 4.2))
-    ax_loss, ax_acc = fig.subplots(1, 2)
+    """Train loss and eval top-1 per epoch: one colour per arm, a thin line per seed and a bold mean over seeds,
+    one legend entry per arm below the axes (readable with any number of seeds)."""
+    fig = Figure(figsize=(11, 4.6))
+    axes = dict(zip(("train_loss", "eval_top1"), fig.subplots(1, 2), strict=True))
     for arm, (short, per_seed) in enumerate(logs.items()):
         colour = f"C{arm}"  # one colour per arm, any number of arms
-        for i, (seed, rows) in enumerate(sorted(per_seed.items())):
-            epochs = [r["epoch"] for r in rows]
-            label = f"{short} (seed {seed})"
-            style = ("-", "--", ":", "-.")[i % 4]
-            ax_loss.plot(epochs, [r["train_loss"] for r in rows], style, color=colour, label=label)
-            ax_acc.plot(epochs, [r["eval_top1"] for r in rows], style, color=colour, label=label)
-    ax_loss.set(xlabel="epoch", ylabel="train cross-entropy loss", title="Training loss")
-    ax_acc.set(xlabel="epoch", ylabel="eval top-1 accuracy (%)", title="Eval top-1 accuracy")
-    for ax in (ax_loss, ax_acc):
+        runs = [rows for _, rows in sorted(per_seed.items())]
+        length = min(len(rows) for rows in runs)
+        epochs = [r["epoch"] for r in runs[0][:length]]
+        for key, ax in axes.items():
+            for rows in runs:
+                ax.plot([r["epoch"] for r in rows], [r[key] for r in rows], color=colour, lw=0.8, alpha=0.35)
+            columns = zip(*[[r[key] for r in rows[:length]] for rows in runs], strict=True)
+            mean = [sum(col) / len(col) for col in columns]
+            ax.plot(epochs, mean, color=colour, lw=2, label=f"{short} (mean of {len(runs)} seeds)")
+    axes["train_loss"].set(xlabel="epoch", ylabel="train cross-entropy loss", title="Training loss")
+    axes["eval_top1"].set(xlabel="epoch", ylabel="eval top-1 accuracy (%)", title="Eval top-1 accuracy")
+    for ax in axes.values():
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
+    handles, labels = axes["eval_top1"].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
+    fig.suptitle(f"{title} (thin lines: single seeds)")
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     return save_figure(fig, path)
 
 
