@@ -77,7 +77,9 @@ ARMS = {
 }
 # Post-hoc readouts of the cls backbones (no training): arm -> harness.eval --pool.
 POSTHOC = {"cls-posthoc-rollout": "rollout", "cls-posthoc-avg": "avg"}
-REFERENCES = ("cls", "gap")  # every other arm is compared with each of these that the study has
+# Every other arm is compared with each of these that the study has: [CLS], plain averaging, and the detached
+# rollout (so rollout-grad's own question, "do gradients through the weights change anything?", has its table).
+REFERENCES = ("cls", "gap", "rollout")
 COMMIT_METRICS = ("top1", "linear_probe", "knn_bank")  # named in --commit messages
 _GIT = threading.Lock()  # runs side by side commit one at a time (git's index lock)
 _GIT_BUSY = ("index.lock", "middle of a merge", "during a merge")  # another process is using the repository
@@ -320,8 +322,8 @@ def means_table(groups: dict[str, Group], metrics: Sequence[str]) -> str:
 
 
 def delta_tables(groups: dict[str, Group], metrics: Sequence[str]) -> str:
-    """Paired statistics of every arm against ``cls`` and against ``gap`` (when the study has them), one
-    table per comparison; a pair already shown against ``cls`` is not repeated against ``gap``."""
+    """Paired statistics of every arm against each of ``REFERENCES`` the study has (``cls``, ``gap``,
+    ``rollout``), one table per comparison; a pair already shown against an earlier reference is not repeated."""
     parts = []
     for ref in (r for r in REFERENCES if r in groups):
         for arm, group in groups.items():

@@ -216,8 +216,8 @@ def test_rerun_with_other_study_flags_is_refused(finished, tmp_path, repo):
         study.main(_argv(repo / "study" / "ignored"))
 
 
-def test_each_arm_is_compared_with_cls_and_with_gap():
-    """Four arms, three seeds: every arm against cls, the others against gap too, each pair once."""
+def test_each_arm_is_compared_with_cls_gap_and_rollout():
+    """Four arms, three seeds: every arm against cls, the others against gap and rollout too, each pair once."""
     def result(arm, seed, top1):
         return {"path": f"eval/{arm}-s{seed}", "model": {"name": arm}, "config": {"seed": seed},
                 "metrics": {"top1": top1}}
@@ -228,11 +228,14 @@ def test_each_arm_is_compared_with_cls_and_with_gap():
     text = study.delta_tables(groups, ["top1"])
     headings = [line for line in text.splitlines() if line.startswith("###")]
     assert headings == ["### gap - cls", "### rollout - cls", "### rollout-grad - cls", "### rollout - gap",
-                        "### rollout-grad - gap"]
+                        "### rollout-grad - gap", "### rollout-grad - rollout"]
     # rollout - cls per seed: 0.03, 0.04, 0.05 -> mean 0.04, sd 0.01, the 2-df closed form t = sqrt(1.805/0.0975).
     half = np.sqrt(1.805 / 0.0975) * 0.01 / np.sqrt(3)
     assert _table_row(text, "top1", after="### rollout - cls")[2:4] == ["+0.0400", f"[{0.04 - half:+.4f}, "
                                                                                   f"{0.04 + half:+.4f}]"]
+    # rollout-grad - rollout per seed: -0.02, -0.03, -0.04 -> the same interval around -0.03.
+    assert _table_row(text, "top1", after="### rollout-grad - rollout")[2:4] == [
+        "-0.0300", f"[{-0.03 - half:+.4f}, {-0.03 + half:+.4f}]"]
     two = {k: groups[k] for k in ("cls", "gap")}
     assert "| top1 | 0.5000 ± 0.0000 | 0.5200 ± 0.0000 |" in study.means_table(two, ["top1"])
 
