@@ -25,6 +25,12 @@ slow, on CPUs without AVX512-BF16/AMX)::
 alternated ``--repeats`` times: (a1) one process with all cores and batch B, (aN) ``torchrun`` with N
 single-thread processes and batch B/N each (the same global batch, learning rate and schedule). On small CPUs
 one thread per process beats intra-op threads: most of the step is ops too small to split well.
+
+``--concurrent 1 4 8`` then starts that many whole runs at once on ``--device`` (eager, batch B each, two epochs
+of ``3 * --steps`` updates, one process per run as ``study.py --jobs`` does) and prints the total images/s of
+epoch 2 and its ratio to the first count: how many small runs one GPU takes before it is full::
+
+    python scripts/bench_train.py --device cuda --steps 50 --concurrent 1 4 8
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from tqdm import tqdm
 from timm_rollout.capture import set_fused_attention
 from timm_rollout.data import load_image_set, normalization_stats
 from timm_rollout.device import resolve_amp, resolve_device
-from timm_rollout.errors import run_cli
+from timm_rollout.errors import UserError, run_cli
 from timm_rollout.models import _TINY_CIFAR
 from timm_rollout.train_log import read_log
 from timm_rollout.train_step import Batches, optimizer_step
@@ -204,6 +210,34 @@ def compare_ranks(dataset: str, batch: int, steps: int, ranks: int, repeats: int
     print(f"ratio: (a{ranks})/(a1) = {many / one:.2f} (median of {repeats} alternated runs of {steps} updates)")
 
 
+def concurrent_rates(dataset: str, batch: int, steps: int, n: int, device: torch.device, folder: Path) -> list[float]:
+    """Training images/s of each of ``n`` ``timm_rollout.train`` runs started together on ``device``, one process
+    each with ``cores / n`` threads (as ``study.py --jobs n`` runs them): epoch 2 of ``steps`` updates, so that
+    epoch 1 absorbs start-up and warm-up."""
+    args = [sys.executable, "-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset,
+            "--epochs", "2", "--max-train-samples", str(batch * steps), "--max-eval-samples", "100",
+            "--batch-size", str(batch), "--device", str(device), "--no-progress", "--save-every", "2", "--overwrite"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+    runs = [folder / f"n{n}-{i}" for i in range(n)]
+    procs = [subprocess.Popen([*args, "--seed", str(i), "--output", str(run)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for i, run in enumerate(runs)]
+    for proc in procs:
+        _, err = proc.communicate()
+        if proc.returncode:
+            raise UserError(f"a concurrent training run failed: {err.strip().splitlines()[-1:]}")
+    return [read_log(run / "log.csv")[-1]["img_per_s"] for run in runs]
+
+
+def compare_concurrent(dataset: str, batch: int, steps: int, counts: list[int], device: torch.device) -> None:
+    """Total training images/s of 1, 4, 8 ... runs sharing the device, and each total's ratio to the first."""
+    with tempfile.TemporaryDirectory(prefix="bench-concurrent-") as tmp:
+        totals = {n: sum(concurrent_rates(dataset, batch, steps, n, device, Path(tmp))) for n in counts}
+    first = totals[counts[0]]
+    for n, total in totals.items():
+        label = f"{n} run{'s' * (n > 1)} at once, batch {batch} each, epoch 2 of {steps} updates"
+        print(f"{label:<64} {total:8.1f} img/s in all ({total / first:.2f}x the {counts[0]}-run total)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default=str(SHARED) if SHARED.exists() else "cifar10-sample")
@@ -214,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--ranks", type=int, default=0, help="also compare the train CLI in 1 vs N processes (CPU)")
     p.add_argument("--repeats", type=int, default=3, help="alternated CLI runs per variant with --ranks")
+    p.add_argument("--concurrent", type=int, nargs="+", default=[],
+                   help="also time N train CLI runs sharing the device, for each N given (e.g. 1 4 8)")
     args = p.parse_args(argv)
     device = resolve_device(args.device)
     dtype = resolve_amp("auto", device)
@@ -253,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bf16: (b)/(c) = {rb['b'] / rb['c']:.2f}; (a, {precision}) / (c, bf16) = {r['a'] / rb['c']:.2f}")
     if args.ranks > 1 and device.type == "cpu":
         compare_ranks(args.dataset, b, args.steps * 3, args.ranks, args.repeats)
+    if args.concurrent:
+        compare_concurrent(args.dataset, b, args.steps * 3, args.concurrent, device)
 
 
 if __name__ == "__main__":
