@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(cmd: list[str], threads: int | None) -> None:
     """Run one step; ``threads`` caps its torch/OpenMP threads when runs go side by side."""
-    print("+ " + shlex.join(cmd), flush=True)
+    print("+ " + shlex.join(cmd) + "\n", end="", flush=True)  # one write: jobs print from several threads
     env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(cmd, check=False, env=env)
     if done.returncode != 0:
@@ -264,7 +264,7 @@ def commit_paths(paths: Sequence[Path], message: str, *, attempts: int = 60, wai
     if done.returncode != 0:
         raise UserError(f"git could not commit {', '.join(files)}: {error}; fix the repository and re-run the study "
                         "command, finished runs are kept")
-    print(f"+ git commit: {message}", flush=True)
+    print(f"+ git commit: {message}\n", end="", flush=True)
     return True
 
 
