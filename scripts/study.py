@@ -62,6 +62,7 @@ from timm_rollout.records import (
     LOG_FILE,
     REPORT_FILE,
     RESULTS_FILE,
+    RESUME_FILE,
     STUDY_FILE,
     SUMMARY_FILE,
     WEIGHTS_FILE,
@@ -280,6 +281,7 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int, runs: dict[tuple[str,
     """Train and evaluate one run (for ``cls`` also its post-hoc readouts), then commit it when asked."""
     run, model = runs[arm, seed], ARMS[arm][0]
     train_run(args, arm, seed, run)
+    (run / RESUME_FILE).unlink(missing_ok=True)  # a finished run never resumes: its state would only weigh on git
     eval_run(args, model, seed, run, evals[arm, seed])
     posthoc = [name for name in POSTHOC if arm == "cls"]
     for name in posthoc:

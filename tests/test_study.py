@@ -183,6 +183,11 @@ def test_each_finished_run_is_committed_with_its_weights(repo, finished):
             "results/toy/runs/gap-s1/log.csv", "results/toy/report.md"} <= tracked
     assert not any(name.endswith(("resume.safetensors", "features.safetensors")) for name in tracked)
     assert _git(repo, "status", "--porcelain", "--", "results") == ""  # nothing of the study left uncommitted
+    assert not list(finished.glob("runs/*/resume.safetensors"))  # dropped once its run finished
+    # An unfinished run's resume state is visible to git (it travels with the work tree); features stay ignored.
+    ignored = [subprocess.run(["git", "check-ignore", "-q", f"results/toy/runs/cls-s9/{name}"], cwd=repo).returncode
+               for name in ("resume.safetensors", "features.safetensors")]
+    assert ignored == [1, 0]
 
 
 def test_rerun_skips_finished_work_and_redoes_only_what_is_missing(repo, finished, capfd):
