@@ -287,7 +287,7 @@ def run_arm(args: argparse.Namespace, arm: str, seed: int, runs: dict[tuple[str,
     for name in posthoc:
         eval_run(args, model, seed, run, evals[name, seed], pool=POSTHOC[name])
     if args.commit:
-        commit_paths([run, evals[arm, seed], *(evals[name, seed] for name in posthoc)],
+        commit_paths([run, evals[arm, seed], *(evals[name, seed] for name in posthoc), Path(args.output) / STUDY_FILE],
                      _commit_message(arm, seed, evals[arm, seed], [POSTHOC[name] for name in posthoc]))
 
 

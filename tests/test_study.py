@@ -178,6 +178,9 @@ def test_each_finished_run_is_committed_with_its_weights(repo, finished):
             assert f"(top1 {top1:.4f}, linear_probe " in message
             assert message.endswith("; post-hoc readouts rollout, avg)") == (arm == "cls")
     assert log[0].startswith("study: report (cls, gap, rollout-grad, cls-posthoc-rollout, cls-posthoc-avg;")
+    # The study's identity is committed with its first run, so a fresh clone refuses a re-run with other flags.
+    first = _git(repo, "log", "--reverse", "--format=%s", "--", "results/toy/study.json").splitlines()[0]
+    assert first == log[-1] and " seed 0 (top1 " in first
     tracked = set(_git(repo, "ls-files").splitlines())
     assert {"results/toy/runs/cls-s0/model.safetensors", "results/toy/eval/cls-posthoc-avg-s1/predictions.json",
             "results/toy/runs/gap-s1/log.csv", "results/toy/report.md"} <= tracked
