@@ -9,8 +9,8 @@ weights and with the patch mean (``harness.eval --pool``, no training), arms of 
 Finished runs and evaluations are skipped and interrupted runs resume, so re-running the same command after
 a crash completes the study; arms and seeds can be added to a folder later, and ``--report-only`` reports on
 the seeds every arm has finished so far. ``--commit`` commits each finished run (weights, logs, evaluation)
-to the git repository holding ``--output``. The best seed of each arm is exported as a Hub upload folder
-``hub/<arm>`` with its model card (``scripts/push_to_hub.py --dry-run``). ``report.md`` holds
+with ``study.json`` to the git repository holding ``--output``. The best seed of each arm is exported as a Hub
+upload folder ``hub/<arm>`` with its model card (``scripts/push_to_hub.py --dry-run``). ``report.md`` holds
 every metric per arm (mean +- std over seeds), the paired-by-seed difference of each arm against ``cls`` and
 against ``gap`` (95% CI, p-value, Holm-adjusted p for the secondary metrics, minimum detectable effect,
 McNemar's per-image test for accuracies; see :mod:`harness.compare`), overlaid training curves, the
