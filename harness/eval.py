@@ -337,12 +337,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "faithfulness": faithfulness,
         "model": {**info, "pretrained_cfg": {k: v for k, v in model.pretrained_cfg.items() if k != "state_dict"}},
         "data": _data_record(args, sel, bank),
-        "config": {
-            "seed": args.seed, "per_class": args.per_class, "k": args.k, "bank_k": args.bank_k,
-            "temperature": args.temperature, "silhouette_sample_size": sample, "heatmaps": args.heatmaps,
-            "batch_size": args.batch_size, "feature_dim": int(feats.shape[1]),
-            "linear_probe": metrics.LINEAR_PROBE if bank is not None else None,
-        },
+        "config": _config_record(args, sample, int(feats.shape[1]), bank is not None),
         "args": vars(args),
         "environment": {
             "device": str(device), "dtype": str(amp_dtype or torch.float32).replace("torch.", ""),
@@ -377,6 +372,17 @@ def _figures(model, info: dict, data: ImageSet, cosine: tuple[np.ndarray, list[s
         figures.append(plot_faithfulness(faithfulness, out / FAITHFULNESS_FILE,
                                          f"{info['name']}: faithfulness ({data.split})").name)
     return figures, faithfulness
+
+
+def _config_record(args: argparse.Namespace, silhouette_sample: int, feature_dim: int,
+                   has_bank: bool) -> dict[str, Any]:
+    """results.json's ``config``: the settings every metric was computed with."""
+    return {
+        "seed": args.seed, "per_class": args.per_class, "k": args.k, "bank_k": args.bank_k,
+        "temperature": args.temperature, "silhouette_sample_size": silhouette_sample, "heatmaps": args.heatmaps,
+        "batch_size": args.batch_size, "feature_dim": feature_dim,
+        "linear_probe": metrics.LINEAR_PROBE if has_bank else None,
+    }
 
 
 def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None) -> dict[str, Any]:
