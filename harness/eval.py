@@ -32,7 +32,7 @@ from harness.features import extract, saliency_maps
 from harness.figures import plot_cosine_matrix, plot_heatmaps
 from timm_rollout.atomic import atomic_path, write_json, write_text
 from timm_rollout.data import ImageSet, balanced_indices, dataset_arg, load_image_set, normalize
-from timm_rollout.device import AMP_CHOICES, inference_batch_size, resolve_amp, resolve_device
+from timm_rollout.device import AMP_CHOICES, device_name, inference_batch_size, resolve_amp, resolve_device
 from timm_rollout.errors import (
     CliParser,
     UserError,
@@ -339,10 +339,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "data": _data_record(args, sel, bank),
         "config": _config_record(args, sample, int(feats.shape[1]), bank is not None),
         "args": vars(args),
-        "environment": {
-            "device": str(device), "dtype": str(amp_dtype or torch.float32).replace("torch.", ""),
-            "torch_threads": torch.get_num_threads(), "faiss_threads": faiss_threads, "packages": versions(),
-        },
+        "environment": _environment_record(device, amp_dtype, faiss_threads),
         "outputs": {"figures": figures, "features": FEATURES_FILE if args.save_features else None,
                     "predictions": PREDICTIONS_FILE},
         "timing": {**clock.seconds, "total": round(time.perf_counter() - start, 3)},
@@ -383,6 +380,13 @@ def _config_record(args: argparse.Namespace, silhouette_sample: int, feature_dim
         "batch_size": args.batch_size, "feature_dim": feature_dim,
         "linear_probe": metrics.LINEAR_PROBE if has_bank else None,
     }
+
+
+def _environment_record(device: torch.device, amp_dtype: torch.dtype | None, faiss_threads: int) -> dict[str, Any]:
+    """results.json's ``environment``: where and in which precision the evaluation ran, and the software."""
+    return {"device": str(device), "machine": device_name(device),
+            "dtype": str(amp_dtype or torch.float32).replace("torch.", ""), "torch_threads": torch.get_num_threads(),
+            "faiss_threads": faiss_threads, "packages": versions()}
 
 
 def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None) -> dict[str, Any]:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -59,7 +58,7 @@ from tqdm import tqdm
 
 from timm_rollout.capture import set_fused_attention
 from timm_rollout.data import load_image_set, normalization_stats
-from timm_rollout.device import resolve_amp, resolve_device
+from timm_rollout.device import device_name, resolve_amp, resolve_device
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.models import _TINY_CIFAR
 from timm_rollout.train_log import read_log
@@ -77,16 +76,6 @@ def _model_step(model: nn.Module, dtype: torch.dtype | None, device: torch.devic
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     return (lambda x, y: optimizer_step(model, x, y, loss_fn, opt, device=device, amp_dtype=dtype,
                                         scaler=scaler)), opt
-
-
-def device_name(device: torch.device) -> str:
-    """The GPU's or the CPU's model name, for the report."""
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
-             if ln.startswith("model name")] if cpuinfo.exists() else []
-    return f"CPU {names[0] if names else platform.processor()}, {torch.get_num_threads()} threads"
 
 
 NO_DROPOUT = {"pos_drop_rate": 0.0, "attn_drop_rate": 0.0, "proj_drop_rate": 0.0}

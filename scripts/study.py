@@ -503,10 +503,25 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         *[f"- {arm}: `{HUB_DIR}/{arm}` (seed {seed}, repo id `{hub_repo_id(args, arm)}`)"
           for arm, seed in exported.items()], "",
         "## Runs", "",
-        *[f"- {arm}, seed {seed}: training `{runs[backbone(arm), seed].relative_to(out)}`, "
-          f"evaluation `{evals[arm, seed].relative_to(out)}`" for arm in arms for seed in seeds],
+        "Each run's folders, wall time and the machine and precision it ran on, as its `summary.json` (epochs "
+        "trained on each machine: a resumed run may change machines) and `results.json` recorded them.", "",
+        *[run_line(out, arm, seed, runs[backbone(arm), seed], evals[arm, seed], r) for (arm, seed), r in
+          zip(pairs, loaded, strict=True)],
     ]
     return write_text(out / REPORT_FILE, "\n".join(lines) + "\n")
+
+
+def run_line(out: Path, arm: str, seed: int, run: Path, evaluation: Path, result: dict[str, Any]) -> str:
+    """The report's line for one run: its folders, wall times and machines (runs from before machines were
+    recorded say so)."""
+    summary = json.loads((run / SUMMARY_FILE).read_text(encoding="utf-8"))
+    machines = "; ".join(f"{m}: {n} epochs" for m, n in summary.get("machines", {}).items())
+    trained = (f"{summary['wall_seconds'] / 60:.1f} min, {machines or 'machine not recorded'}" if arm in ARMS
+               else f"the `{backbone(arm)}` run")
+    env = result["environment"]
+    evaluated = f"{result['timing']['total'] / 60:.1f} min, {env.get('machine', env['device'])}, {env['dtype']}"
+    return (f"- {arm}, seed {seed}: training `{run.relative_to(out)}` ({trained}); evaluation "
+            f"`{evaluation.relative_to(out)}` ({evaluated})")
 
 
 def run_short(path: str) -> str:

@@ -126,6 +126,26 @@ def test_report_matches_the_evaluations(finished):
         assert float(cell.split()[0]) == pytest.approx(np.mean(deletion[arm]), abs=6e-5)
 
 
+def test_report_lists_each_runs_wall_time_and_machine(finished):
+    """The Runs section repeats what each run recorded: training minutes and the machine of every epoch, the
+    evaluation's minutes, machine and precision (this test's runs trained and evaluated on this CPU)."""
+    report = (finished / "report.md").read_text(encoding="utf-8")
+    cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+               if ln.startswith("model name"))
+    for arm, seed in ((a, s) for a in SHOWN for s in (0, 1)):
+        run = finished / "runs" / f"{study.backbone(arm)}-s{seed}"
+        summary = json.loads((run / "summary.json").read_text())
+        [(machine, epochs)] = summary["machines"].items()
+        precision = json.loads((run / "train_args.json").read_text())["amp_dtype"]  # --amp auto: bf16 where native
+        assert re.fullmatch(rf"CPU {re.escape(cpu)}, \d+ threads, {precision}", machine) and epochs == 1
+        result = json.loads((finished / "eval" / f"{arm}-s{seed}" / "results.json").read_text())
+        trained = f"{summary['wall_seconds'] / 60:.1f} min, {machine}: 1 epochs" if arm in ARMS else "the `cls` run"
+        line = (f"- {arm}, seed {seed}: training `runs/{study.backbone(arm)}-s{seed}` ({trained}); evaluation "
+                f"`eval/{arm}-s{seed}` ({result['timing']['total'] / 60:.1f} min, CPU {cpu}, "
+                f"{result['environment']['torch_threads']} threads, {result['environment']['dtype']})")
+        assert line in report.splitlines()
+
+
 def test_posthoc_readouts_evaluate_the_cls_weights_with_another_pooling(finished):
     cls = finished / "runs" / "cls-s1"
     for arm, pool in (("cls", "token"), ("cls-posthoc-rollout", "rollout"), ("cls-posthoc-avg", "avg")):

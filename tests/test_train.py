@@ -130,6 +130,9 @@ def test_kill_and_resume_equals_uninterrupted_run(tiny_run: Path, tmp_path: Path
     train([*TINY_RUN, "--output", str(out), "--resume"])
     assert _metrics(read_log(out / "log.csv")) == _metrics(read_log(tiny_run / "log.csv"))
     assert _same_weights(out, tiny_run)
+    # Each process counted the epochs it trained, on whatever machine (here both on this CPU, in fp32).
+    machines = json.loads((out / "summary.json").read_text())["machines"]
+    assert sum(machines.values()) == 3 and all(m.startswith("CPU ") and m.endswith(", float32") for m in machines)
 
 
 def test_save_every_writes_less_and_resumes_exactly(tiny_run: Path, tmp_path: Path, monkeypatch) -> None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import platform
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
 from .errors import UserError
 
-__all__ = ["autocast", "cpu_supports_bf16", "inference_batch_size", "resolve_amp", "resolve_device"]
+__all__ = ["autocast", "cpu_supports_bf16", "device_name", "inference_batch_size", "resolve_amp", "resolve_device"]
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "none")
 
@@ -18,6 +20,16 @@ AMP_CHOICES = ("auto", "bf16", "fp16", "none")
 def cpu_supports_bf16() -> bool:
     """True when this CPU has native bf16 matmul (AVX512-BF16 or AMX); emulated bf16 is slower than fp32."""
     return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's or the CPU's model name (CPU: with the threads in use), for run records and benchmarks."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
+             if ln.startswith("model name")] if cpuinfo.exists() else []
+    return f"CPU {names[0] if names else platform.processor()}, {torch.get_num_threads()} threads"
 
 
 def resolve_device(device: str | None = None) -> torch.device:

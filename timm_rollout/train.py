@@ -55,7 +55,7 @@ from .data import (
     resolve_dataset,
     split_names,
 )
-from .device import AMP_CHOICES, autocast, resolve_amp, resolve_device
+from .device import AMP_CHOICES, autocast, device_name, resolve_amp, resolve_device
 from .dropout import use_fast_dropout
 from .errors import (
     CliParser,
@@ -364,6 +364,7 @@ class Trainer:
     num_updates: int = 0
     saved_epoch: int = 0
     rows: list[dict[str, float]] = field(default_factory=list)
+    machines: dict[str, int] = field(default_factory=dict)  # epochs trained per machine and precision
 
     @property
     def export(self) -> nn.Module:
@@ -397,6 +398,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -
         _write_record(out, args, data, d)
     batches = _batches(args, data, d)
     eval_images, eval_labels = data.eval.images.to(d.device), data.eval.labels.to(d.device)
+    machine = _machine(d, data)
     for epoch in range(t.epoch, args.epochs):
         t0 = time.perf_counter()
         train_loss, lr = _train_epoch(t, batches, args, data, d, epoch, out)
@@ -406,12 +408,13 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -
                        "img_per_s": data.steps * args.batch_size * d.world / train_seconds,
                        "seconds": time.perf_counter() - t0})
         t.epoch = epoch + 1
+        t.machines[machine] = t.machines.get(machine, 0) + 1
         if t.epoch % args.save_every == 0 or t.epoch == args.epochs:
             _save(out, t, args, data, d)
         if d.main:
             _report_epoch(t.rows[-1], args.epochs)
     if d.main:
-        _write_summary(out, args, data, t.rows)
+        _write_summary(out, args, data, t)
     return out
 
 
@@ -481,13 +484,14 @@ def _restore(t: Trainer, path: Path) -> None:
                        scaler=t.scaler)
     t.epoch = t.saved_epoch = meta["epoch"]
     t.num_updates, t.rows = meta["num_updates"], meta["rows"]
+    t.machines = meta.get("machines", {})  # resume states written before machines were recorded lack them
     if t.scheduler is not None:
         t.scheduler.step_update(t.num_updates)
 
 
 def _write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -> None:
     """``train_args.json``: every argument and everything resolved from it, written once per run."""
-    amp = str(data.amp_dtype).replace("torch.", "") if data.amp_dtype else "float32"
+    amp = _precision(data.amp_dtype)
     write_json(out / ARGS_FILE, {
         **vars(args), "dataset_resolved": data.train.dataset, "train_split": data.train.split,
         "eval_split": data.eval.split, "fingerprints": {"train": data.train.fingerprint,
@@ -540,7 +544,8 @@ def _save(out: Path, t: Trainer, args: argparse.Namespace, data: RunData, d: Dis
     """Rank 0 writes the resume state, the model export, ``log.csv`` and ``curves.png``, all for one epoch."""
     if d.main:
         save_resume(out / RESUME_FILE, model=t.model, optimizer=t.optimizer, ema=t.ema.module if t.ema else None,
-                    scaler=t.scaler, meta={"epoch": t.epoch, "num_updates": t.num_updates, "rows": t.rows})
+                    scaler=t.scaler, meta={"epoch": t.epoch, "num_updates": t.num_updates, "rows": t.rows,
+                          "machines": t.machines})
         save_model(out, t.export, data.train.class_names, data.mean, data.std)
         write_log(out / LOG_FILE, t.rows)
         plot_curves(out / CURVES_FILE, t.rows, f"{args.model} on {Path(args.dataset).name}")
@@ -555,11 +560,20 @@ def _report_epoch(r: dict[str, float], epochs: int) -> None:
                file=sys.stderr)
 
 
-def _write_summary(out: Path, args: argparse.Namespace, data: RunData, rows: list[dict[str, float]]) -> None:
-    last = rows[-1]
+def _precision(amp_dtype: torch.dtype | None) -> str:
+    return str(amp_dtype).replace("torch.", "") if amp_dtype else "float32"
+
+
+def _machine(d: Dist, data: RunData) -> str:
+    """What trains this session's epochs, for ``summary.json``: a resumed run may continue on another machine."""
+    return f"{device_name(d.device)}, {_precision(data.amp_dtype)}" + (f", {d.world} processes" if d.world > 1 else "")
+
+
+def _write_summary(out: Path, args: argparse.Namespace, data: RunData, t: Trainer) -> None:
+    rows, last = t.rows, t.rows[-1]
     summary = {"epochs": args.epochs, **{k: last[k] for k in ("train_loss", "eval_loss", "eval_top1", "eval_top5")},
                "best_eval_top1": max(r["eval_top1"] for r in rows), "wall_seconds": sum(r["seconds"] for r in rows),
-               "train_images": len(data.train), "eval_images": len(data.eval)}
+               "machines": t.machines, "train_images": len(data.train), "eval_images": len(data.eval)}
     write_json(out / SUMMARY_FILE, summary)
     print(f"{args.model} on {args.dataset}: eval top-1 {last['eval_top1']:.2f}%, top-5 {last['eval_top5']:.2f}% "
           f"after {args.epochs} epochs ({summary['wall_seconds']:.0f} s) -> {out}")
