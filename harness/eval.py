@@ -32,7 +32,14 @@ from harness.features import extract, saliency_maps
 from harness.figures import plot_cosine_matrix, plot_heatmaps
 from timm_rollout.atomic import atomic_path, write_json, write_text
 from timm_rollout.data import ImageSet, balanced_indices, dataset_arg, load_image_set, normalize
-from timm_rollout.device import AMP_CHOICES, device_name, inference_batch_size, resolve_amp, resolve_device
+from timm_rollout.device import (
+    AMP_CHOICES,
+    device_name,
+    inference_batch_size,
+    precision_name,
+    resolve_amp,
+    resolve_device,
+)
 from timm_rollout.errors import (
     CliParser,
     UserError,
@@ -385,7 +392,7 @@ def _config_record(args: argparse.Namespace, silhouette_sample: int, feature_dim
 def _environment_record(device: torch.device, amp_dtype: torch.dtype | None, faiss_threads: int) -> dict[str, Any]:
     """results.json's ``environment``: where and in which precision the evaluation ran, and the software."""
     return {"device": str(device), "machine": device_name(device),
-            "dtype": str(amp_dtype or torch.float32).replace("torch.", ""), "torch_threads": torch.get_num_threads(),
+            "dtype": precision_name(amp_dtype), "torch_threads": torch.get_num_threads(),
             "faiss_threads": faiss_threads, "packages": versions()}
 
 

@@ -11,7 +11,15 @@ import torch
 
 from .errors import UserError
 
-__all__ = ["autocast", "cpu_supports_bf16", "device_name", "inference_batch_size", "resolve_amp", "resolve_device"]
+__all__ = [
+    "autocast",
+    "cpu_supports_bf16",
+    "device_name",
+    "inference_batch_size",
+    "precision_name",
+    "resolve_amp",
+    "resolve_device",
+]
 
 AMP_CHOICES = ("auto", "bf16", "fp16", "none")
 
@@ -30,6 +38,11 @@ def device_name(device: torch.device) -> str:
     names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
              if ln.startswith("model name")] if cpuinfo.exists() else []
     return f"CPU {names[0] if names else platform.processor()}, {torch.get_num_threads()} threads"
+
+
+def precision_name(amp_dtype: torch.dtype | None) -> str:
+    """How run records name an autocast dtype (``None``, no autocast: ``float32``)."""
+    return str(amp_dtype or torch.float32).replace("torch.", "")
 
 
 def resolve_device(device: str | None = None) -> torch.device:

@@ -55,7 +55,7 @@ from .data import (
     resolve_dataset,
     split_names,
 )
-from .device import AMP_CHOICES, autocast, device_name, resolve_amp, resolve_device
+from .device import AMP_CHOICES, autocast, device_name, precision_name, resolve_amp, resolve_device
 from .dropout import use_fast_dropout
 from .errors import (
     CliParser,
@@ -491,7 +491,7 @@ def _restore(t: Trainer, path: Path) -> None:
 
 def _write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -> None:
     """``train_args.json``: every argument and everything resolved from it, written once per run."""
-    amp = _precision(data.amp_dtype)
+    amp = precision_name(data.amp_dtype)
     write_json(out / ARGS_FILE, {
         **vars(args), "dataset_resolved": data.train.dataset, "train_split": data.train.split,
         "eval_split": data.eval.split, "fingerprints": {"train": data.train.fingerprint,
@@ -544,8 +544,8 @@ def _save(out: Path, t: Trainer, args: argparse.Namespace, data: RunData, d: Dis
     """Rank 0 writes the resume state, the model export, ``log.csv`` and ``curves.png``, all for one epoch."""
     if d.main:
         save_resume(out / RESUME_FILE, model=t.model, optimizer=t.optimizer, ema=t.ema.module if t.ema else None,
-                    scaler=t.scaler, meta={"epoch": t.epoch, "num_updates": t.num_updates, "rows": t.rows,
-                          "machines": t.machines})
+                    scaler=t.scaler,
+                    meta={"epoch": t.epoch, "num_updates": t.num_updates, "rows": t.rows, "machines": t.machines})
         save_model(out, t.export, data.train.class_names, data.mean, data.std)
         write_log(out / LOG_FILE, t.rows)
         plot_curves(out / CURVES_FILE, t.rows, f"{args.model} on {Path(args.dataset).name}")
@@ -560,13 +560,10 @@ def _report_epoch(r: dict[str, float], epochs: int) -> None:
                file=sys.stderr)
 
 
-def _precision(amp_dtype: torch.dtype | None) -> str:
-    return str(amp_dtype).replace("torch.", "") if amp_dtype else "float32"
-
-
 def _machine(d: Dist, data: RunData) -> str:
     """What trains this session's epochs, for ``summary.json``: a resumed run may continue on another machine."""
-    return f"{device_name(d.device)}, {_precision(data.amp_dtype)}" + (f", {d.world} processes" if d.world > 1 else "")
+    processes = f", {d.world} processes" if d.world > 1 else ""
+    return f"{device_name(d.device)}, {precision_name(data.amp_dtype)}{processes}"
 
 
 def _write_summary(out: Path, args: argparse.Namespace, data: RunData, t: Trainer) -> None:
