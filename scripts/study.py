@@ -75,6 +75,7 @@ ARMS = {
     "gap": ("vit_tiny_cifar_gap", ()),
     "rollout": ("vit_tiny_cifar_rollout", ()),
     "rollout-grad": ("vit_tiny_cifar_rollout", ("rollout_grad=True",)),
+    "map": ("vit_tiny_cifar_cls", ("global_pool=map",)),  # timm's learned attention pooling (one latent query)
 }
 # Post-hoc readouts of the cls backbones (no training): arm -> harness.eval --pool.
 POSTHOC = {"cls-posthoc-rollout": "rollout", "cls-posthoc-avg": "avg"}
