@@ -301,8 +301,8 @@ def test_card_names_each_study_arm(tmp_path, name, kwargs, pooling, words):
 
 
 def test_metric_definitions_cover_the_readme_metrics():
-    """The card defines every metric of the README's table but the original study's (kept off the card)."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8").split("### Metrics")[1].split("### ")[0]
+    """The card defines every metric of harness/README.md's table but the original study's (kept off the card)."""
+    readme = (ROOT / "harness" / "README.md").read_text(encoding="utf-8").split("\n## Metrics\n")[1].split("\n## ")[0]
     keys = {k for line in readme.splitlines() if line.startswith("| `") for k in
             line.split("|")[1].replace("`", "").replace(" ", "").split(",")}
     assert set(hub.METRIC_DEFINITIONS) == keys - {"intra_original", "inter_original", "ratio_original", "cosine_matrix"}

@@ -3,7 +3,7 @@
 timm's suite only asserts shapes and the absence of NaNs; here each check compares with an independent route
 (eager vs scripted vs traced outputs, the head applied to the pre-logits, forward_features vs intermediates).
 TorchScript and FX are checked for the CLS and patch-mean models: the rollout model pools by attention it
-records with hooks during the pass, which neither a scripted nor a traced graph runs (see the README).
+records with hooks during the pass, which neither a scripted nor a traced graph runs (see timm_rollout/README.md).
 """
 
 import pytest

@@ -73,7 +73,7 @@ POOLING_TEXT = {
 }
 ROLLOUT_GRAD_TEXT = "; trained with rollout_grad=True: gradients flow through the pooling weights (detached by default)"
 
-# Definitions of the harness metrics (python -m harness.eval, README "Metrics"), all on L2-normalised pooled
+# Definitions of the harness metrics (python -m harness.eval, harness/README.md "Metrics"), all on L2-normalised pooled
 # features; {k}, {bank_k} and {temperature} are filled from results.json (harness defaults otherwise). The original
 # study's mixed-unit geometry (*_original) is left off the card.
 METRIC_DEFINITIONS = {
