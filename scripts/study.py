@@ -60,6 +60,7 @@ from timm_rollout.records import (
     HEATMAPS_FILE,
     HUB_DIR,
     LOG_FILE,
+    NOTES_FILE,
     REPORT_FILE,
     RESULTS_FILE,
     RESUME_FILE,
@@ -491,7 +492,8 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         f"recipe for every arm (only the pooling differs); {minutes:.1f} training minutes in all. "
         "`cls-posthoc-*` are the `cls` runs read out with another pooling, untrained (`harness.eval --pool`). "
         "Metrics are from `python -m harness.eval` on the test split with the train split as k-NN bank and "
-        "linear-probe training set (definitions in the project README).", "",
+        "linear-probe training set (definitions in harness/README.md).", "",
+        *notes_section(out),
         *_report_tables(groups, extra),
         "## Training curves", "", "![training curves](curves.png)", "",
         f"## Cosine similarity of class centroids (seed {seeds[0]})", "",
@@ -510,6 +512,13 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
           zip(pairs, loaded, strict=True)],
     ]
     return write_text(out / REPORT_FILE, "\n".join(lines) + "\n")
+
+
+def notes_section(out: Path) -> list[str]:
+    """The study folder's hand-written ``notes.md`` (what the numbers mean, limits) as the report's "Notes"
+    section, or nothing: report.md is rewritten on every render, so prose kept there would be lost."""
+    path = out / NOTES_FILE
+    return ["## Notes", "", path.read_text(encoding="utf-8").strip(), ""] if path.is_file() else []
 
 
 def run_line(out: Path, arm: str, seed: int, run: Path, evaluation: Path, result: dict[str, Any]) -> str:

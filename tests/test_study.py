@@ -324,6 +324,24 @@ def test_report_only_covers_the_seeds_every_arm_finished(finished, tmp_path):
         study.main([a for a in _argv(empty) if a != "--commit"] + ["--report-only"])
 
 
+def test_report_includes_the_folders_notes(finished, tmp_path):
+    """A hand-written notes.md is the report's Notes section, verbatim, on every render (--report-only rewrites
+    report.md); without it there is no such section."""
+    copy = tmp_path / "copy"
+    shutil.copytree(finished, copy)
+    argv = [a for a in _argv(copy) if a != "--commit"] + ["--report-only"]
+    notes = "What the numbers mean.\n\n### Limits\n\n- 2 seeds, 1 epoch"
+    (copy / "notes.md").write_text(f"\n{notes}\n\n", encoding="utf-8")
+    for _ in range(2):
+        study.main(argv)
+        report = (copy / "report.md").read_text(encoding="utf-8")
+        assert report.split("\n## Notes\n\n")[1].split("\n## ")[0] == notes + "\n"
+        assert report.index("## Notes") < report.index("## Metrics per arm")
+    (copy / "notes.md").unlink()
+    study.main(argv)
+    assert "## Notes" not in (copy / "report.md").read_text(encoding="utf-8")
+
+
 def test_learning_curve_metrics_come_from_the_training_log(finished, tmp_path):
     """By hand on a constructed log (8 epochs, quarter = epoch 2), and the report's rows against the toy runs' logs."""
     run = tmp_path / "rollout-s3"

@@ -54,6 +54,7 @@ REPORT_FILE = "report.md"
 COMPARISON_FILE = "comparison.png"
 STUDY_FILE = "study.json"
 HUB_DIR = "hub"  # a study's Hub exports: hub/<arm>, the best run of each arm
+NOTES_FILE = "notes.md"  # hand-written notes in a study folder, included in its report.md
 # The model card of a Hub upload.
 CARD_FILE = "README.md"
 
