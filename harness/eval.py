@@ -69,6 +69,8 @@ from timm_rollout.records import (
 
 __all__ = ["build_parser", "evaluate", "main", "select_classes", "set_pool"]
 
+POST_HOC_POOLS = tuple(k for k in READOUTS if k != "map")  # a learned attention pool cannot be added post hoc
+
 
 
 def build_parser() -> CliParser:
@@ -88,7 +90,7 @@ def build_parser() -> CliParser:
     p.add_argument("--per-class", type=positive_int, metavar="N", help="N random images per class (default: all)")
     p.add_argument("--seed", type=seed_arg, default=0,
                    help="seed of the per-class draws, heatmap picks, silhouette sample")
-    p.add_argument("--pool", choices=tuple(READOUTS), help="read the features out with this pooling instead of the "
+    p.add_argument("--pool", choices=POST_HOC_POOLS, help="read the features out with this pooling instead of the "
                    "model's own (token: [CLS], avg: patch mean, rollout: rollout weights)")
     p.add_argument("--k", type=positive_int, default=5, help="neighbours of the leave-one-out k-NN (default 5)")
     p.add_argument("--bank-split", help="split whose features form the k-NN bank (e.g. train); off by default")
@@ -174,6 +176,9 @@ def set_pool(model: torch.nn.Module, pool: str | None) -> str:
     own = getattr(model, "global_pool", None)
     if pool is None or pool == own:
         return own
+    if getattr(model, "attn_pool", None) is not None:
+        raise UserError(f"the model pools with a learned attention pool (global_pool={own!r}), which --pool {pool} "
+                        "would bypass or keep; evaluate it with its own pooling")
     if pool == "rollout" and not isinstance(model, RolloutVisionTransformer):
         raise UserError(f"--pool rollout needs a timm_rollout model; {type(model).__name__} cannot pool by rollout")
     if not isinstance(getattr(model, "fc_norm", torch.nn.Identity()), torch.nn.Identity):

@@ -190,6 +190,27 @@ def test_pool_avg_reads_out_the_mean_of_the_final_patch_tokens(checkpoint, tmp_p
     assert not torch.allclose(saved["features"], tokens[:, 0], atol=1e-3)
 
 
+def test_map_pooled_model_evaluates_end_to_end(tmp_path_factory, tmp_path):
+    run = tmp_path_factory.mktemp("runs") / "map"
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=2, global_pool="map").eval()
+    save_for_hf(model, run, safe_serialization=True, data_config=dict(mean=MEAN, std=STD))
+    results = harness_eval.main(["--model", "vit_tiny_cifar_cls", "--checkpoint", str(run), "--dataset",
+                                 str(CIFAR10), "--per-class", "2", "--heatmaps", "1", "--faithfulness",
+                                 "--faithfulness-images", "3", "--save-features", "--device", "cpu", "--amp", "none",
+                                 "--output", str(tmp_path)])
+    assert results["model"]["pool"] == "map"
+    assert {"heatmaps.png", "faithfulness.png"} <= set(results["outputs"]["figures"])
+    assert set(results["faithfulness"]["fills"]["mean"]["maps"]) >= {"rollout", "gradient_rollout"}
+    full = load_image_set(str(CIFAR10), "test")
+    idx = balanced_indices(full.labels, per_class=2, classes=list(range(10)), seed=0)
+    with torch.inference_mode():  # the features are the attention pool's output on the final patch tokens
+        tokens = model.forward_features(normalize(full.images[idx], MEAN, STD))
+        pooled = model.attn_pool(tokens[:, 1:])
+    torch.testing.assert_close(load_file(str(tmp_path / "features.safetensors"))["features"], pooled,
+                               atol=1e-5, rtol=1e-4)
+
+
 def test_set_pool_refuses_what_it_cannot_switch():
     model = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=1)
     assert harness_eval.set_pool(model, None) == "token" and harness_eval.set_pool(model, "rollout") == "rollout"
@@ -197,6 +218,8 @@ def test_set_pool_refuses_what_it_cannot_switch():
         harness_eval.set_pool(timm.create_model("vit_tiny_patch16_224", depth=1), "rollout")
     with pytest.raises(UserError, match="fc_norm"):
         harness_eval.set_pool(timm.create_model("vit_tiny_cifar_cls", global_pool="avg", depth=1), "token")
+    with pytest.raises(UserError, match="learned attention pool"):  # timm would pool with attn_pool whatever it says
+        harness_eval.set_pool(timm.create_model("vit_tiny_cifar_cls", global_pool="map", depth=1), "avg")
 
 
 def _synthetic_folder(root: Path, with_labels: bool) -> Path:

@@ -68,7 +68,24 @@ def test_gradient_pass_differentiates_the_target_logit(cifar):
 
 
 READOUTS = [("vit_tiny_cifar_rollout", {}, "rollout"), ("vit_tiny_cifar_cls", {}, "token"),
-            ("vit_tiny_cifar_cls", {"global_pool": "avg", "fc_norm": False}, "avg")]
+            ("vit_tiny_cifar_cls", {"global_pool": "avg", "fc_norm": False}, "avg"),
+            ("vit_tiny_cifar_cls", {"global_pool": "map"}, "map")]
+
+
+def _latent_attention_by_hand(model, x: torch.Tensor) -> torch.Tensor:
+    """(B, 64): softmax(q_h . k_h / sqrt(d)) of the pool's one latent query, head by head in float64, averaged."""
+    pool = model.attn_pool
+    with torch.no_grad():
+        tokens = model.forward_features(x)[:, 1:].double()  # what timm's pool() hands the pool: the patches
+        q = pool.q.weight.double() @ pool.latent[0, 0].double() + pool.q.bias.double()
+        k = tokens @ pool.kv.weight[:128].double().T + pool.kv.bias[:128].double()  # (B, 64, 128)
+    d = pool.head_dim
+    out = torch.zeros(len(x), 64, dtype=torch.float64)
+    for i in range(len(x)):
+        for h in range(pool.num_heads):
+            scores = torch.tensor([float(q[h * d:(h + 1) * d] @ k[i, j, h * d:(h + 1) * d]) for j in range(64)])
+            out[i] += (scores / d**0.5).softmax(dim=0) / pool.num_heads
+    return out.float()
 
 
 def _readout_by_hand(model, x: torch.Tensor, kind: str) -> torch.Tensor:
@@ -78,6 +95,8 @@ def _readout_by_hand(model, x: torch.Tensor, kind: str) -> torch.Tensor:
         r[:, 0] = 1.0
     elif kind == "avg":
         r[:, 1:] = 1.0 / 64
+    elif kind == "map":
+        r[:, 1:] = _latent_attention_by_hand(model, x)
     else:
         with torch.no_grad():
             model.forward_features(x)
@@ -133,6 +152,31 @@ def test_rollout_map_of_a_cls_model_is_its_post_hoc_rollout_pooling(cifar):
     with torch.no_grad():
         model.forward_features(cifar)
         torch.testing.assert_close(rollout, model.rollout_weights())
+
+
+def test_map_readout_is_the_attention_the_pool_mixes_its_tokens_with(cifar):
+    model = tiny("vit_tiny_cifar_cls", global_pool="map")
+    with torch.no_grad():  # a peaked query: a wrong row cannot pass for the near-uniform one of the init
+        model.attn_pool.q.weight.normal_(std=0.3, generator=torch.Generator().manual_seed(1))
+        model.attn_pool.kv.weight.normal_(std=0.3, generator=torch.Generator().manual_seed(2))
+    p = E.forward_with_attention(model, cifar)
+    assert p.readout_name == "attention-pool query" and float(p.readout[:, 0].abs().max()) == 0.0
+    torch.testing.assert_close(p.readout[:, 1:], _latent_attention_by_hand(model, cifar), rtol=1e-4, atol=1e-6)
+    assert float(p.readout.max()) > 2.5 / 64  # far from uniform, so the comparison above has teeth
+    # the pool's own output, rebuilt from per-head attention @ values: the attention is the one it uses
+    pool = model.attn_pool
+    with torch.no_grad():
+        tokens = model.forward_features(cifar)[:, 1:]
+        attn = E.latent_attention(pool, tokens)  # mean over heads; rebuild per head below
+        q = pool.q(pool.latent).reshape(1, 1, 4, 32).transpose(1, 2)
+        k, v = pool.kv(tokens).reshape(4, 64, 2, 4, 32).permute(2, 0, 3, 1, 4)
+        per_head = ((q * pool.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, heads, 1, 64)
+        mixed = pool.proj((per_head @ v).transpose(1, 2).reshape(4, 1, 128))
+        rebuilt = (mixed + pool.mlp(pool.norm(mixed)))[:, 0]
+        torch.testing.assert_close(rebuilt, pool(tokens), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(attn, per_head.mean(dim=(1, 2)))
+    ex = E.explain(model, cifar[:2])
+    assert ex.readout == "attention-pool query" and all(v.shape == (2, 64) for v in ex.maps.values())
 
 
 def test_unsupported_pooling_is_refused(cifar):

@@ -271,6 +271,18 @@ def test_push_uploads_exactly_the_model_and_card(tmp_path, run, eval_dir, fake_h
     assert "nothing uploaded" in capsys.readouterr().out
 
 
+def test_upload_folder_of_a_map_run_reloads_with_its_attention_pool(tmp_path, images):
+    model = save_run(tmp_path / "run", "vit_tiny_cifar_cls", global_pool="map")
+    files, arch = hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/tiny-map")
+    assert arch == "vit_tiny_cifar_cls" and [f.name for f in files] == ["README.md", "config.json", "model.safetensors"]
+    loaded = timm.create_model(f"local-dir:{tmp_path / 'up'}", pretrained=True).eval()
+    assert loaded.global_pool == "map" and type(loaded.attn_pool).__name__ == "AttentionPoolLatent"
+    torch.testing.assert_close(loaded.attn_pool.latent, model.attn_pool.latent, rtol=0, atol=0)
+    with torch.no_grad():
+        assert torch.equal(loaded(images), model(images))
+    assert "learned attention pooling" in (tmp_path / "up" / "README.md").read_text()
+
+
 def test_card_tolerates_missing_optional_files():
     facts = hub.describe_model(timm.create_model("vit_tiny_cifar_cls", depth=1))
     text = hub.render_card(hub.model_card("me/tiny", facts), "me/tiny", {"top1": 0.5, "knn_loo": 0.25})
@@ -286,17 +298,19 @@ def test_card_tolerates_missing_optional_files():
         ("vit_tiny_cifar_gap", {}, "avg", "the plain mean of the final (normed) patch tokens"),
         ("vit_tiny_cifar_rollout", {}, "rollout", "weighted by the [CLS] row of the attention rollout"),
         ("vit_tiny_cifar_rollout", {"rollout_grad": True}, "rollout", "gradients flow through the pooling weights"),
+        ("vit_tiny_cifar_cls", {"global_pool": "map"}, "map", "one learned latent query attends"),
     ],
 )
 def test_card_names_each_study_arm(tmp_path, name, kwargs, pooling, words):
     """A saved run of every arm, reloaded as push_to_hub does: the card names its pooling and rollout_grad."""
     save_run(tmp_path, name, **kwargs)
     facts = hub.describe_model(load_model(name, tmp_path)[0])
-    assert facts["pooling"] == pooling and facts["rollout_grad"] == bool(kwargs)
+    grad = bool(kwargs.get("rollout_grad"))
+    assert facts["pooling"] == pooling and facts["rollout_grad"] == grad
     card = hub.model_card("me/tiny", facts)
     assert card["details"]["Pooling"].startswith(f"{pooling}: ") and words in card["details"]["Pooling"]
-    assert ("rollout_grad=True" in card["details"]["Pooling"]) == bool(kwargs)
-    assert ("gradients through the rollout weights" in card["description"]) == bool(kwargs)
+    assert ("rollout_grad=True" in card["details"]["Pooling"]) == grad
+    assert ("gradients through the rollout weights" in card["description"]) == grad
     assert hub.POOLING_SHORT[pooling] in card["description"]
 
 

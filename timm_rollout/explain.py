@@ -8,6 +8,10 @@ explains the model's own *readout* ``r`` (B, N): the weights with which its clas
   computed from the attention of the same pass (:func:`timm_rollout.rollout.rollout_cls_row` +
   :func:`~timm_rollout.rollout.patch_weights`, exactly what the model pools with).
 - ``global_pool='avg'``: ``r`` is uniform over the patch tokens (the patch mean).
+- ``global_pool='map'`` (timm's learned attention pooling, ``AttentionPoolLatent`` with one latent query):
+  ``r`` is the attention of that query over the tokens the pool reads (the patches, or every token with
+  ``pool_include_prefix``), softmax(q k^T / sqrt(d)) of the pool's own layers on the tokens of the same pass,
+  mean over its heads: the weights with which it mixes the tokens before its projection and MLP.
 
 Maps (``A_l``: block *l*'s attention before dropout):
 
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from timm.layers import AttentionPoolLatent
 from torch import nn
 
 from .capture import capture_attention
@@ -54,6 +59,7 @@ __all__ = [
     "gradient_layers",
     "gradient_pass",
     "gradient_rollout",
+    "latent_attention",
     "patch_grid",
     "readout_attention",
     "readout_kind",
@@ -65,7 +71,9 @@ __all__ = [
 
 DISCARD_RATIOS = (0.0, 0.5, 0.9)
 FLOW_SCALE = 1 << 20  # integer capacity of a weight of 1.0 in the max-flow graph
-READOUTS = {"token": "[CLS]", "rollout": "rollout-weights", "avg": "patch-mean"}  # global_pool -> readout name
+READOUTS = {  # global_pool -> readout name
+    "token": "[CLS]", "rollout": "rollout-weights", "avg": "patch-mean", "map": "attention-pool query",
+}
 MAP_LABELS = {  # the maps the harness draws and scores (readout_maps), in display order
     "rollout": "attention rollout",
     "gradient_rollout": "gradient-weighted rollout",
@@ -101,18 +109,46 @@ def patch_grid(model: nn.Module, image_size: Sequence[int], num_patches: int) ->
 
 
 def readout_kind(model: nn.Module) -> str:
-    """The model's pooling as a readout: ``'token'``, ``'rollout'`` or ``'avg'`` (ValueError for others)."""
+    """The model's pooling as a readout: ``'token'``, ``'rollout'``, ``'avg'`` or ``'map'`` (ValueError for others)."""
     pool = getattr(model, "global_pool", "token")
-    if pool not in READOUTS or getattr(model, "attn_pool", None) is not None \
+    attn_pool = getattr(model, "attn_pool", None)
+    if pool == "map" and attn_pool is not None:
+        if not isinstance(attn_pool, AttentionPoolLatent) or attn_pool.latent_len != 1:
+            raise ValueError("maps of global_pool 'map' are defined for timm's AttentionPoolLatent with one latent "
+                             f"query, not {type(attn_pool).__name__} with latent_len "
+                             f"{getattr(attn_pool, 'latent_len', '?')}")
+        return pool
+    if pool not in READOUTS or pool == "map" or attn_pool is not None \
             or getattr(model, "pool_include_prefix", False):
-        raise ValueError(f"maps are defined for global_pool 'token', 'avg' or 'rollout', not {pool!r}")
+        raise ValueError(f"maps are defined for global_pool 'token', 'avg', 'rollout' or 'map', not {pool!r}")
     if pool == "token" and getattr(model, "cls_token", None) is None:
         raise ValueError("global_pool='token' without a class token reads no [CLS]; use 'avg'")
     return pool
 
 
-def readout_row(kind: str, attentions: Sequence[torch.Tensor], num_prefix_tokens: int) -> torch.Tensor:
-    """(B, N) readout weights: one-hot [CLS], ``[0, w]`` (rollout pooling weights of these attentions) or patch mean."""
+def latent_attention(pool: AttentionPoolLatent, tokens: torch.Tensor) -> torch.Tensor:
+    """Attention of ``pool``'s latent query over the (B, T, D) ``tokens`` it pools, mean over heads: (B, T).
+
+    softmax(q k^T / sqrt(d)) from the pool's own ``latent``, ``q``, ``kv``, norms and position embedding, in
+    float32 with autocast off (timm's fused path never forms the matrix, and the pool has no ``attn_drop``).
+    """
+    with torch.autocast(tokens.device.type, enabled=False):
+        b, t, _ = tokens.shape
+        x = tokens.float()
+        if pool.pos_embed is not None:
+            x = x + pool.pos_embed.float().unsqueeze(0)
+        heads, dim = pool.num_heads, pool.head_dim
+        q = pool.q(pool.latent.float().expand(b, -1, -1)).reshape(b, pool.latent_len, heads, dim).transpose(1, 2)
+        k = pool.kv(x).reshape(b, t, 2, heads, dim)[:, :, 0].transpose(1, 2)
+        q, k = pool.q_norm(q), pool.k_norm(k)
+        attn = ((q * pool.scale) @ k.transpose(-2, -1)).softmax(dim=-1)  # (B, heads, latents, T)
+    return attn.mean(dim=(1, 2))
+
+
+def readout_row(kind: str, attentions: Sequence[torch.Tensor], num_prefix_tokens: int,
+                pool_attention: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, N) readout weights: one-hot [CLS], ``[0, w]`` (rollout pooling weights of these attentions), patch
+    mean, or (``'map'``) ``pool_attention`` (B, T) from :func:`latent_attention` on the last T tokens."""
     first = attentions[0]
     b, n = first.shape[0], first.shape[-1]
     row = torch.zeros(b, n, dtype=torch.float32, device=first.device)
@@ -121,9 +157,28 @@ def readout_row(kind: str, attentions: Sequence[torch.Tensor], num_prefix_tokens
     elif kind == "rollout":
         weights = rollout_cls_row([a.detach() for a in attentions], num_prefix_tokens=num_prefix_tokens)
         row[:, num_prefix_tokens:] = patch_weights(weights, num_prefix_tokens)
+    elif kind == "map":
+        if pool_attention is None:
+            raise ValueError("the 'map' readout needs the attention of the pool's query (latent_attention)")
+        row[:, n - pool_attention.shape[1]:] = pool_attention.detach().float()
     else:
         row[:, num_prefix_tokens:] = 1.0 / (n - num_prefix_tokens)
     return row
+
+
+@contextmanager
+def _pool_input(model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Record the tokens a learned attention pool (``model.attn_pool``) receives in the ``with`` body."""
+    found: list[torch.Tensor] = []
+    attn_pool = getattr(model, "attn_pool", None)
+    if attn_pool is None:
+        yield found
+        return
+    handle = attn_pool.register_forward_pre_hook(lambda module, args: found.append(args[0].detach()))
+    try:
+        yield found
+    finally:
+        handle.remove()
 
 
 @contextmanager
@@ -139,22 +194,24 @@ def _rollout_grad(model: nn.Module) -> Iterator[None]:
             model.rollout_grad = had
 
 
-def _pass(model: nn.Module, x: torch.Tensor, cap, logits: torch.Tensor) -> AttentionPass:
+def _pass(model: nn.Module, x: torch.Tensor, cap, logits: torch.Tensor,
+          pool_tokens: list[torch.Tensor]) -> AttentionPass:
     attentions = [a.detach().float() for a in cap.attentions]
     n = attentions[0].shape[-1]
     prefix = cap.num_prefix_tokens
     grid = patch_grid(model, x.shape[-2:], n - prefix)
     kind = readout_kind(model)
-    readout = readout_row(kind, attentions, prefix)
+    pool_attention = latent_attention(model.attn_pool, pool_tokens[-1]) if kind == "map" else None
+    readout = readout_row(kind, attentions, prefix, pool_attention)
     return AttentionPass(logits.detach().float(), attentions, prefix, readout, READOUTS[kind], grid)
 
 
 def forward_with_attention(model: nn.Module, x: torch.Tensor) -> AttentionPass:
     """Logits and attention of every block for normalised images ``x`` (B, 3, H, W), without gradients."""
     readout_kind(model)  # fail before the pass
-    with torch.inference_mode(), capture_attention(model) as cap:
+    with torch.inference_mode(), capture_attention(model) as cap, _pool_input(model) as pool_tokens:
         logits = model(x)
-    return _pass(model, x, cap, logits)
+    return _pass(model, x, cap, logits, pool_tokens)
 
 
 def readout_attention(p: AttentionPass, layer: int = -1) -> torch.Tensor:
@@ -216,7 +273,8 @@ def gradient_pass(model: nn.Module, x: torch.Tensor, target_class: int | torch.T
     """
     readout_kind(model)  # fail before the pass
     x = x.detach().clone().requires_grad_(True)  # a graph exists even when the parameters are frozen
-    with torch.enable_grad(), _rollout_grad(model), capture_attention(model) as cap:
+    with torch.enable_grad(), _rollout_grad(model), capture_attention(model) as cap, \
+            _pool_input(model) as pool_tokens:
         logits = model(x)
     if target_class is None:
         target = logits.detach().argmax(dim=1)
@@ -226,7 +284,7 @@ def gradient_pass(model: nn.Module, x: torch.Tensor, target_class: int | torch.T
             raise ValueError(f"target class {target_class} is outside the model's {logits.shape[1]} classes")
     score = logits.gather(1, target[:, None]).sum()
     grads = torch.autograd.grad(score, cap.attentions)
-    base = _pass(model, x, cap, logits)
+    base = _pass(model, x, cap, logits, pool_tokens)
     cams = gradient_layers(base.attentions, grads)
     return GradientPass(**vars(base), target=target.detach(), gradient_layers=cams)
 

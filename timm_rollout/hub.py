@@ -58,6 +58,7 @@ POOLING_SHORT = {
     "token": "its [CLS] token",
     "avg": "the mean of its patch tokens",
     "rollout": "attention-rollout-weighted patch tokens",
+    "map": "learned attention pooling of its patch tokens",
 }
 POOLING_TEXT = {
     "token": "the final [CLS] token",
@@ -69,6 +70,10 @@ POOLING_TEXT = {
         "the mean of the final (normed) patch tokens weighted by the [CLS] row of the attention rollout "
         "(head-averaged attention plus identity, row-normalised, multiplied over layers; [CLS] column dropped "
         "and the row renormalised)"
+    ),
+    "map": (
+        "timm's learned attention pooling (global_pool='map', AttentionPoolLatent): one learned latent query "
+        "attends over the final (normed) patch tokens, followed by a projection and a residual MLP"
     ),
 }
 ROLLOUT_GRAD_TEXT = "; trained with rollout_grad=True: gradients flow through the pooling weights (detached by default)"
@@ -327,8 +332,7 @@ def model_card(
             f"A tiny Vision Transformer for {details['Image size']} images that classifies from "
             f"{short}. "
             "It is one arm of the timm-rollout study (does attention-rollout pooling help a tiny ViT?): [CLS] token, "
-            "patch mean, and rollout-weighted patch tokens with detached or trained-through weights, differing only "
-            "in pooling."
+            "patch mean, rollout-weighted patch tokens and learned attention pooling, differing only in pooling."
         ),
         "details": details,
         "usage": _usage(repo_id),
