@@ -1,4 +1,4 @@
-"""harness.eval end to end on a small slice of real CIFAR-10, --pool, heatmap maps, harness.compare, and error paths."""
+"""harness.eval end to end on the shipped CIFAR-10 sample, --pool, heatmap maps, harness.compare, and error paths."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from timm_rollout.errors import UserError
 from timm_rollout.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
-CIFAR10 = ROOT.parent / "shared" / "data" / "cifar10"
-pytestmark = pytest.mark.skipif(not CIFAR10.is_dir(), reason=f"real CIFAR-10 not found at {CIFAR10}")
+SAMPLE = "cifar10-sample"  # 200 train and 100 test images per class, shipped in the package
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
 
 
@@ -45,7 +44,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def _args(checkpoint: Path, output: Path, *extra: str) -> list[str]:
-    return ["--model", "vit_tiny_cifar_rollout", "--checkpoint", str(checkpoint), "--dataset", str(CIFAR10),
+    return ["--model", "vit_tiny_cifar_rollout", "--checkpoint", str(checkpoint), "--dataset", SAMPLE,
             "--output", str(output), *extra]
 
 
@@ -117,7 +116,7 @@ def test_compare_groups_runs_and_writes_report(runs, tmp_path):
     groups = compare.main([str(r) for r in runs] + ["--output", str(tmp_path)])
     assert len(groups) == 1 and groups[0].n == 2 and groups[0].std["knn_loo"] == 0.0
     report = (tmp_path / "report.md").read_text()
-    assert "vit_tiny_cifar_rollout (vit_tiny_cifar_cls weights) on cifar10/test (n=2)" in report
+    assert "vit_tiny_cifar_rollout (vit_tiny_cifar_cls weights) on cifar10-sample/test (n=2)" in report
     assert "| knn_loo |" in report and (tmp_path / "comparison.png").is_file()
 
 
@@ -136,7 +135,7 @@ def test_summarise_mean_std_and_deltas():
 
 @pytest.fixture(scope="module")
 def images() -> torch.Tensor:
-    return load_image_set(str(CIFAR10), "test").images[:4]
+    return load_image_set(SAMPLE, "test").images[:4]
 
 
 def _manual_attentions(model, x: torch.Tensor) -> list[torch.Tensor]:
@@ -176,11 +175,11 @@ def test_heatmap_maps_explain_the_readout_from_every_layers_real_attention(name,
 def test_pool_avg_reads_out_the_mean_of_the_final_patch_tokens(checkpoint, tmp_path):
     out = tmp_path / "avg"
     results = harness_eval.main(["--model", "vit_tiny_cifar_cls", "--checkpoint", str(checkpoint), "--dataset",
-                                 str(CIFAR10), "--per-class", "3", "--pool", "avg", "--heatmaps", "1",
+                                 SAMPLE, "--per-class", "3", "--pool", "avg", "--heatmaps", "1",
                                  "--save-features", "--device", "cpu", "--amp", "none", "--output", str(out)])
     assert results["model"]["pool"] == "avg"
     saved = load_file(str(out / "features.safetensors"))
-    full = load_image_set(str(CIFAR10), "test")
+    full = load_image_set(SAMPLE, "test")
     idx = balanced_indices(full.labels, per_class=3, classes=list(range(10)), seed=0)
     assert torch.equal(saved["labels"], full.labels[idx])
     model, _ = load_model("vit_tiny_cifar_cls", checkpoint)  # still [CLS]-pooled: its own readout
@@ -223,7 +222,7 @@ def test_user_errors(checkpoint, tmp_path, tmp_path_factory):
     out = str(tmp_path / "out")
     message = _user_error(_args(checkpoint, out, "--classes", "cat", "unicorn"))
     assert "unicorn" in message and "valid: airplane, automobile, bird" in message
-    assert "only 1000 images" in _user_error(_args(checkpoint, out, "--per-class", "1001"))
+    assert "only 100 images" in _user_error(_args(checkpoint, out, "--per-class", "101"))
     assert "is the evaluated split" in _user_error(_args(checkpoint, out, "--bank-split", "test"))
     c100 = _save(tmp_path_factory, "vit_tiny_cifar_cls", 100)
     assert "checkpoint has 100 classes" in _user_error(_args(c100, out))

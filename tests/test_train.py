@@ -1,4 +1,4 @@
-"""Training on real CIFAR-10 slices: accuracy, output folder contract, kill-and-resume, safety rails, DDP.
+"""Training on the shipped CIFAR-10 sample: accuracy, output folder contract, kill-and-resume, safety rails, DDP.
 
 Every run pins ``--device cpu`` and its precision (fp32 unless precision is the point), so the numbers do not
 depend on whether this CPU has native bf16 or the machine has a GPU; the CUDA path is in ``test_cuda.py``.
@@ -27,11 +27,11 @@ from timm_rollout.records import RESUME_FILE
 from timm_rollout.train import train
 from timm_rollout.train_log import LOG_COLUMNS, read_log
 
-CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
-QUICK = ["--dataset", str(CIFAR10), "--max-train-samples", "2000", "--max-eval-samples", "1000", "--epochs", "2",
+SAMPLE = "cifar10-sample"  # 2,000 train and 1,000 test images, shipped in the package
+QUICK = ["--dataset", SAMPLE, "--max-train-samples", "2000", "--max-eval-samples", "1000", "--epochs", "2",
          "--batch-size", "64", "--lr", "2e-3", "--model-kwargs", "depth=2", "embed_dim=64", "--seed", "0",
          "--workers", "1", "--no-progress", "--device", "cpu", "--amp", "none"]
-TINY = ["--dataset", str(CIFAR10), "--max-train-samples", "256", "--max-eval-samples", "100", "--batch-size", "32",
+TINY = ["--dataset", SAMPLE, "--max-train-samples", "256", "--max-eval-samples", "100", "--batch-size", "32",
         "--model-kwargs", "depth=1", "embed_dim=64", "--workers", "1", "--no-progress", "--device", "cpu"]
 FP32 = ["--amp", "none"]
 
@@ -78,7 +78,7 @@ def test_quick_run_learns_and_writes_the_output_contract(quick_run: Path) -> Non
     # ... and reproduces the logged accuracy through timm's own eval transform on the same 1,000 images.
     from timm_rollout.data import balanced_indices, load_image_set
 
-    test = load_image_set(str(CIFAR10), "test")
+    test = load_image_set(SAMPLE, "test")
     idx = balanced_indices(test.labels, total=1000, seed=0)
     mean = torch.tensor(model.pretrained_cfg["mean"]).view(1, 3, 1, 1)
     std = torch.tensor(model.pretrained_cfg["std"]).view(1, 3, 1, 1)
@@ -247,9 +247,9 @@ def test_ddp_two_cpu_processes(tmp_path: Path) -> None:
     assert isinstance(model, timm_rollout.RolloutVisionTransformer)
     # The logged evaluation (each rank takes every other image, sums all-reduced) equals a plain one-process loop
     # over the same 100 balanced test images.
-    test = load_image_set(str(CIFAR10), "test")
+    test = load_image_set(SAMPLE, "test")
     test = test.subset(balanced_indices(test.labels, total=100, seed=0))
-    mean, std = normalization_stats(str(CIFAR10), load_image_set(str(CIFAR10), "train"))
+    mean, std = normalization_stats(SAMPLE, load_image_set(SAMPLE, "train"))
     with torch.no_grad():
         logits = torch.cat([model(normalize(test.images[i:i + 1], mean, std)) for i in range(len(test.labels))])
     top1 = 100 * sum(int(logits[i].argmax()) == int(test.labels[i]) for i in range(len(test.labels))) / 100
@@ -304,9 +304,7 @@ def test_a_missing_gpu_is_a_user_error(monkeypatch) -> None:
         resolve_device("gpu")
 
 
-@pytest.mark.skipif(not os.environ.get("TIMM_ROLLOUT_SLOW_TESTS"),
-                    reason="torch.compile needs 3-4 minutes on a 2-core CPU (inductor builds C++ kernels for the "
-                           "training and evaluation graphs); set TIMM_ROLLOUT_SLOW_TESTS=1 to run it")
+@pytest.mark.slow  # torch.compile: 3-4 minutes on a 2-core CPU (inductor builds C++ kernels for both graphs)
 def test_compile_gives_the_eager_results_on_cpu(tmp_path: Path) -> None:
     no_dropout = ["pos_drop_rate=0", "attn_drop_rate=0", "proj_drop_rate=0"]  # compiled masks: another stream
     run = [*TINY, *FP32, "--epochs", "1", "--model-kwargs", "depth=1", "embed_dim=64", *no_dropout]
