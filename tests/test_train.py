@@ -7,6 +7,7 @@ depend on whether this CPU has native bf16 or the machine has a GPU; the CUDA pa
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -186,8 +187,56 @@ def test_finished_run_is_not_overwritten(quick_run: Path) -> None:
     before = (quick_run / "model.safetensors").read_bytes()
     with pytest.raises(UserError, match="finished run; pass --overwrite"):
         train([*QUICK, "--output", str(quick_run)])
-    assert train([*QUICK, "--output", str(quick_run), "--resume"]) == quick_run  # nothing to do
+    assert train([*QUICK, "--output", str(quick_run), "--resume"]) == quick_run  # finished: the same --epochs
     assert (quick_run / "model.safetensors").read_bytes() == before
+
+
+def _cosine_lr(t: int, total: int, lr: float = 2e-3, min_lr: float = 5e-6) -> float:
+    """timm's cosine schedule without warmup after ``t`` of ``total`` updates (by hand)."""
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * t / total))
+
+
+def test_resume_with_more_epochs_trains_a_finished_run_further_on_the_new_schedule(tmp_path: Path, capsys) -> None:
+    cosine = [*TINY_RUN, "--warmup-epochs", "0"]  # 8 updates per epoch; the logged lr is each epoch's last
+    out = train([*cosine, "--epochs", "1", "--output", str(tmp_path / "run")])
+    first = read_log(out / "log.csv")
+    assert first[0]["lr"] == pytest.approx(_cosine_lr(7, 8), rel=1e-12)  # the 1-epoch schedule, near its end
+    train([*cosine, "--epochs", "3", "--resume", "--output", str(out)])
+    rows = read_log(out / "log.csv")
+    assert [r["epoch"] for r in rows] == [1, 2, 3] and _metrics(rows[:1]) == _metrics(first)
+    # Epochs 2 and 3 follow the 3-epoch cosine from update 8 on: the rate jumps back up at the resume point.
+    assert [r["lr"] for r in rows[1:]] == pytest.approx([_cosine_lr(15, 24), _cosine_lr(23, 24)], rel=1e-12)
+    assert rows[1]["lr"] > 3 * first[0]["lr"]
+    record = json.loads((out / "train_args.json").read_text())
+    assert record["epochs"] == 3 and record["extended"] == [{"at_epoch": 1, "epochs": 1, "warmup_epochs_used": 0}]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["epochs"] == 3 and summary["eval_top1"] == rows[-1]["eval_top1"]
+    assert sum(summary["machines"].values()) == 3
+
+    before = (out / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    train([*cosine, "--epochs", "3", "--resume", "--output", str(out)])  # the same count: nothing typed goes unused
+    assert "holds a finished run of 3 epochs; pass a larger --epochs" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"--lr 0.1 differs from the saved run's 0.002"):
+        train([*cosine, "--epochs", "5", "--resume", "--lr", "0.1", "--output", str(out)])
+    with pytest.raises(UserError, match=r"--epochs 2 differs from the saved run's 3"):
+        train([*cosine, "--epochs", "2", "--resume", "--output", str(out)])
+    (out / RESUME_FILE).unlink()  # as scripts/study.py leaves a finished run
+    with pytest.raises(UserError, match=r"without its resume.safetensors .* cannot continue exactly"):
+        train([*cosine, "--epochs", "5", "--resume", "--output", str(out)])
+    assert (out / "model.safetensors").read_bytes() == before and len(read_log(out / "log.csv")) == 3
+
+
+def test_training_further_restores_optimizer_and_ema_exactly(tmp_path: Path) -> None:
+    """With a schedule that does not depend on the run length, 1 epoch then 2 more equals 3 epochs in one go."""
+    run = [*TINY_RUN, "--sched", "constant", "--warmup-epochs", "0", "--model-ema", "--model-ema-decay", "0.9"]
+    whole = train([*run, "--output", str(tmp_path / "whole")])
+    out = train([*run, "--epochs", "1", "--output", str(tmp_path / "extended")])
+    train([*run, "--resume", "--output", str(out)])
+    assert _metrics(read_log(out / "log.csv")) == _metrics(read_log(whole / "log.csv"))
+    assert _same_weights(out, whole)  # the exported EMA
+    a, b = load_file(out / RESUME_FILE), load_file(whole / RESUME_FILE)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # model, EMA, Adam moments
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, monkeypatch) -> None:
