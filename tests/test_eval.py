@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 import timm
 import torch
+from matplotlib.figure import Figure
 from PIL import Image
 from safetensors.torch import load_file
 from timm.models import save_for_hf
@@ -19,6 +22,8 @@ from timm.models import save_for_hf
 from harness import compare, metrics
 from harness import eval as harness_eval
 from harness.features import saliency_maps
+from harness.figures import FIGURE_DPI, save_figure, upsample_patch_map
+from harness.predictions import read_predictions, write_predictions
 from timm_rollout import attention_rollout, patch_weights, rollout_cls_row
 from timm_rollout.data import balanced_indices, load_image_set, normalize
 from timm_rollout.errors import UserError
@@ -101,7 +106,43 @@ def test_features_file_reproduces_the_metrics(runs):
 def test_figures_are_written(runs):
     for name in ("cosine_matrix.png", "heatmaps.png"):
         with Image.open(runs[0] / name) as img:
-            assert img.format == "PNG" and img.size[0] > 200
+            assert img.format == "PNG" and img.mode == "P" and img.size[0] > 200  # a 256-colour palette
+
+
+def test_palette_figures_stay_close_to_the_full_colour_render(tmp_path):
+    """save_figure's 256-colour PNG against matplotlib's own RGBA render of a heatmap panel grid, pixel by pixel."""
+    images = load_image_set(SAMPLE, "test").images[:6]
+    fig = Figure(figsize=(9, 6))
+    for ax, image, seed in zip(fig.subplots(2, 3).flat, images, range(6), strict=True):
+        ax.imshow(image.permute(1, 2, 0).numpy(), interpolation="nearest")
+        weights = torch.rand(64, generator=torch.Generator().manual_seed(seed))
+        fig.colorbar(ax.imshow(upsample_patch_map(weights, (32, 32)), cmap="inferno", alpha=0.6), ax=ax)
+    save_figure(fig, tmp_path / "fig.png")
+    raw = io.BytesIO()
+    fig.savefig(raw, dpi=FIGURE_DPI, bbox_inches="tight", format="png")
+    with Image.open(tmp_path / "fig.png") as small, Image.open(raw) as full:
+        assert small.mode == "P" and small.size == full.size
+        error = np.abs(np.asarray(small.convert("RGB"), dtype=int) - np.asarray(full.convert("RGB"), dtype=int))
+    assert error.max() <= 32 and error.mean() < 6, (error.max(), error.mean())
+    assert (tmp_path / "fig.png").stat().st_size < 0.5 * len(raw.getvalue())
+
+
+def test_predictions_are_compressed_and_read_in_both_formats(runs, tmp_path):
+    results = json.loads((runs[0] / "results.json").read_text())
+    assert results["outputs"]["predictions"] == "predictions.json.gz"
+    a, b = ((r / "predictions.json.gz").read_bytes() for r in runs)
+    assert a == b  # the same seeded evaluation gives the same bytes (no timestamp in the gzip header)
+    pred = json.loads(gzip.decompress(a))  # plain gzip + JSON, no project code needed
+    labels = np.array(pred["label"])
+    assert (np.array(pred["predicted"]["top1"]) == labels).mean() == pytest.approx(results["metrics"]["top1"])
+    assert np.mean(pred["top5_hit"]) == pytest.approx(results["metrics"]["top5"])
+    assert read_predictions(runs[0]) == pred
+    (tmp_path / "predictions.json").write_text(json.dumps(pred))  # an evaluation written before compression
+    assert read_predictions(tmp_path) == pred and read_predictions(tmp_path / "missing") is None
+    correct = compare.correct_per_image(tmp_path, "knn_loo")
+    assert correct == {i: p == y for i, p, y in zip(pred["index"], pred["predicted"]["knn_loo"], labels, strict=True)}
+    write_predictions(tmp_path, pred)  # re-evaluated: the stale legacy file goes
+    assert not (tmp_path / "predictions.json").exists() and read_predictions(tmp_path) == pred
 
 
 def test_same_seed_gives_identical_results(runs):
