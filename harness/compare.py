@@ -9,7 +9,7 @@ read, else the evaluation's ``results["config"]["seed"]`` (the study evaluates e
 For each metric, the mean paired difference (group - first group) gets a 95% t-interval, a p-value and the
 minimum detectable effect (:mod:`harness.stats`); the primary metric is test top-1, every other metric is
 secondary and its p-values are Holm-adjusted together. Accuracies also get McNemar's per-image test, pooled
-over the paired seeds, from each run's ``predictions.json``.
+over the paired seeds, from each run's ``predictions.json.gz`` (or the ``predictions.json`` of older evaluations).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import numpy as np
 from harness import stats
 from harness.figures import plot_comparison
 from harness.metrics import ACCURACIES
+from harness.predictions import read_predictions
 from timm_rollout.atomic import write_text
 from timm_rollout.errors import UserError, run_cli
-from timm_rollout.records import ARGS_FILE, COMPARISON_FILE, PREDICTIONS_FILE, REPORT_FILE, RESULTS_FILE
+from timm_rollout.records import ARGS_FILE, COMPARISON_FILE, REPORT_FILE, RESULTS_FILE
 
 __all__ = ["METRICS", "ORIGINAL_METRICS", "PRIMARY", "Group", "MetricComparison", "ci_half_widths",
            "compare_groups",
@@ -151,12 +152,11 @@ def _by_seed(group: Group) -> dict[int, int]:
 
 
 def correct_per_image(folder: str | Path, metric: str) -> dict[int, bool] | None:
-    """Per-image correctness of ``metric`` in an evaluation folder's predictions.json, keyed by split index;
-    None when the file or the metric is missing."""
-    path = Path(folder) / PREDICTIONS_FILE
-    if not path.is_file():
+    """Per-image correctness of ``metric`` in an evaluation folder's predictions (either format), keyed by split
+    index; None when the file or the metric is missing."""
+    pred = read_predictions(folder)
+    if pred is None:
         return None
-    pred = json.loads(path.read_text(encoding="utf-8"))
     if metric == "top5":
         hits = pred.get("top5_hit")
     else:

@@ -3,8 +3,8 @@
     python -m harness.eval --model vit_tiny_cifar_rollout --checkpoint runs/c10-rollout \\
         --dataset cifar10 --bank-split train --heatmaps 8 --output eval/c10-rollout
 
-Writes ``results.json`` (metrics + provenance), ``predictions.json`` (per-image predictions, to compare runs
-image by image), ``cosine_matrix.png``, ``heatmaps.png`` and, with
+Writes ``results.json`` (metrics + provenance), ``predictions.json.gz`` (per-image predictions, to compare
+runs image by image: :mod:`harness.predictions`), ``cosine_matrix.png``, ``heatmaps.png`` and, with
 ``--save-features``, ``features.safetensors`` into ``--output``; ``--faithfulness`` adds deletion/insertion
 curves of the saliency maps (``results.json["faithfulness"]``, ``faithfulness.png``).
 """
@@ -12,7 +12,6 @@ curves of the saliency maps (``results.json["faithfulness"]``, ``faithfulness.pn
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -30,7 +29,8 @@ from harness import metrics
 from harness.faithfulness import evaluate_faithfulness, plot_faithfulness
 from harness.features import extract, saliency_maps
 from harness.figures import plot_cosine_matrix, plot_heatmaps
-from timm_rollout.atomic import atomic_path, write_json, write_text
+from harness.predictions import write_predictions
+from timm_rollout.atomic import atomic_path, write_json
 from timm_rollout.data import ImageSet, balanced_indices, dataset_arg, load_image_set, normalize
 from timm_rollout.device import (
     AMP_CHOICES,
@@ -231,15 +231,15 @@ def _metric_values(predicted: dict[str, np.ndarray | None], labels: torch.Tensor
     return {**values, **ours, "silhouette": silhouette, **original}
 
 
-def _predictions_json(predicted: dict[str, np.ndarray | None], labels: torch.Tensor, index: torch.Tensor) -> str:
-    """predictions.json: split index and label of each evaluated image, the class each accuracy metric
-    predicted for it, and whether its label is in the head's top 5 (compact JSON, one list per key)."""
-    body = {
+def _predictions_record(predicted: dict[str, np.ndarray | None], labels: torch.Tensor,
+                        index: torch.Tensor) -> dict[str, Any]:
+    """The predictions file's content: split index and label of each evaluated image, the class each accuracy
+    metric predicted for it, and whether its label is in the head's top 5 (one list per key)."""
+    return {
         "index": index.tolist(), "label": labels.tolist(),
         "predicted": {k: v.tolist() for k, v in predicted.items() if v is not None and k != "top5"},
         "top5_hit": None if predicted["top5"] is None else predicted["top5"].astype(int).tolist(),
     }
-    return json.dumps(body, separators=(",", ":")) + "\n"
 
 
 @dataclass
@@ -335,7 +335,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if bank is not None:
         with clock.stage("linear_probe"):
             predicted["linear_probe"] = metrics.linear_probe_predictions(bank_feats, bank.labels, feats)
-    write_text(out / PREDICTIONS_FILE, _predictions_json(predicted, labels, sel.index))
+    write_predictions(out, _predictions_record(predicted, labels, sel.index))
 
     figures, faithfulness = _figures(model, info, data, (cos, cos_names), args, device, amp_dtype, clock)
     if args.save_features:

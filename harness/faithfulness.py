@@ -48,7 +48,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from harness.features import saliency_maps
-from timm_rollout.atomic import atomic_path
+from harness.figures import save_figure
 from timm_rollout.capture import record_attention, set_fused_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast, inference_batch_size
@@ -430,6 +430,4 @@ def plot_faithfulness(result: Mapping[str, Any], path: str | Path, title: str = 
     timing = f", {result['wall_time_s']:.0f} s" if "wall_time_s" in result else ""
     fig.suptitle(f"{title}: {result['num_images']} images, {result['num_patches']} patches{timing}")
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
-    return Path(path)
+    return save_figure(fig, path)

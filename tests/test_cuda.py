@@ -28,7 +28,7 @@ from timm_rollout.train import train
 from timm_rollout.train_log import read_log
 
 DEVICE = "cuda"
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.cuda
 SAMPLE = ["--dataset", "cifar10-sample", "--batch-size", "64", "--lr", "2e-3", "--seed", "0", "--no-progress",
           "--device", DEVICE, "--model-kwargs", "depth=2", "embed_dim=64"]  # more model kwargs may follow
 BF16 = [*SAMPLE, "--amp", "bf16", "--epochs", "3"]

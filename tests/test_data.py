@@ -1,4 +1,7 @@
-"""Data loading on real CIFAR-10: decoding, column detection, errors, balanced subsets, stats, augmentation."""
+"""Data loading on real CIFAR-10: decoding, column detection, errors, balanced subsets, stats, augmentation.
+
+The shipped sample serves every test but the three that compare with the full data set (``cifar10`` fixture).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from timm_rollout import hub
 from timm_rollout.augment import random_crop_flip
 from timm_rollout.data import (
     KNOWN_STATS,
+    SAMPLE_DIR,
     balanced_indices,
     compute_stats,
     dataset_arg,
@@ -26,21 +30,26 @@ from timm_rollout.data import (
 )
 from timm_rollout.errors import UserError
 
-CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
+
+@pytest.fixture(scope="session")
+def cifar_test(cifar10: Path):
+    """The full CIFAR-10 test split (skips without it)."""
+    return load_image_set(str(cifar10), "test")
 
 
 @pytest.fixture(scope="session")
-def cifar_test():
-    return load_image_set(str(CIFAR10), "test")
+def sample_test():
+    """The 1,000 test images of the shipped sample."""
+    return load_image_set("cifar10-sample", "test")
 
 
-def test_cifar10_decodes_like_datasets_and_pil(cifar_test) -> None:
+def test_cifar10_decodes_like_datasets_and_pil(cifar_test, cifar10: Path) -> None:
     assert cifar_test.images.shape == (10000, 3, 32, 32) and cifar_test.images.dtype == torch.uint8
     assert cifar_test.labels.dtype == torch.int64
     assert cifar_test.labels.bincount().tolist() == [1000] * 10
     assert cifar_test.class_names[:3] == ["airplane", "automobile", "bird"] and len(cifar_test.class_names) == 10
-    assert cifar_test.dataset == str(CIFAR10.resolve()) and cifar_test.split == "test" and cifar_test.fingerprint
-    ref = datasets.load_dataset(str(CIFAR10), split="test")
+    assert cifar_test.dataset == str(cifar10.resolve()) and cifar_test.split == "test" and cifar_test.fingerprint
+    ref = datasets.load_dataset(str(cifar10), split="test")
     for i in (0, 17, 9999):
         row = ref[i]
         want = np.asarray(row["img"].convert("RGB")).transpose(2, 0, 1)
@@ -48,10 +57,15 @@ def test_cifar10_decodes_like_datasets_and_pil(cifar_test) -> None:
         assert cifar_test.labels[i].item() == row["label"]
 
 
-def test_second_load_comes_from_cache_with_same_content(cifar_test) -> None:
-    again = load_image_set(str(CIFAR10), "test")
-    assert torch.equal(again.images, cifar_test.images) and torch.equal(again.labels, cifar_test.labels)
-    assert again.fingerprint == cifar_test.fingerprint
+def test_second_load_comes_from_cache_with_same_content(sample_test) -> None:
+    again = load_image_set("cifar10-sample", "test")
+    assert torch.equal(again.images, sample_test.images) and torch.equal(again.labels, sample_test.labels)
+    assert again.fingerprint == sample_test.fingerprint
+    ref = datasets.load_dataset(str(SAMPLE_DIR), split="test")  # the cache holds what datasets decodes
+    for i in (0, 17, 999):
+        row = ref[i]
+        want = np.asarray(row["img"].convert("RGB")).transpose(2, 0, 1)
+        assert np.array_equal(again.images[i].numpy(), want) and again.labels[i].item() == row["label"]
 
 
 def test_sample_is_balanced_and_made_of_real_cifar10_test_images(cifar_test) -> None:
@@ -159,24 +173,28 @@ def test_balanced_indices() -> None:
         balanced_indices(labels, per_class=25)
 
 
-def test_stats_and_normalize(cifar_test) -> None:
+def test_known_stats_match_the_full_test_split(cifar_test) -> None:
+    """The known CIFAR-10 std is close to the full test split's computed one (a JPEG copy)."""
+    np.testing.assert_allclose(compute_stats(cifar_test.images)[1], KNOWN_STATS["cifar10"][1], atol=4e-3)
+
+
+def test_stats_and_normalize(sample_test) -> None:
     mean, std = normalization_stats("cifar10")
     assert mean == KNOWN_STATS["cifar10"][0] and std[0] == pytest.approx(0.247, abs=1e-3)
     assert normalization_stats("cifar10-sample") == KNOWN_STATS["cifar10"]
-    # Computed stats against a numpy recomputation, and close to the known CIFAR-10 values (JPEG copy).
-    np.testing.assert_allclose(compute_stats(cifar_test.images)[1], KNOWN_STATS["cifar10"][1], atol=4e-3)
-    m, s = compute_stats(cifar_test.images[:2000])
-    arr = cifar_test.images[:2000].numpy().astype(np.float64) / 255
+    # Computed stats against a numpy recomputation.
+    m, s = compute_stats(sample_test.images)
+    arr = sample_test.images.numpy().astype(np.float64) / 255
     np.testing.assert_allclose(m, arr.mean(axis=(0, 2, 3)), atol=1e-9)
     np.testing.assert_allclose(s, arr.std(axis=(0, 2, 3)), atol=1e-9)
-    x = normalize(cifar_test.images[:4], mean, std)
+    x = normalize(sample_test.images[:4], mean, std)
     want = (arr[:4] - np.array(mean)[:, None, None]) / np.array(std)[:, None, None]
     assert x.dtype == torch.float32
     np.testing.assert_allclose(x.numpy(), want, atol=1e-5)
 
 
-def test_random_crop_flip_matches_per_image_torchvision(cifar_test) -> None:
-    images = cifar_test.images[:64]
+def test_random_crop_flip_matches_per_image_torchvision(sample_test) -> None:
+    images = sample_test.images[:64]
     gen = torch.Generator().manual_seed(0)
     out = random_crop_flip(images, padding=4, hflip=0.5, generator=gen)
     gen = torch.Generator().manual_seed(0)  # replay the same draws for a plain loop

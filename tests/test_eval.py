@@ -1,7 +1,9 @@
-"""harness.eval end to end on a small slice of real CIFAR-10, --pool, heatmap maps, harness.compare, and error paths."""
+"""harness.eval end to end on the shipped CIFAR-10 sample, --pool, heatmap maps, harness.compare, and error paths."""
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 import timm
 import torch
+from matplotlib.figure import Figure
 from PIL import Image
 from safetensors.torch import load_file
 from timm.models import save_for_hf
@@ -19,14 +22,15 @@ from timm.models import save_for_hf
 from harness import compare, metrics
 from harness import eval as harness_eval
 from harness.features import saliency_maps
+from harness.figures import FIGURE_DPI, save_figure, upsample_patch_map
+from harness.predictions import read_predictions, write_predictions
 from timm_rollout import attention_rollout, patch_weights, rollout_cls_row
 from timm_rollout.data import balanced_indices, load_image_set, normalize
 from timm_rollout.errors import UserError
 from timm_rollout.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
-CIFAR10 = ROOT.parent / "shared" / "data" / "cifar10"
-pytestmark = pytest.mark.skipif(not CIFAR10.is_dir(), reason=f"real CIFAR-10 not found at {CIFAR10}")
+SAMPLE = "cifar10-sample"  # 200 train and 100 test images per class, shipped in the package
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
 
 
@@ -45,7 +49,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 def _args(checkpoint: Path, output: Path, *extra: str) -> list[str]:
-    return ["--model", "vit_tiny_cifar_rollout", "--checkpoint", str(checkpoint), "--dataset", str(CIFAR10),
+    return ["--model", "vit_tiny_cifar_rollout", "--checkpoint", str(checkpoint), "--dataset", SAMPLE,
             "--output", str(output), *extra]
 
 
@@ -102,7 +106,43 @@ def test_features_file_reproduces_the_metrics(runs):
 def test_figures_are_written(runs):
     for name in ("cosine_matrix.png", "heatmaps.png"):
         with Image.open(runs[0] / name) as img:
-            assert img.format == "PNG" and img.size[0] > 200
+            assert img.format == "PNG" and img.mode == "P" and img.size[0] > 200  # a 256-colour palette
+
+
+def test_palette_figures_stay_close_to_the_full_colour_render(tmp_path):
+    """save_figure's 256-colour PNG against matplotlib's own RGBA render of a heatmap panel grid, pixel by pixel."""
+    images = load_image_set(SAMPLE, "test").images[:6]
+    fig = Figure(figsize=(9, 6))
+    for ax, image, seed in zip(fig.subplots(2, 3).flat, images, range(6), strict=True):
+        ax.imshow(image.permute(1, 2, 0).numpy(), interpolation="nearest")
+        weights = torch.rand(64, generator=torch.Generator().manual_seed(seed))
+        fig.colorbar(ax.imshow(upsample_patch_map(weights, (32, 32)), cmap="inferno", alpha=0.6), ax=ax)
+    save_figure(fig, tmp_path / "fig.png")
+    raw = io.BytesIO()
+    fig.savefig(raw, dpi=FIGURE_DPI, bbox_inches="tight", format="png")
+    with Image.open(tmp_path / "fig.png") as small, Image.open(raw) as full:
+        assert small.mode == "P" and small.size == full.size
+        error = np.abs(np.asarray(small.convert("RGB"), dtype=int) - np.asarray(full.convert("RGB"), dtype=int))
+    assert error.max() <= 32 and error.mean() < 6, (error.max(), error.mean())
+    assert (tmp_path / "fig.png").stat().st_size < 0.5 * len(raw.getvalue())
+
+
+def test_predictions_are_compressed_and_read_in_both_formats(runs, tmp_path):
+    results = json.loads((runs[0] / "results.json").read_text())
+    assert results["outputs"]["predictions"] == "predictions.json.gz"
+    a, b = ((r / "predictions.json.gz").read_bytes() for r in runs)
+    assert a == b  # the same seeded evaluation gives the same bytes (no timestamp in the gzip header)
+    pred = json.loads(gzip.decompress(a))  # plain gzip + JSON, no project code needed
+    labels = np.array(pred["label"])
+    assert (np.array(pred["predicted"]["top1"]) == labels).mean() == pytest.approx(results["metrics"]["top1"])
+    assert np.mean(pred["top5_hit"]) == pytest.approx(results["metrics"]["top5"])
+    assert read_predictions(runs[0]) == pred
+    (tmp_path / "predictions.json").write_text(json.dumps(pred))  # an evaluation written before compression
+    assert read_predictions(tmp_path) == pred and read_predictions(tmp_path / "missing") is None
+    correct = compare.correct_per_image(tmp_path, "knn_loo")
+    assert correct == {i: p == y for i, p, y in zip(pred["index"], pred["predicted"]["knn_loo"], labels, strict=True)}
+    write_predictions(tmp_path, pred)  # re-evaluated: the stale legacy file goes
+    assert not (tmp_path / "predictions.json").exists() and read_predictions(tmp_path) == pred
 
 
 def test_same_seed_gives_identical_results(runs):
@@ -117,7 +157,7 @@ def test_compare_groups_runs_and_writes_report(runs, tmp_path):
     groups = compare.main([str(r) for r in runs] + ["--output", str(tmp_path)])
     assert len(groups) == 1 and groups[0].n == 2 and groups[0].std["knn_loo"] == 0.0
     report = (tmp_path / "report.md").read_text()
-    assert "vit_tiny_cifar_rollout (vit_tiny_cifar_cls weights) on cifar10/test (n=2)" in report
+    assert "vit_tiny_cifar_rollout (vit_tiny_cifar_cls weights) on cifar10-sample/test (n=2)" in report
     assert "| knn_loo |" in report and (tmp_path / "comparison.png").is_file()
 
 
@@ -136,7 +176,7 @@ def test_summarise_mean_std_and_deltas():
 
 @pytest.fixture(scope="module")
 def images() -> torch.Tensor:
-    return load_image_set(str(CIFAR10), "test").images[:4]
+    return load_image_set(SAMPLE, "test").images[:4]
 
 
 def _manual_attentions(model, x: torch.Tensor) -> list[torch.Tensor]:
@@ -176,11 +216,11 @@ def test_heatmap_maps_explain_the_readout_from_every_layers_real_attention(name,
 def test_pool_avg_reads_out_the_mean_of_the_final_patch_tokens(checkpoint, tmp_path):
     out = tmp_path / "avg"
     results = harness_eval.main(["--model", "vit_tiny_cifar_cls", "--checkpoint", str(checkpoint), "--dataset",
-                                 str(CIFAR10), "--per-class", "3", "--pool", "avg", "--heatmaps", "1",
+                                 SAMPLE, "--per-class", "3", "--pool", "avg", "--heatmaps", "1",
                                  "--save-features", "--device", "cpu", "--amp", "none", "--output", str(out)])
     assert results["model"]["pool"] == "avg"
     saved = load_file(str(out / "features.safetensors"))
-    full = load_image_set(str(CIFAR10), "test")
+    full = load_image_set(SAMPLE, "test")
     idx = balanced_indices(full.labels, per_class=3, classes=list(range(10)), seed=0)
     assert torch.equal(saved["labels"], full.labels[idx])
     model, _ = load_model("vit_tiny_cifar_cls", checkpoint)  # still [CLS]-pooled: its own readout
@@ -246,7 +286,7 @@ def test_user_errors(checkpoint, tmp_path, tmp_path_factory):
     out = str(tmp_path / "out")
     message = _user_error(_args(checkpoint, out, "--classes", "cat", "unicorn"))
     assert "unicorn" in message and "valid: airplane, automobile, bird" in message
-    assert "only 1000 images" in _user_error(_args(checkpoint, out, "--per-class", "1001"))
+    assert "only 100 images" in _user_error(_args(checkpoint, out, "--per-class", "101"))
     assert "is the evaluated split" in _user_error(_args(checkpoint, out, "--bank-split", "test"))
     c100 = _save(tmp_path_factory, "vit_tiny_cifar_cls", 100)
     assert "checkpoint has 100 classes" in _user_error(_args(c100, out))

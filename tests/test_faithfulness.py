@@ -62,7 +62,7 @@ def test_ties_are_broken_at_random():
     assert torch.equal(random_ranks(200, 4, 3), ranks(torch.zeros(200, 4), 3))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_ranks_stay_on_the_inputs_device():
     scores = torch.rand(3, 16, device="cuda")
     r = ranks(scores, 0)

@@ -179,7 +179,7 @@ def test_global_pool_assignment_switches_pooling_and_back(images):
 
 @pytest.mark.parametrize("device", [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+    pytest.param("cuda", marks=pytest.mark.cuda),
 ])
 def test_rollout_weights_are_float32_under_bf16_autocast(images, device):
     model = make("vit_tiny_cifar_rollout", depth=2).eval().to(device)

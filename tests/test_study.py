@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from scipy import stats as sps
 
 from harness.compare import summarise
+from harness.predictions import read_predictions
 from timm_rollout.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +76,7 @@ def _table_row(report: str, metric: str, after: str = "") -> list[str]:
 
 
 def _correct(folder: Path) -> dict[int, bool]:
-    pred = json.loads((folder / "predictions.json").read_text())
+    pred = read_predictions(folder)
     return {i: p == y for i, p, y in zip(pred["index"], pred["predicted"]["top1"], pred["label"], strict=True)}
 
 
@@ -157,7 +158,7 @@ def test_posthoc_readouts_evaluate_the_cls_weights_with_another_pooling(finished
 def test_predictions_file_reproduces_the_accuracies(finished):
     folder = finished / "eval" / "rollout-grad-s1"
     results = json.loads((folder / "results.json").read_text())
-    pred = json.loads((folder / "predictions.json").read_text())
+    pred = read_predictions(folder)
     labels = np.array(pred["label"])
     assert len(labels) == results["data"]["num_images"] == 50 and len(set(pred["index"])) == 50
     for metric in ("top1", "linear_probe", "knn_loo", "knn_bank"):
@@ -202,7 +203,7 @@ def test_each_finished_run_is_committed_with_its_weights(repo, finished):
     first = _git(repo, "log", "--reverse", "--format=%s", "--", "results/toy/study.json").splitlines()[0]
     assert first == log[-1] and " seed 0 (top1 " in first
     tracked = set(_git(repo, "ls-files").splitlines())
-    assert {"results/toy/runs/cls-s0/model.safetensors", "results/toy/eval/cls-posthoc-avg-s1/predictions.json",
+    assert {"results/toy/runs/cls-s0/model.safetensors", "results/toy/eval/cls-posthoc-avg-s1/predictions.json.gz",
             "results/toy/runs/gap-s1/log.csv", "results/toy/report.md"} <= tracked
     assert not any(name.endswith(("resume.safetensors", "features.safetensors")) for name in tracked)
     assert _git(repo, "status", "--porcelain", "--", "results") == ""  # nothing of the study left uncommitted

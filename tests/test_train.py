@@ -1,4 +1,4 @@
-"""Training on real CIFAR-10 slices: accuracy, output folder contract, kill-and-resume, safety rails, DDP.
+"""Training on the shipped CIFAR-10 sample: accuracy, output folder contract, kill-and-resume, safety rails, DDP.
 
 Every run pins ``--device cpu`` and its precision (fp32 unless precision is the point), so the numbers do not
 depend on whether this CPU has native bf16 or the machine has a GPU; the CUDA path is in ``test_cuda.py``.
@@ -7,6 +7,7 @@ depend on whether this CPU has native bf16 or the machine has a GPU; the CUDA pa
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -27,11 +28,11 @@ from timm_rollout.records import RESUME_FILE
 from timm_rollout.train import train
 from timm_rollout.train_log import LOG_COLUMNS, read_log
 
-CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
-QUICK = ["--dataset", str(CIFAR10), "--max-train-samples", "2000", "--max-eval-samples", "1000", "--epochs", "2",
+SAMPLE = "cifar10-sample"  # 2,000 train and 1,000 test images, shipped in the package
+QUICK = ["--dataset", SAMPLE, "--max-train-samples", "2000", "--max-eval-samples", "1000", "--epochs", "2",
          "--batch-size", "64", "--lr", "2e-3", "--model-kwargs", "depth=2", "embed_dim=64", "--seed", "0",
          "--workers", "1", "--no-progress", "--device", "cpu", "--amp", "none"]
-TINY = ["--dataset", str(CIFAR10), "--max-train-samples", "256", "--max-eval-samples", "100", "--batch-size", "32",
+TINY = ["--dataset", SAMPLE, "--max-train-samples", "256", "--max-eval-samples", "100", "--batch-size", "32",
         "--model-kwargs", "depth=1", "embed_dim=64", "--workers", "1", "--no-progress", "--device", "cpu"]
 FP32 = ["--amp", "none"]
 
@@ -78,7 +79,7 @@ def test_quick_run_learns_and_writes_the_output_contract(quick_run: Path) -> Non
     # ... and reproduces the logged accuracy through timm's own eval transform on the same 1,000 images.
     from timm_rollout.data import balanced_indices, load_image_set
 
-    test = load_image_set(str(CIFAR10), "test")
+    test = load_image_set(SAMPLE, "test")
     idx = balanced_indices(test.labels, total=1000, seed=0)
     mean = torch.tensor(model.pretrained_cfg["mean"]).view(1, 3, 1, 1)
     std = torch.tensor(model.pretrained_cfg["std"]).view(1, 3, 1, 1)
@@ -186,8 +187,56 @@ def test_finished_run_is_not_overwritten(quick_run: Path) -> None:
     before = (quick_run / "model.safetensors").read_bytes()
     with pytest.raises(UserError, match="finished run; pass --overwrite"):
         train([*QUICK, "--output", str(quick_run)])
-    assert train([*QUICK, "--output", str(quick_run), "--resume"]) == quick_run  # nothing to do
+    assert train([*QUICK, "--output", str(quick_run), "--resume"]) == quick_run  # finished: the same --epochs
     assert (quick_run / "model.safetensors").read_bytes() == before
+
+
+def _cosine_lr(t: int, total: int, lr: float = 2e-3, min_lr: float = 5e-6) -> float:
+    """timm's cosine schedule without warmup after ``t`` of ``total`` updates (by hand)."""
+    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * t / total))
+
+
+def test_resume_with_more_epochs_trains_a_finished_run_further_on_the_new_schedule(tmp_path: Path, capsys) -> None:
+    cosine = [*TINY_RUN, "--warmup-epochs", "0"]  # 8 updates per epoch; the logged lr is each epoch's last
+    out = train([*cosine, "--epochs", "1", "--output", str(tmp_path / "run")])
+    first = read_log(out / "log.csv")
+    assert first[0]["lr"] == pytest.approx(_cosine_lr(7, 8), rel=1e-12)  # the 1-epoch schedule, near its end
+    train([*cosine, "--epochs", "3", "--resume", "--output", str(out)])
+    rows = read_log(out / "log.csv")
+    assert [r["epoch"] for r in rows] == [1, 2, 3] and _metrics(rows[:1]) == _metrics(first)
+    # Epochs 2 and 3 follow the 3-epoch cosine from update 8 on: the rate jumps back up at the resume point.
+    assert [r["lr"] for r in rows[1:]] == pytest.approx([_cosine_lr(15, 24), _cosine_lr(23, 24)], rel=1e-12)
+    assert rows[1]["lr"] > 3 * first[0]["lr"]
+    record = json.loads((out / "train_args.json").read_text())
+    assert record["epochs"] == 3 and record["extended"] == [{"at_epoch": 1, "epochs": 1, "warmup_epochs_used": 0}]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["epochs"] == 3 and summary["eval_top1"] == rows[-1]["eval_top1"]
+    assert sum(summary["machines"].values()) == 3
+
+    before = (out / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    train([*cosine, "--epochs", "3", "--resume", "--output", str(out)])  # the same count: nothing typed goes unused
+    assert "holds a finished run of 3 epochs; pass a larger --epochs" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"--lr 0.1 differs from the saved run's 0.002"):
+        train([*cosine, "--epochs", "5", "--resume", "--lr", "0.1", "--output", str(out)])
+    with pytest.raises(UserError, match=r"--epochs 2 differs from the saved run's 3"):
+        train([*cosine, "--epochs", "2", "--resume", "--output", str(out)])
+    (out / RESUME_FILE).unlink()  # as scripts/study.py leaves a finished run
+    with pytest.raises(UserError, match=r"without its resume.safetensors .* cannot continue exactly"):
+        train([*cosine, "--epochs", "5", "--resume", "--output", str(out)])
+    assert (out / "model.safetensors").read_bytes() == before and len(read_log(out / "log.csv")) == 3
+
+
+def test_training_further_restores_optimizer_and_ema_exactly(tmp_path: Path) -> None:
+    """With a schedule that does not depend on the run length, 1 epoch then 2 more equals 3 epochs in one go."""
+    run = [*TINY_RUN, "--sched", "constant", "--warmup-epochs", "0", "--model-ema", "--model-ema-decay", "0.9"]
+    whole = train([*run, "--output", str(tmp_path / "whole")])
+    out = train([*run, "--epochs", "1", "--output", str(tmp_path / "extended")])
+    train([*run, "--resume", "--output", str(out)])
+    assert _metrics(read_log(out / "log.csv")) == _metrics(read_log(whole / "log.csv"))
+    assert _same_weights(out, whole)  # the exported EMA
+    a, b = load_file(out / RESUME_FILE), load_file(whole / RESUME_FILE)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # model, EMA, Adam moments
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path: Path, monkeypatch) -> None:
@@ -247,9 +296,9 @@ def test_ddp_two_cpu_processes(tmp_path: Path) -> None:
     assert isinstance(model, timm_rollout.RolloutVisionTransformer)
     # The logged evaluation (each rank takes every other image, sums all-reduced) equals a plain one-process loop
     # over the same 100 balanced test images.
-    test = load_image_set(str(CIFAR10), "test")
+    test = load_image_set(SAMPLE, "test")
     test = test.subset(balanced_indices(test.labels, total=100, seed=0))
-    mean, std = normalization_stats(str(CIFAR10), load_image_set(str(CIFAR10), "train"))
+    mean, std = normalization_stats(SAMPLE, load_image_set(SAMPLE, "train"))
     with torch.no_grad():
         logits = torch.cat([model(normalize(test.images[i:i + 1], mean, std)) for i in range(len(test.labels))])
     top1 = 100 * sum(int(logits[i].argmax()) == int(test.labels[i]) for i in range(len(test.labels))) / 100
@@ -304,9 +353,7 @@ def test_a_missing_gpu_is_a_user_error(monkeypatch) -> None:
         resolve_device("gpu")
 
 
-@pytest.mark.skipif(not os.environ.get("TIMM_ROLLOUT_SLOW_TESTS"),
-                    reason="torch.compile needs 3-4 minutes on a 2-core CPU (inductor builds C++ kernels for the "
-                           "training and evaluation graphs); set TIMM_ROLLOUT_SLOW_TESTS=1 to run it")
+@pytest.mark.slow  # torch.compile: 3-4 minutes on a 2-core CPU (inductor builds C++ kernels for both graphs)
 def test_compile_gives_the_eager_results_on_cpu(tmp_path: Path) -> None:
     no_dropout = ["pos_drop_rate=0", "attn_drop_rate=0", "proj_drop_rate=0"]  # compiled masks: another stream
     run = [*TINY, *FP32, "--epochs", "1", "--model-kwargs", "depth=1", "embed_dim=64", *no_dropout]

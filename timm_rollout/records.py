@@ -20,6 +20,7 @@ __all__ = [
     "FEATURES_FILE",
     "HEATMAPS_FILE",
     "HUB_DIR",
+    "LEGACY_PREDICTIONS_FILE",
     "LOG_FILE",
     "MODEL_FILES",
     "PREDICTIONS_FILE",
@@ -44,7 +45,8 @@ CURVES_FILE = "curves.png"
 SUMMARY_FILE = "summary.json"
 # An evaluation (python -m harness.eval --output).
 RESULTS_FILE = "results.json"
-PREDICTIONS_FILE = "predictions.json"
+PREDICTIONS_FILE = "predictions.json.gz"  # gzip-compressed JSON (harness.predictions)
+LEGACY_PREDICTIONS_FILE = "predictions.json"  # the same JSON uncompressed, as evaluations wrote it before
 FEATURES_FILE = "features.safetensors"
 COSINE_FILE = "cosine_matrix.png"
 HEATMAPS_FILE = "heatmaps.png"

@@ -143,7 +143,9 @@ def build_parser() -> CliParser:
                    help="epochs between checkpoint, export, log and plot writes (the last epoch is always saved)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model for training and evaluation")
     mode = g.add_mutually_exclusive_group()
-    mode.add_argument("--resume", action="store_true", help="continue the run in --output (a finished run is kept)")
+    mode.add_argument("--resume", action="store_true",
+                      help="continue the run in --output; a larger --epochs trains a finished run further, on a "
+                           "schedule rebuilt for the new total")
     mode.add_argument("--overwrite", action="store_true", help="replace a run already in --output")
     return p
 
@@ -259,17 +261,24 @@ def _prepare_output(out: Path, args: argparse.Namespace, d: Dist) -> str:
     return "fresh"
 
 
+def _saved_args(out: Path) -> dict[str, Any]:
+    return json.loads((out / ARGS_FILE).read_text(encoding="utf-8"))
+
+
 def _merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) -> argparse.Namespace:
     """On resume, the saved configuration wins; a flag typed with another value than the saved one is an error.
 
     ``parser.given`` tells a typed flag from an omitted one, so ``--lr 5e-4`` is refused against a run saved
-    with 1e-3 even though 5e-4 is the default (it would otherwise silently continue at 1e-3).
+    with 1e-3 even though 5e-4 is the default (it would otherwise silently continue at 1e-3). The one exception
+    is a larger ``--epochs``: the run continues to the new count (:func:`_record_extension`).
     """
-    saved = json.loads((out / ARGS_FILE).read_text(encoding="utf-8"))
+    saved = _saved_args(out)
     merged = vars(args).copy()
     for key, value in vars(args).items():
         if key in RESUME_FREE or key not in saved:
             continue
+        if key == "epochs" and key in parser.given and value > saved[key]:
+            continue  # training goes on to the typed count, on a schedule rebuilt for it
         if key in parser.given and json.loads(json.dumps(value)) != saved[key]:
             flag = "--" + key.replace("_", "-")
             raise UserError(f"{flag} {_shown(value)} differs from the saved run's {_shown(saved[key])}; drop it to "
@@ -375,12 +384,13 @@ class Trainer:
 def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -> Path:
     out = Path(args.output)
     state = _prepare_output(out, args, d)
-    if state == "finished":
-        if d.main:
-            print(f"{out} already holds a finished run; nothing to do")
-        return out
-    if state == "resume":
+    saved_epochs = _saved_args(out)["epochs"] if state != "fresh" else args.epochs
+    if state != "fresh":
         args = _merge_saved_args(args, out, parser)
+    if state == "finished":
+        if not _trains_further(out, args.epochs, saved_epochs, d):
+            return out
+        state = "resume"
     if not args.dataset:
         raise UserError("no data set: pass --dataset (e.g. cifar10, cifar10-sample or a local folder)")
     if args.workers:
@@ -394,6 +404,8 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -
     t = _build(args, data, d)
     if state == "resume":
         _restore(t, out / RESUME_FILE)
+        if args.epochs > saved_epochs and d.main:
+            _record_extension(out, t.epoch, args.epochs, data.warmup)
     elif d.main:
         _write_record(out, args, data, d)
     batches = _batches(args, data, d)
@@ -487,6 +499,31 @@ def _restore(t: Trainer, path: Path) -> None:
     t.machines = meta.get("machines", {})  # resume states written before machines were recorded lack them
     if t.scheduler is not None:
         t.scheduler.step_update(t.num_updates)
+
+
+def _trains_further(out: Path, epochs: int, saved_epochs: int, d: Dist) -> bool:
+    """``--resume`` on a finished run: True when ``epochs`` asks for more and the run kept the state to continue
+    exactly (model, optimizer, EMA, grad scaler); False, saying so, when it already holds that many epochs."""
+    if epochs == saved_epochs:
+        if d.main:
+            print(f"{out} holds a finished run of {saved_epochs} epochs; pass a larger --epochs to train it further")
+        return False
+    if not (out / RESUME_FILE).exists():
+        raise UserError(f"{out} holds a finished run of {saved_epochs} epochs without its {RESUME_FILE} (scripts/"
+                        f"study.py removes it), so it cannot continue exactly; train --epochs {epochs} into a new "
+                        "--output instead")
+    return True
+
+
+def _record_extension(out: Path, at_epoch: int, epochs: int, warmup: float) -> None:
+    """A run resumed with a larger ``--epochs``: ``train_args.json`` takes the new count and warmup, keeping the
+    old ones under ``extended`` (the learning rates of epochs 1..at_epoch followed that schedule), and a finished
+    run becomes unfinished until it reaches the new count (its ``summary.json`` goes)."""
+    record = _saved_args(out)
+    record["extended"] = [*record.get("extended", []), {"at_epoch": at_epoch, "epochs": record["epochs"],
+                                                        "warmup_epochs_used": record["warmup_epochs_used"]}]
+    write_json(out / ARGS_FILE, {**record, "epochs": epochs, "warmup_epochs_used": warmup})
+    (out / SUMMARY_FILE).unlink(missing_ok=True)
 
 
 def _write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -> None:
