@@ -114,9 +114,9 @@ class PoolingDiagnostics:
 
     def record(self) -> dict:
         """results.json's ``pooling_diagnostics``: the rollout options, the mean weight map and a histogram of
-        effective patches over unit-wide bins from 1 to P (what the study's figure draws)."""
+        effective patches over bins a quarter patch wide from 1 to P (what the study's figure draws)."""
         p = self.mean_weights.numel()
-        counts, edges = np.histogram(self.effective_patches.numpy(), bins=np.linspace(1.0, p, p))
+        counts, edges = np.histogram(self.effective_patches.numpy(), bins=np.linspace(1.0, p, 4 * (p - 1) + 1))
         return {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio,
                 "num_images": int(self.effective_patches.numel()), "num_patches": p,
                 "mean_weights": [round(float(v), 7) for v in self.mean_weights],

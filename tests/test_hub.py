@@ -380,3 +380,11 @@ def test_errors_are_one_line(tmp_path, run, eval_dir, fake_hub, monkeypatch, cap
     assert e.value.code == 2
     assert err[-1].startswith("error: ") and message in err[-1]
     assert not [c for c in fake_hub if c[0] == "upload_folder"]
+
+
+def test_card_states_how_the_run_was_picked(tmp_path):
+    save_run(tmp_path / "run", "vit_tiny_cifar_cls")
+    hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/tiny", selection="seed 2 of seeds 0, 1, 2")
+    assert "**Selection:** seed 2 of seeds 0, 1, 2" in (tmp_path / "up" / "README.md").read_text()
+    hub.write_upload_folder(tmp_path / "run", tmp_path / "plain", "me/tiny")
+    assert "Selection" not in (tmp_path / "plain" / "README.md").read_text()

@@ -295,3 +295,16 @@ def test_cosine_to_mean_and_pooling_weights_against_plain_routes():
     for fusion, ratio in (("mean", 0.0), ("max", 0.5), ("min", 0.9)):
         row = attention_rollout(attn, fusion, ratio)[:, 0, 1:]  # the full matrix product, [CLS] row
         torch.testing.assert_close(pooling_weights(attn, 1, fusion, ratio), row / row.sum(dim=1, keepdim=True))
+
+
+def test_relative_to_uniform_scale_and_one_colour_range():
+    import torch
+
+    from harness.figures import relative_to_uniform, shared_range
+
+    maps = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.1, 0.1, 0.2], [3.0, 1.0, 0.0, 0.0]])
+    want = [[v / sum(row) * len(row) for v in row] for row in maps.tolist()]  # share of the total x P
+    np.testing.assert_allclose(relative_to_uniform(maps).numpy(), want, rtol=1e-6)
+    assert relative_to_uniform(torch.zeros(1, 4)).tolist() == [[0.0] * 4]  # an empty map stays 0, no NaN
+    assert shared_range([relative_to_uniform(maps), torch.ones(2, 4)]) == (0.0, 3.0)
+    assert shared_range([torch.ones(2, 4)]) == (0.0, 2.0)  # near-uniform maps keep a range that shows it

@@ -22,6 +22,7 @@ __all__ = [
     "HUB_DIR",
     "LOG_FILE",
     "MODEL_FILES",
+    "POOLING_FILE",
     "PREDICTIONS_FILE",
     "REPORT_FILE",
     "RESULTS_FILE",
@@ -53,6 +54,7 @@ FAITHFULNESS_FILE = "faithfulness.png"
 REPORT_FILE = "report.md"
 COMPARISON_FILE = "comparison.png"
 STUDY_FILE = "study.json"
+POOLING_FILE = "pooling.png"  # a study's pooling diagnostics per arm
 HUB_DIR = "hub"  # a study's Hub exports: hub/<arm>, the best run of each arm
 # The model card of a Hub upload.
 CARD_FILE = "README.md"
