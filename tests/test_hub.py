@@ -30,7 +30,8 @@ CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "hors
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
 METRICS = {
     "top1": 0.8125, "top5": 0.9875, "linear_probe": 0.775, "knn_loo": 0.7625, "knn_bank": None, "intra": 0.6125,
-    "inter": 0.5375, "ratio": 0.8775, "silhouette": 0.1125, "ratio_original": 3.5,
+    "inter": 0.5375, "ratio": 0.8775, "silhouette": 0.1125, "ratio_original": 3.5, "rollout_effective_patches": 61.5,
+    "rollout_cosine_to_mean": 0.9975,
 }
 # results.json as python -m harness.eval writes it (metrics, provenance sections); model.sha256 set per run
 RESULTS = {
