@@ -25,7 +25,7 @@ import numpy as np
 
 from harness import stats
 from harness.figures import plot_comparison
-from harness.metrics import ACCURACIES
+from harness.metrics import ACCURACIES, POOLING_DIAGNOSTICS
 from harness.predictions import read_predictions
 from timm_rollout.atomic import write_text
 from timm_rollout.errors import UserError, run_cli
@@ -296,8 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness.compare", description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="evaluation folders (each with results.json)")
     p.add_argument("--output", required=True, help="folder for report.md and comparison.png")
-    p.add_argument("--metrics", nargs="+", default=list(METRICS), choices=METRICS + ORIGINAL_METRICS,
-                   help="metrics to show (the first listed group is the base)")
+    p.add_argument("--metrics", nargs="+", default=list(METRICS),
+                   choices=METRICS + POOLING_DIAGNOSTICS + ORIGINAL_METRICS,
+                   help="metrics to show (the first listed group is the base; the pooling diagnostics on request)")
     return p
 
 

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from harness import metrics
 from harness.faithfulness import evaluate_faithfulness, plot_faithfulness
-from harness.features import extract, saliency_maps
+from harness.features import PoolingDiagnostics, extract, pooling_diagnostics, saliency_maps
 from harness.figures import plot_cosine_matrix, plot_heatmaps
 from harness.predictions import write_predictions
 from timm_rollout.atomic import atomic_path, write_json
@@ -67,7 +67,7 @@ from timm_rollout.records import (
     versions,
 )
 
-__all__ = ["build_parser", "evaluate", "main", "select_classes", "set_pool"]
+__all__ = ["build_parser", "diagnostic_metrics", "evaluate", "main", "select_classes", "set_pool"]
 
 POST_HOC_POOLS = tuple(k for k in READOUTS if k != "map")  # a learned attention pool cannot be added post hoc
 
@@ -231,6 +231,14 @@ def _metric_values(predicted: dict[str, np.ndarray | None], labels: torch.Tensor
     return {**values, **ours, "silhouette": silhouette, **original}
 
 
+def diagnostic_metrics(diagnostics: PoolingDiagnostics | None) -> dict[str, float | None]:
+    """results.json's pooling diagnostics (:data:`harness.metrics.POOLING_DIAGNOSTICS`): means over the images."""
+    if diagnostics is None:
+        return dict.fromkeys(metrics.POOLING_DIAGNOSTICS)
+    return {"rollout_effective_patches": float(diagnostics.effective_patches.double().mean()),
+            "rollout_cosine_to_mean": float(diagnostics.cosine_to_mean.double().mean())}
+
+
 def _predictions_record(predicted: dict[str, np.ndarray | None], labels: torch.Tensor,
                         index: torch.Tensor) -> dict[str, Any]:
     """The predictions file's content: split index and label of each evaluated image, the class each accuracy
@@ -319,6 +327,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                        batch_size=args.batch_size)
     with clock.stage("extract"):
         feats, logits = features(data.images, desc=f"{data.split} features")
+    with clock.stage("pooling_diagnostics"):
+        diagnostics = pooling_diagnostics(model, data.images, info["mean"], info["std"], device=device,
+                                          amp_dtype=amp_dtype, batch_size=args.batch_size)
     bank = bank_feats = None
     if args.bank_split:
         with clock.stage("load_bank"):
@@ -344,7 +355,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                       metadata={"model": info["name"], "dataset": data.dataset, "split": data.split})
 
     results = {
-        "metrics": _metric_values(predicted, labels, geometry, sil),
+        "metrics": {**_metric_values(predicted, labels, geometry, sil), **diagnostic_metrics(diagnostics)},
+        "pooling_diagnostics": None if diagnostics is None else diagnostics.record(),
         "cosine_matrix": {"classes": cos_names, "matrix": cos.round(6).tolist()},
         "faithfulness": faithfulness,
         "model": {**info, "pretrained_cfg": {k: v for k, v in model.pretrained_cfg.items() if k != "state_dict"}},

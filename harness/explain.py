@@ -23,6 +23,7 @@ from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 from timm.utils import ParseKwargs
 
+from harness.figures import UNIFORM_SCALE_LABEL, relative_to_uniform, shared_range
 from timm_rollout.atomic import atomic_path
 from timm_rollout.data import dataset_arg
 from timm_rollout.device import resolve_device
@@ -126,21 +127,25 @@ def _class_name(names: list[str] | None, index: int) -> str:
     return f"{names[index]} ({index})" if names and index < len(names) else str(index)
 
 
-def _overlay(fig: Figure, ax, rgb: np.ndarray, values: torch.Tensor, grid: tuple[int, int], title: str) -> None:
+def _overlay(fig: Figure, ax, rgb: np.ndarray, values: torch.Tensor, grid: tuple[int, int], title: str,
+             vrange: tuple[float, float]) -> None:
     h, w = rgb.shape[:2]
     ax.imshow(rgb, interpolation="nearest")
     im = ax.imshow(values.view(grid).numpy(), cmap="inferno", alpha=0.6, interpolation="nearest",
-                   extent=(0, w, h, 0))
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+                   extent=(0, w, h, 0), vmin=vrange[0], vmax=vrange[1])
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label(UNIFORM_SCALE_LABEL, fontsize=7)
     ax.set_title(title, fontsize=8)
     ax.set_xticks([])
     ax.set_yticks([])
 
 
 def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: str, path: str | Path) -> Path:
-    """One figure: the input, every map of ``ex`` (image 0) and its rollout build-up, each with a colour bar."""
+    """One figure: the input, every map of ``ex`` (image 0) and its rollout build-up, each with a colour bar; all
+    maps on the scale of :func:`~harness.figures.relative_to_uniform` with one colour range."""
     panels = [(name, values[0]) for name, values in ex.maps.items()]
     panels += [(f"rollout through layer {i + 1}", ex.buildup[0, i]) for i in range(ex.buildup.shape[1])]
+    panels = [(name, relative_to_uniform(values.float().cpu())) for name, values in panels]
+    vrange = shared_range([values for _, values in panels])
     rows = -(-(len(panels) + 1) // COLUMNS)
     fig = Figure(figsize=(3.2 * COLUMNS, 3.0 * rows))
     axes = fig.subplots(rows, COLUMNS, squeeze=False).ravel()
@@ -149,7 +154,7 @@ def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: 
     axes[0].set_xlabel("x (pixels)", fontsize=7)
     axes[0].set_ylabel("y (pixels)", fontsize=7)
     for ax, (name, values) in zip(axes[1:], panels, strict=False):
-        _overlay(fig, ax, rgb, values.float().cpu(), ex.grid, name)
+        _overlay(fig, ax, rgb, values, ex.grid, name, vrange)
     for ax in axes[len(panels) + 1:]:
         ax.axis("off")
     fig.suptitle(title)

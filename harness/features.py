@@ -11,15 +11,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from timm_rollout.capture import capture_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast, inference_batch_size
+from timm_rollout.diagnostics import cosine_to_mean, effective_patches, pooling_weights, rollout_options
 from timm_rollout.explain import gradient_pass, readout_maps
 
-__all__ = ["SaliencyMaps", "extract", "saliency_maps"]
+__all__ = ["PoolingDiagnostics", "SaliencyMaps", "extract", "pooling_diagnostics", "saliency_maps"]
 
 
 def _forward(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,3 +100,60 @@ def saliency_maps(
     if p is None:
         raise ValueError("no images to explain")
     return SaliencyMaps({k: torch.cat(v) for k, v in maps.items()}, torch.cat(logits), p.grid, p.readout_name)
+
+
+@dataclass
+class PoolingDiagnostics:
+    """Per image: effective patches and cosine to the mean of the rollout pooling weights; their mean map."""
+
+    effective_patches: torch.Tensor  # (N,)
+    cosine_to_mean: torch.Tensor  # (N,)
+    mean_weights: torch.Tensor  # (P,): the weights averaged over the images
+    head_fusion: str
+    discard_ratio: float
+
+    def record(self) -> dict:
+        """results.json's ``pooling_diagnostics``: the rollout options, the mean weight map and a histogram of
+        effective patches over bins a quarter patch wide from 1 to P (what the study's figure draws)."""
+        p = self.mean_weights.numel()
+        counts, edges = np.histogram(self.effective_patches.numpy(), bins=np.linspace(1.0, p, 4 * (p - 1) + 1))
+        return {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio,
+                "num_images": int(self.effective_patches.numel()), "num_patches": p,
+                "mean_weights": [round(float(v), 7) for v in self.mean_weights],
+                "effective_patches_histogram": {"edges": edges.tolist(), "counts": counts.tolist()}}
+
+
+@torch.inference_mode()
+def pooling_diagnostics(
+    model: nn.Module,
+    images: torch.Tensor,
+    mean: Sequence[float],
+    std: Sequence[float],
+    *,
+    device: torch.device,
+    amp_dtype: torch.dtype | None = None,
+    batch_size: int | None = None,
+) -> PoolingDiagnostics | None:
+    """:mod:`timm_rollout.diagnostics` of uint8 (N, 3, H, W) ``images``: the rollout pooling weights of each image
+    (the model's own rollout options, see :func:`~timm_rollout.diagnostics.rollout_options`; for other poolings
+    the weights rollout pooling would use post hoc) against its final patch tokens, ``forward_features(x)``.
+    None for a model without a class token (no [CLS] row to roll out)."""
+    if getattr(model, "cls_token", None) is None:
+        return None
+    model.eval()
+    fusion, ratio = rollout_options(model)
+    prefix = int(model.num_prefix_tokens)
+    batch_size = batch_size or inference_batch_size(device)
+    found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for start in tqdm(range(0, len(images), batch_size), desc="pooling diagnostics", leave=False):
+        x = normalize(images[start:start + batch_size].to(device), mean, std).contiguous()
+        with autocast(device, amp_dtype), capture_attention(model) as cap:
+            tokens = model.forward_features(x)
+        weights = pooling_weights([a.float() for a in cap.attentions], prefix, fusion, ratio)
+        found.append((effective_patches(weights).cpu(), cosine_to_mean(tokens[:, prefix:], weights).cpu(),
+                      weights.sum(dim=0).cpu()))
+    if not found:
+        raise ValueError("no images to diagnose")
+    patches, cosines, sums = zip(*found, strict=True)
+    return PoolingDiagnostics(torch.cat(patches), torch.cat(cosines), torch.stack(sums).sum(dim=0) / len(images),
+                              fusion, ratio)

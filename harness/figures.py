@@ -15,7 +15,11 @@ from PIL import Image
 
 from timm_rollout.atomic import atomic_path
 
-__all__ = ["plot_comparison", "plot_cosine_matrix", "plot_heatmaps", "save_figure", "upsample_patch_map"]
+__all__ = ["UNIFORM_SCALE_LABEL", "plot_comparison", "plot_cosine_matrix", "plot_heatmaps", "plot_pooling_diagnostics",
+           "relative_to_uniform", "save_figure", "shared_range", "upsample_patch_map"]
+
+# Colour-bar label of maps drawn on the scale of relative_to_uniform.
+UNIFORM_SCALE_LABEL = "weight x number of patches (1 = uniform)"
 
 
 FIGURE_DPI = 100
@@ -63,6 +67,20 @@ def plot_cosine_matrix(matrix: np.ndarray, class_names: Sequence[str], path: str
     return save_figure(fig, path)
 
 
+def relative_to_uniform(maps: torch.Tensor) -> torch.Tensor:
+    """(..., P) patch maps as each patch's share of its map's total times P: 1 is the uniform share, 2 twice it.
+
+    For pooling weights (which sum to 1) this is weight x P; the same scale for every map lets a figure use one
+    colour range, so near-uniform weights look near-uniform (a map stretched to its own range would not)."""
+    m = maps.float()
+    return m / m.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) * m.shape[-1]
+
+
+def shared_range(maps: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """One colour range for maps on the :func:`relative_to_uniform` scale: 0 to their largest value (at least 2)."""
+    return 0.0, max(2.0, *(float(m.max()) for m in maps))
+
+
 def upsample_patch_map(weights: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
     """(P,) patch weights -> (H, W) map, bilinearly upsampled from the square patch grid."""
     side = math.isqrt(weights.numel())
@@ -80,8 +98,11 @@ def plot_heatmaps(
 ) -> Path:
     """One row per image: the image, then each named map overlaid (columns in the order of ``maps``).
 
-    ``images`` are uint8 (B, 3, H, W) (the de-normalised inputs); maps are (B, P) over the patch grid.
+    ``images`` are uint8 (B, 3, H, W) (the de-normalised inputs); maps are (B, P) over the patch grid, drawn on
+    the :func:`relative_to_uniform` scale with one colour range for the whole figure.
     """
+    maps = {name: relative_to_uniform(values) for name, values in maps.items()}
+    vmin, vmax = shared_range(list(maps.values()))
     b, _, h, w = images.shape
     fig = Figure(figsize=(3.2 * (len(maps) + 1), 2.9 * b))
     axes = fig.subplots(b, len(maps) + 1, squeeze=False)
@@ -91,9 +112,9 @@ def plot_heatmaps(
         axes[i, 0].set_title(f"true: {true_names[i]}\npred: {pred_names[i]}", fontsize=9)
         for ax, (name, values) in zip(axes[i, 1:], maps.items(), strict=True):
             ax.imshow(rgb, interpolation="nearest")
-            im = ax.imshow(upsample_patch_map(values[i], (h, w)), cmap="inferno", alpha=0.6)
+            im = ax.imshow(upsample_patch_map(values[i], (h, w)), cmap="inferno", alpha=0.6, vmin=vmin, vmax=vmax)
             bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-            bar.set_label("weight", fontsize=7)
+            bar.set_label(UNIFORM_SCALE_LABEL, fontsize=7)
             bar.ax.tick_params(labelsize=6)
             ax.set_title(f"{name}\ntrue: {true_names[i]}, pred: {pred_names[i]}", fontsize=8)
         for ax in axes[i]:
@@ -130,4 +151,45 @@ def plot_comparison(
     ax.set_title(title)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
+    return save_figure(fig, path)
+
+
+def plot_pooling_diagnostics(records: Mapping[str, Sequence[dict]], path: str | Path, title: str) -> Path:
+    """At a glance, per arm (``records``: arm -> the ``pooling_diagnostics`` of results.json, one per seed): the
+    distribution of effective patches over the images of all seeds (top) and the mean rollout pooling weight map
+    (bottom, weight x number of patches, 1 = uniform, one colour range)."""
+    arms = list(records)
+    fig = Figure(figsize=(max(8.0, 3.3 * len(arms)), 7.5))
+    grid = fig.add_gridspec(2, len(arms), height_ratios=(1.1, 1.0))
+    top = fig.add_subplot(grid[0, :])
+    means, low = {}, float("inf")
+    for j, arm in enumerate(arms):
+        seeds = records[arm]
+        edges = np.asarray(seeds[0]["effective_patches_histogram"]["edges"])
+        if any(r["effective_patches_histogram"]["edges"] != seeds[0]["effective_patches_histogram"]["edges"]
+               for r in seeds):
+            raise ValueError(f"the seeds of {arm} binned effective patches differently; re-evaluate them with one "
+                             "version of python -m harness.eval")
+        counts = np.sum([r["effective_patches_histogram"]["counts"] for r in seeds], axis=0)
+        top.stairs(counts / counts.sum(), edges, color=f"C{j}", lw=1.6,
+                   label=f"{arm} ({len(seeds)} seed(s), {counts.sum()} images)")
+        means[arm] = relative_to_uniform(torch.tensor([r["mean_weights"] for r in seeds]).mean(dim=0))
+        low = min(low, float(edges[:-1][counts > 0].min()))
+    p = len(next(iter(means.values())))
+    top.axvline(p, color="grey", ls="--", lw=1, label=f"uniform weights ({p}, the patch mean)")
+    top.set(xlabel=f"effective patches exp(entropy) of an image's rollout pooling weights (uniform = {p})",
+            ylabel="fraction of images", title="How many patches rollout pooling effectively averages")
+    top.set_xlim(max(1.0, math.floor(low) - 2.0), p + 0.5)  # from the sharpest image seen to uniform
+    top.grid(alpha=0.3)
+    top.legend(fontsize=8, loc="upper left")
+    vmin, vmax = shared_range(list(means.values()))
+    side = math.isqrt(p)
+    for j, arm in enumerate(arms):
+        ax = fig.add_subplot(grid[1, j])
+        im = ax.imshow(means[arm].view(side, side).numpy(), cmap="inferno", vmin=vmin, vmax=vmax)
+        ax.set_title(f"{arm}\nmean weights over the images", fontsize=9)
+        ax.set(xlabel="patch column", ylabel="patch row")
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label(UNIFORM_SCALE_LABEL, fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
     return save_figure(fig, path)

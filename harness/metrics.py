@@ -22,6 +22,7 @@ from threadpoolctl import threadpool_limits
 __all__ = [
     "ACCURACIES",
     "LINEAR_PROBE",
+    "POOLING_DIAGNOSTICS",
     "SILHOUETTE_SAMPLE_SIZE",
     "accuracy",
     "angles",
@@ -48,6 +49,8 @@ __all__ = [
 SILHOUETTE_SAMPLE_SIZE = 10_000
 # The accuracy metrics of an evaluation; each has per-image predictions (top5: per-image hits).
 ACCURACIES = ("top1", "top5", "linear_probe", "knn_loo", "knn_bank")
+# How uniform the rollout pooling weights of a backbone are (timm_rollout.diagnostics), means over the images.
+POOLING_DIAGNOSTICS = ("rollout_effective_patches", "rollout_cosine_to_mean")
 # scikit-learn LogisticRegression settings of the linear probe (fixed, no search: deterministic and fast).
 LINEAR_PROBE = {"C": 1.0, "solver": "lbfgs", "max_iter": 1000, "tol": 1e-4}
 

@@ -2,19 +2,22 @@
 
     python scripts/study.py --dataset cifar10 --epochs 30 --seeds 0 1 2 --output study/c10
 
-The arms (``--arms``, default all: ``cls``, ``gap``, ``rollout``, ``rollout-grad``) differ only in pooling.
+The arms (table ``ARMS``; ``--arms``, default ``cls``, ``gap``, ``rollout``, ``rollout-grad``; ``map`` and
+``rollout-max-discard0.9`` on request) differ only in pooling.
 Each run trains with ``python -m timm_rollout.train`` and is evaluated with ``python -m harness.eval`` (k-NN
 and linear probe against the train split); each ``cls`` backbone is also read out post hoc with rollout
 weights and with the patch mean (``harness.eval --pool``, no training), arms of their own in the report.
 Finished runs and evaluations are skipped and interrupted runs resume, so re-running the same command after
 a crash completes the study; arms and seeds can be added to a folder later, and ``--report-only`` reports on
 the seeds every arm has finished so far. ``--commit`` commits each finished run (weights, logs, evaluation)
-with ``study.json`` to the git repository holding ``--output``. The best seed of each arm is exported as a Hub
-upload folder ``hub/<arm>`` with its model card (``scripts/push_to_hub.py --dry-run``). ``report.md`` holds
-every metric per arm (mean +- std over seeds), the paired-by-seed difference of each arm against ``cls`` and
+with ``study.json`` to the git repository holding ``--output``. One seed of each arm, picked without the test set
+(lowest final training loss), is exported as a Hub upload folder ``hub/<arm>`` with its model card
+(``scripts/push_to_hub.py --dry-run``). ``report.md`` holds every metric per arm (mean +- std over seeds, the
+pooling diagnostics included), the paired-by-seed difference of each arm against ``cls`` and
 against ``gap`` (95% CI, p-value, Holm-adjusted p for the secondary metrics, minimum detectable effect,
 McNemar's per-image test for accuracies; see :mod:`harness.compare`), overlaid training curves, the
-cosine-similarity matrices and a heatmap grid of the same test images under every arm.
+distribution of effective patches and the mean rollout weight map per arm, the cosine-similarity matrices and
+a heatmap grid of the same test images under every arm.
 """
 
 from __future__ import annotations
@@ -46,9 +49,18 @@ from harness.compare import (
     render_comparison,
     summarise,
 )
+from harness.diagnose import has_diagnostics
 from harness.eval import set_pool
 from harness.features import saliency_maps
-from harness.figures import save_figure, upsample_patch_map
+from harness.figures import (
+    UNIFORM_SCALE_LABEL,
+    plot_pooling_diagnostics,
+    relative_to_uniform,
+    save_figure,
+    shared_range,
+    upsample_patch_map,
+)
+from harness.metrics import POOLING_DIAGNOSTICS
 from timm_rollout.atomic import write_json, write_text
 from timm_rollout.data import load_image_set, normalize
 from timm_rollout.errors import UserError, run_cli
@@ -61,6 +73,7 @@ from timm_rollout.records import (
     HUB_DIR,
     LOG_FILE,
     NOTES_FILE,
+    POOLING_FILE,
     REPORT_FILE,
     RESULTS_FILE,
     RESUME_FILE,
@@ -70,14 +83,20 @@ from timm_rollout.records import (
 )
 from timm_rollout.train_log import read_log
 
-# Trained arms: timm model and the --model-kwargs that set it apart (merged into --train-args' own).
+# Trained arms: timm model and the --model-kwargs that set it apart (merged into --train-args' own); any timm
+# pooling is one row (e.g. "global_pool=avgmax" on vit_tiny_cifar_gap).
 ARMS = {
     "cls": ("vit_tiny_cifar_cls", ()),
     "gap": ("vit_tiny_cifar_gap", ()),
     "rollout": ("vit_tiny_cifar_rollout", ()),
     "rollout-grad": ("vit_tiny_cifar_rollout", ("rollout_grad=True",)),
     "map": ("vit_tiny_cifar_cls", ("global_pool=map",)),  # timm's learned attention pooling (one latent query)
+    # Sharpened rollout: max over heads, the weakest 90% of patch-to-patch attention discarded; of the nine
+    # fusion x discard options, the least uniform weights on trained rollout and cls backbones (effective patches).
+    "rollout-max-discard0.9": ("vit_tiny_cifar_rollout", ("rollout_head_fusion=max", "rollout_discard_ratio=0.9")),
 }
+# The arms a study trains unless --arms names others (the README quickstart runs these on the sample).
+DEFAULT_ARMS = ("cls", "gap", "rollout", "rollout-grad")
 # Post-hoc readouts of the cls backbones (no training): arm -> harness.eval --pool.
 POSTHOC = {"cls-posthoc-rollout": "rollout", "cls-posthoc-avg": "avg"}
 # Every other arm is compared with each of these that the study has: [CLS], plain averaging, and the detached
@@ -107,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", required=True, help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or folder")
     p.add_argument("--epochs", type=int, required=True)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS),
-                   help="trained arms (default: all); cls brings its post-hoc rollout and patch-mean readouts")
+    p.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(DEFAULT_ARMS),
+                   help=f"trained arms (default: {' '.join(DEFAULT_ARMS)}); cls brings its post-hoc rollout and "
+                   "patch-mean readouts")
     p.add_argument("--output", required=True, help="study folder (runs/, eval/, report.md)")
     p.add_argument("--train-args", default="", help="extra flags for timm_rollout.train, quoted, same for every arm")
     p.add_argument("--max-train-samples", type=int, help="class-balanced training subset (quick studies)")
@@ -207,11 +227,13 @@ def train_run(args: argparse.Namespace, arm: str, seed: int, folder: Path) -> No
 
 def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder: Path, pool: str | None = None) -> None:
     """Evaluate one finished run (read out with ``pool``, default its own) unless ``folder`` already holds results
-    for these exact weights."""
+    for these exact weights (then only the pooling diagnostics are added when they are missing)."""
     results = folder / RESULTS_FILE
     if results.exists():
-        saved = json.loads(results.read_text(encoding="utf-8"))["model"].get("sha256")
-        if saved == sha256_file(run / WEIGHTS_FILE):
+        saved = json.loads(results.read_text(encoding="utf-8"))
+        if saved["model"].get("sha256") == sha256_file(run / WEIGHTS_FILE):
+            if not has_diagnostics(saved):  # evaluated before the pooling diagnostics: add just those
+                _run([sys.executable, "-m", "harness.diagnose", str(folder), "--device", args.device], args.threads)
             print(f"= {folder} evaluated, skipped")
             return
     cmd = [sys.executable, "-m", "harness.eval", "--model", model, "--checkpoint", str(run), "--dataset",
@@ -337,25 +359,37 @@ def delta_tables(groups: dict[str, Group], metrics: Sequence[str]) -> str:
     return "\n".join(parts)
 
 
+CURVE_PANELS = {  # log.csv column -> (y label, title); the last only when some run logged it (rollout pooling)
+    "train_loss": ("train cross-entropy loss", "Training loss"),
+    "eval_top1": ("eval top-1 accuracy (%)", "Eval top-1 accuracy"),
+    "rollout_effective_patches": ("effective patches of the rollout weights", "Rollout pooling: effective patches"),
+}
+
+
 def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], path: Path, title: str) -> Path:
-    """Train loss and eval top-1 per epoch: one colour per arm, a thin line per seed and a bold mean over seeds,
-    one legend entry per arm below the axes (readable with any number of seeds)."""
-    fig = Figure(figsize=(11, 4.6))
-    axes = dict(zip(("train_loss", "eval_top1"), fig.subplots(1, 2), strict=True))
+    """Train loss, eval top-1 and (rollout-pooled arms) the effective patches of their pooling weights per epoch:
+    one colour per arm, a thin line per seed and a bold mean over seeds, one legend entry per arm below the axes
+    (readable with any number of seeds)."""
+    keys = [k for k in CURVE_PANELS if k != "rollout_effective_patches"
+            or any(k in r for per_seed in logs.values() for rows in per_seed.values() for r in rows)]
+    fig = Figure(figsize=(5.5 * len(keys), 4.6))
+    axes = dict(zip(keys, fig.subplots(1, len(keys)), strict=True))
     for arm, (short, per_seed) in enumerate(logs.items()):
         colour = f"C{arm}"  # one colour per arm, any number of arms
         runs = [rows for _, rows in sorted(per_seed.items())]
-        length = min(len(rows) for rows in runs)
-        epochs = [r["epoch"] for r in runs[0][:length]]
         for key, ax in axes.items():
-            for rows in runs:
+            logged = [[r for r in rows if key in r] for rows in runs]
+            length = min(len(rows) for rows in logged)
+            if length == 0:
+                continue
+            for rows in logged:
                 ax.plot([r["epoch"] for r in rows], [r[key] for r in rows], color=colour, lw=0.8, alpha=0.35)
-            columns = zip(*[[r[key] for r in rows[:length]] for rows in runs], strict=True)
+            columns = zip(*[[r[key] for r in rows[:length]] for rows in logged], strict=True)
             mean = [sum(col) / len(col) for col in columns]
-            ax.plot(epochs, mean, color=colour, lw=2, label=f"{short} (mean of {len(runs)} seeds)")
-    axes["train_loss"].set(xlabel="epoch", ylabel="train cross-entropy loss", title="Training loss")
-    axes["eval_top1"].set(xlabel="epoch", ylabel="eval top-1 accuracy (%)", title="Eval top-1 accuracy")
-    for ax in axes.values():
+            ax.plot([r["epoch"] for r in logged[0][:length]], mean, color=colour, lw=2,
+                    label=f"{short} (mean of {len(runs)} seeds)")
+    for key, ax in axes.items():
+        ax.set(xlabel="epoch", ylabel=CURVE_PANELS[key][0], title=CURVE_PANELS[key][1])
         ax.grid(alpha=0.3)
     handles, labels = axes["eval_top1"].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
@@ -367,7 +401,8 @@ def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], pat
 def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Path, str | None]], seed: int,
                       path: Path) -> Path:
     """The same test images under every arm (``arm -> (model, run folder, pooling or None for its own)``): the
-    attention rollout and gradient-weighted rollout of the readout the arm classifies from."""
+    attention rollout and gradient-weighted rollout of the readout the arm classifies from, as weight x number of
+    patches (1 = uniform) with one colour range for the whole grid."""
     data = load_image_set(args.dataset, "test")
     gen = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(data.labels), generator=gen)[: args.heatmaps].sort().values
@@ -379,6 +414,8 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
         found[short] = saliency_maps(model, normalize(images, info["mean"], info["std"]), device=torch.device("cpu"))
     names = data.class_names
     columns = [(short, key) for short in panels for key in ("rollout", "gradient_rollout")]
+    scaled = {column: relative_to_uniform(found[column[0]].maps[column[1]]) for column in columns}
+    vmin, vmax = shared_range(list(scaled.values()))
     b, _, h, w = images.shape
     fig = Figure(figsize=(3.3 * (len(columns) + 1), 3.0 * b))
     axes = fig.subplots(b, len(columns) + 1, squeeze=False)
@@ -388,8 +425,9 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
         axes[i, 0].set_title(f"test image, true: {names[int(labels[i])]}", fontsize=9)
         for ax, (short, key) in zip(axes[i, 1:], columns, strict=True):
             ax.imshow(rgb, interpolation="nearest")
-            im = ax.imshow(upsample_patch_map(found[short].maps[key][i], (h, w)), cmap="inferno", alpha=0.6)
-            fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label("patch weight", fontsize=7)
+            im = ax.imshow(upsample_patch_map(scaled[short, key][i], (h, w)), cmap="inferno", alpha=0.6, vmin=vmin,
+                           vmax=vmax)
+            fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label(UNIFORM_SCALE_LABEL, fontsize=7)
             pred = names[int(found[short].logits[i].argmax())]
             ax.set_title(f"{short}: {MAP_LABELS[key]}\n(readout {found[short].readout}), pred: {pred}",
                          fontsize=8)
@@ -402,14 +440,17 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
 
 def _report_tables(groups: dict[str, Group], extra: list[str]) -> list[str]:
     """The report's statistics: means per arm, paired differences, and the original study's geometry."""
-    shown = [*METRICS, *extra]
-    tested = [m for m in shown if not m.startswith("random ")]  # the random-order baseline is no hypothesis
+    shown = [*METRICS, *POOLING_DIAGNOSTICS, *extra]
+    # the random-order baseline is no hypothesis, the diagnostics describe the weights: shown, not tested
+    tested = [m for m in shown if not m.startswith("random ") and m not in POOLING_DIAGNOSTICS]
     lines = ["## Metrics per arm", "", "Mean ± sample std over seeds. Learning-curve rows come from each run's "
              "`log.csv` (eval top-1 on the test split after every epoch; trained arms only): its mean over all "
              "epochs (the area under the curve, higher = learns faster) and its value after a quarter of the epochs. "
              "Faithfulness rows are `<map> <quantity>` from "
              "`results.json[\"faithfulness\"]` (deletion AUC: lower is better; insertion AUC: higher is better; "
-             "`random` is the random-order baseline, shown but not tested).", "", means_table(groups, shown), ""]
+             "`random` is the random-order baseline, shown but not tested). `rollout_effective_patches` and "
+             "`rollout_cosine_to_mean` describe each backbone's rollout pooling weights (see Pooling diagnostics); "
+             "they are shown, not tested.", "", means_table(groups, shown), ""]
     if len(groups) > 1:
         lines += ["## Paired differences", "", STATISTICS_NOTE, "", delta_tables(groups, tested)]
     if any(g.mean.get(m) is not None for g in groups.values() for m in ORIGINAL_METRICS):
@@ -418,6 +459,16 @@ def _report_tables(groups: dict[str, Group], extra: list[str]) -> list[str]:
                   "the ratio shrinks when a layout shrinks, so it is not tested.", "",
                   means_table(groups, ORIGINAL_METRICS), "", ORIGINAL_STUDY, ""]
     return lines
+
+
+POOLING_NOTE = (
+    "Per image, the rollout pooling weights of each arm's backbone (the [CLS] row of the attention rollout over "
+    "the patches, renormalised; with the arm's own rollout options, and for arms that do not pool by rollout the "
+    "weights rollout pooling would use post hoc): top, the distribution of their effective number of patches "
+    "exp(entropy) over the test images of all seeds (equal to the number of patches for uniform weights, the "
+    "plain patch mean, and 1 for a single patch); bottom, the weights averaged over the images, as weight x "
+    "number of patches (1 = uniform), one colour range. Rollout-pooled runs log both diagnostics per epoch in "
+    "their `log.csv`.")
 
 
 def backbone(arm: str) -> str:
@@ -439,27 +490,44 @@ def report_scope(named: Sequence[str], arms: Sequence[str], seeds: Sequence[int]
 
 
 def _figures(args: argparse.Namespace, out: Path, arms: list[str], seeds: list[int],
-             runs: dict[tuple[str, int], Path]) -> None:
-    """Training curves of the trained arms and the heatmap grid of every arm, on the first seed's test images."""
+             runs: dict[tuple[str, int], Path], results: dict[tuple[str, int], dict[str, Any]]) -> bool:
+    """Training curves of the trained arms, their pooling diagnostics (when every seed's evaluation has them;
+    returns whether that figure was drawn) and the heatmap grid of every arm, on the first seed's test images."""
     trained = [a for a in arms if a in ARMS]
     logs = {a: {seed: read_log(runs[a, seed] / LOG_FILE) for seed in seeds} for a in trained}
     plot_training_curves(logs, out / CURVES_FILE, f"Training on {args.dataset}, {args.epochs} epochs")
+    records = {a: [results[a, s].get("pooling_diagnostics") for s in seeds] for a in trained}
+    records = {a: r for a, r in records.items() if all(r)}
+    if records:
+        plot_pooling_diagnostics(records, out / POOLING_FILE, f"Rollout pooling weights of each arm's backbone "
+                                 f"({args.dataset} test split; for non-rollout arms, the weights rollout would pool "
+                                 "with post hoc)")
     first = seeds[0]
     panels = {a: (ARMS[backbone(a)][0], runs[backbone(a), first], POSTHOC.get(a)) for a in arms}
     plot_side_by_side(args, panels, first, out / HEATMAPS_FILE)
+    return bool(records)
 
 
-def export_best(args: argparse.Namespace, out: Path, arms: Sequence[str], seeds: Sequence[int],
-                runs: dict[tuple[str, int], Path], evals: dict[tuple[str, int], Path]) -> dict[str, int]:
-    """The best seed (test top-1) of each trained arm as a Hub upload folder ``hub/<arm>`` with its model card,
-    as ``scripts/push_to_hub.py --dry-run`` writes it. Returns arm -> exported seed."""
-    best = {}
+def pick_seed(logs: dict[int, list[dict[str, float]]]) -> int:
+    """The seed whose run ended with the lowest training loss (last ``log.csv`` row; ties: the lowest seed): a
+    pick that never looks at the test set."""
+    return min(sorted(logs), key=lambda seed: logs[seed][-1]["train_loss"])
+
+
+PICK_RULE = "the lowest final training loss (last epoch of log.csv); the test set played no part in the pick"
+
+
+def export_picked(args: argparse.Namespace, out: Path, arms: Sequence[str], seeds: Sequence[int],
+                  runs: dict[tuple[str, int], Path], evals: dict[tuple[str, int], Path]) -> dict[str, int]:
+    """One seed of each trained arm (:func:`pick_seed`) as a Hub upload folder ``hub/<arm>`` with its model card,
+    which states the rule, as ``scripts/push_to_hub.py --dry-run`` writes it. Returns arm -> exported seed."""
+    picked = {}
     for arm in (a for a in arms if a in ARMS):
-        top1 = {s: json.loads((evals[arm, s] / RESULTS_FILE).read_text(encoding="utf-8"))["metrics"]["top1"]
-                for s in seeds}
-        best[arm] = seed = max(top1, key=top1.get)
-        write_upload_folder(runs[arm, seed], out / HUB_DIR / arm, hub_repo_id(args, arm), evals[arm, seed])
-    return best
+        picked[arm] = seed = pick_seed({s: read_log(runs[arm, s] / LOG_FILE) for s in seeds})
+        selection = f"seed {seed} of seeds {', '.join(map(str, seeds))} of this study arm, the one with {PICK_RULE}"
+        write_upload_folder(runs[arm, seed], out / HUB_DIR / arm, hub_repo_id(args, arm), evals[arm, seed],
+                            selection=selection)
+    return picked
 
 
 def hub_repo_id(args: argparse.Namespace, arm: str) -> str:
@@ -478,10 +546,10 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
              for pair, r in zip(pairs, loaded, strict=True)]
     results = [{**r, "metrics": {**r["metrics"], **more}} for r, more in zip(loaded, added, strict=True)]
     extra = list(dict.fromkeys(m for more in added for m in more))
-    shown = [*METRICS, *extra, *ORIGINAL_METRICS]
+    shown = [*METRICS, *POOLING_DIAGNOSTICS, *extra, *ORIGINAL_METRICS]
     groups = {g.label: g for g in summarise(results, shown, label=lambda r: run_short(r["path"]))}
-    _figures(args, out, arms, seeds, runs)
-    exported = export_best(args, out, arms, seeds, runs, evals)
+    pooling = _figures(args, out, arms, seeds, runs, dict(zip(pairs, loaded, strict=True)))
+    exported = export_picked(args, out, arms, seeds, runs, evals)
     trained = [(a, s) for a in arms if a in ARMS for s in seeds]
     minutes = sum(float(json.loads((runs[k] / SUMMARY_FILE).read_text(encoding="utf-8"))["wall_seconds"])
                   for k in trained) / 60
@@ -496,11 +564,13 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         *notes_section(out),
         *_report_tables(groups, extra),
         "## Training curves", "", "![training curves](curves.png)", "",
+        *(["## Pooling diagnostics", "", POOLING_NOTE, "", f"![pooling diagnostics]({POOLING_FILE})", ""]
+          if pooling else []),
         f"## Cosine similarity of class centroids (seed {seeds[0]})", "",
         *[f"![{a}]({evals[a, seeds[0]].relative_to(out)}/cosine_matrix.png)" for a in arms], "",
         "## The same test images under every arm", "", "![heatmaps](heatmaps.png)", "",
         "## Shareable checkpoints", "",
-        "The best seed (test top-1) of each trained arm as a Hub upload folder with its model card "
+        f"One seed of each trained arm, the one with {PICK_RULE}, as a Hub upload folder with its model card "
         "(`scripts/push_to_hub.py --dry-run`); `timm.create_model(\"local-dir:<folder>\", pretrained=True)` "
         "loads it, `scripts/push_to_hub.py <run> --repo-id <id> --eval <eval>` uploads it.", "",
         *[f"- {arm}: `{HUB_DIR}/{arm}` (seed {seed}, repo id `{hub_repo_id(args, arm)}`)"
@@ -586,7 +656,8 @@ def main(argv: list[str] | None = None) -> Path | None:
                         "study command without --report-only to train what is missing")
     report = write_report(args, out, scope, commands, runs, evals)
     if args.commit:
-        commit_paths([out / name for name in (STUDY_FILE, REPORT_FILE, CURVES_FILE, HEATMAPS_FILE, HUB_DIR)],
+        names = (STUDY_FILE, REPORT_FILE, CURVES_FILE, HEATMAPS_FILE, POOLING_FILE, HUB_DIR)
+        commit_paths([out / name for name in names if (out / name).exists()],
                      f"study: report ({', '.join(scope[0])}; seeds {' '.join(map(str, scope[1]))})")
     print(f"study finished: {len(todo)} runs trained or checked on {args.dataset}; report over seeds "
           f"{' '.join(map(str, scope[1]))} at {report}")

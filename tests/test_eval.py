@@ -69,7 +69,8 @@ def runs(checkpoint, tmp_path_factory) -> list[Path]:
 def test_results_json_has_metrics_and_provenance(runs, checkpoint):
     results = json.loads((runs[0] / "results.json").read_text())
     assert set(results["metrics"]) == {"top1", "top5", "linear_probe", "knn_loo", "knn_bank", "intra", "inter", "ratio",
-                                       "silhouette", "intra_original", "inter_original", "ratio_original"}
+                                       "silhouette", "intra_original", "inter_original", "ratio_original",
+                                       "rollout_effective_patches", "rollout_cosine_to_mean"}
     assert all(isinstance(v, float) for v in results["metrics"].values())
     model, data, config = results["model"], results["data"], results["config"]
     assert model["architecture"] == "vit_tiny_cifar_rollout" and model["pool"] == "rollout"
@@ -87,6 +88,78 @@ def test_results_json_has_metrics_and_provenance(runs, checkpoint):
     assert env["device"] == "cpu" and env["packages"]["faiss-cpu"] and env["packages"]["timm"] == timm.__version__
     assert {"load_data", "load_model", "extract", "extract_bank", "metrics", "figures", "total"} <= set(
         results["timing"])
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory) -> tuple[Path, Path]:
+    """A [CLS] checkpoint whose attention is sharpened (q, k weights x10: rollout weights far from uniform, which
+    an untrained model's are not) and its evaluation folder."""
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=2)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.qkv.weight[:256].mul_(10.0)
+    run, out = tmp_path_factory.mktemp("runs") / "peaked", tmp_path_factory.mktemp("eval-peaked")
+    save_for_hf(model, run, safe_serialization=True, data_config=dict(mean=MEAN, std=STD))
+    harness_eval.main(["--model", "vit_tiny_cifar_cls", "--checkpoint", str(run), "--dataset", SAMPLE,
+                       "--per-class", "3", "--heatmaps", "0", "--device", "cpu", "--amp", "none", "--output", str(out)])
+    return run, out
+
+
+def test_pooling_diagnostics_of_the_evaluated_images_against_a_plain_loop(peaked):
+    checkpoint, out = peaked
+    results = json.loads((out / "results.json").read_text())
+    full = load_image_set(SAMPLE, "test")
+    idx = torch.tensor(read_predictions(out)["index"])
+    model, _ = load_model("vit_tiny_cifar_cls", checkpoint)  # [CLS]-pooled: the weights rollout would pool with
+    patches, cosines, total = [], [], np.zeros(64)
+    for i in idx.tolist():  # one image at a time: full rollout matrix product, entropy by a float64 loop
+        with torch.inference_mode():
+            attentions = _manual_attentions(model, normalize(full.images[i:i + 1], MEAN, STD))
+            tokens = model.forward_features(normalize(full.images[i:i + 1], MEAN, STD))[0, 1:].double().numpy()
+        row = attention_rollout(attentions)[0, 0, 1:].double().numpy()
+        w = row / row.sum()
+        total += w
+        patches.append(np.exp(-sum(p * np.log(p) for p in w)))
+        pooled, avg = w @ tokens, tokens.mean(axis=0)
+        cosines.append(pooled @ avg / np.linalg.norm(pooled) / np.linalg.norm(avg))
+    assert results["metrics"]["rollout_effective_patches"] == pytest.approx(np.mean(patches), rel=1e-4)
+    assert results["metrics"]["rollout_cosine_to_mean"] == pytest.approx(np.mean(cosines), rel=1e-5)
+    record = results["pooling_diagnostics"]
+    assert (record["head_fusion"], record["discard_ratio"], record["num_images"]) == ("mean", 0.0, len(idx))
+    np.testing.assert_allclose(record["mean_weights"], total / len(idx), atol=2e-6)
+    hist = record["effective_patches_histogram"]
+    assert sum(hist["counts"]) == len(idx) and hist["edges"][0] == 1.0 and hist["edges"][-1] == 64.0
+    assert max(patches) < 60 and min(cosines) < 0.95  # far from uniform: the comparisons above have teeth
+
+
+def test_diagnose_adds_the_missing_diagnostics_as_eval_computes_them(peaked, runs, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from harness import diagnose
+
+    checkpoint, out = peaked
+    full = json.loads((out / "results.json").read_text())
+    old = {**full, "metrics": {k: v for k, v in full["metrics"].items() if not k.startswith("rollout_")}}
+    del old["pooling_diagnostics"]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "results.json").write_text(json.dumps(old))
+    assert diagnose.main([str(tmp_path / "old"), str(runs[1])]) == [tmp_path / "old"]  # runs[1] has them: skipped
+    back = json.loads((tmp_path / "old" / "results.json").read_text())
+    assert back["metrics"] == full["metrics"] and back["pooling_diagnostics"] == full["pooling_diagnostics"]
+    assert "pooling diagnostics added to 1 of 2 evaluations" in capsys.readouterr().out
+    changed = tmp_path / "ckpt"
+    changed.mkdir()
+    for f in checkpoint.iterdir():
+        (changed / f.name).write_bytes(f.read_bytes())
+    weights = load_file(str(changed / "model.safetensors"))
+    weights["head.bias"] += 1.0
+    save_file(weights, str(changed / "model.safetensors"))
+    (tmp_path / "old" / "results.json").write_text(json.dumps({**old, "args": {**old["args"],
+                                                                               "checkpoint": str(changed)}}))
+    with pytest.raises(UserError, match=r"weights .* changed since the evaluation"):
+        diagnose.add_pooling_diagnostics(tmp_path / "old")
+    assert "pooling_diagnostics" not in json.loads((tmp_path / "old" / "results.json").read_text())
 
 
 def test_features_file_reproduces_the_metrics(runs):
@@ -236,13 +309,13 @@ def test_map_pooled_model_evaluates_end_to_end(tmp_path_factory, tmp_path):
     model = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=2, global_pool="map").eval()
     save_for_hf(model, run, safe_serialization=True, data_config=dict(mean=MEAN, std=STD))
     results = harness_eval.main(["--model", "vit_tiny_cifar_cls", "--checkpoint", str(run), "--dataset",
-                                 str(CIFAR10), "--per-class", "2", "--heatmaps", "1", "--faithfulness",
+                                 SAMPLE, "--per-class", "2", "--heatmaps", "1", "--faithfulness",
                                  "--faithfulness-images", "3", "--save-features", "--device", "cpu", "--amp", "none",
                                  "--output", str(tmp_path)])
     assert results["model"]["pool"] == "map"
     assert {"heatmaps.png", "faithfulness.png"} <= set(results["outputs"]["figures"])
     assert set(results["faithfulness"]["fills"]["mean"]["maps"]) >= {"rollout", "gradient_rollout"}
-    full = load_image_set(str(CIFAR10), "test")
+    full = load_image_set(SAMPLE, "test")
     idx = balanced_indices(full.labels, per_class=2, classes=list(range(10)), seed=0)
     with torch.inference_mode():  # the features are the attention pool's output on the final patch tokens
         tokens = model.forward_features(normalize(full.images[idx], MEAN, STD))

@@ -30,7 +30,8 @@ CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "hors
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
 METRICS = {
     "top1": 0.8125, "top5": 0.9875, "linear_probe": 0.775, "knn_loo": 0.7625, "knn_bank": None, "intra": 0.6125,
-    "inter": 0.5375, "ratio": 0.8775, "silhouette": 0.1125, "ratio_original": 3.5,
+    "inter": 0.5375, "ratio": 0.8775, "silhouette": 0.1125, "ratio_original": 3.5, "rollout_effective_patches": 61.5,
+    "rollout_cosine_to_mean": 0.9975,
 }
 # results.json as python -m harness.eval writes it (metrics, provenance sections); model.sha256 set per run
 RESULTS = {
@@ -380,3 +381,11 @@ def test_errors_are_one_line(tmp_path, run, eval_dir, fake_hub, monkeypatch, cap
     assert e.value.code == 2
     assert err[-1].startswith("error: ") and message in err[-1]
     assert not [c for c in fake_hub if c[0] == "upload_folder"]
+
+
+def test_card_states_how_the_run_was_picked(tmp_path):
+    save_run(tmp_path / "run", "vit_tiny_cifar_cls")
+    hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/tiny", selection="seed 2 of seeds 0, 1, 2")
+    assert "**Selection:** seed 2 of seeds 0, 1, 2" in (tmp_path / "up" / "README.md").read_text()
+    hub.write_upload_folder(tmp_path / "run", tmp_path / "plain", "me/tiny")
+    assert "Selection" not in (tmp_path / "plain" / "README.md").read_text()

@@ -255,3 +255,56 @@ def test_faiss_thread_setting_leaves_torch_threads_alone(data):
     x = metrics.l2_normalize(data[0])
     metrics.search(x, x, 3, threads=1)
     assert torch.get_num_threads() == before
+
+
+def test_effective_patches_is_the_perplexity_of_the_weights():
+    import math
+
+    import torch
+
+    from timm_rollout.diagnostics import effective_patches
+
+    rng = np.random.default_rng(3)
+    raw = rng.random((5, 64)) ** 4
+    raw[1, 10:] = 0.0  # zeros count as 0 log 0 = 0
+    w = torch.tensor(raw / raw.sum(axis=1, keepdims=True), dtype=torch.float32)
+    want = [math.exp(-sum(p * math.log(p) for p in row if p > 0)) for row in w.double().tolist()]
+    np.testing.assert_allclose(effective_patches(w).numpy(), want, rtol=1e-5)
+    edges = torch.stack([torch.full((64,), 1 / 64), torch.eye(64)[7]])
+    np.testing.assert_allclose(effective_patches(edges).numpy(), [64.0, 1.0], rtol=1e-5)
+
+
+def test_cosine_to_mean_and_pooling_weights_against_plain_routes():
+    import torch
+
+    from timm_rollout import attention_rollout
+    from timm_rollout.diagnostics import cosine_to_mean, pooling_weights
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randn(3, 16, 8, generator=gen)
+    w = torch.rand(3, 16, generator=gen) ** 3
+    w = w / w.sum(dim=1, keepdim=True)
+    got = cosine_to_mean(tokens, w).numpy()
+    for i in range(3):
+        pooled = sum(float(w[i, p]) * tokens[i, p].double().numpy() for p in range(16))
+        mean = tokens[i].double().numpy().mean(axis=0)
+        want = pooled @ mean / (np.linalg.norm(pooled) * np.linalg.norm(mean))
+        assert abs(got[i] - want) < 1e-5
+    np.testing.assert_allclose(cosine_to_mean(tokens, torch.full((3, 16), 1 / 16)).numpy(), 1.0, rtol=1e-6)
+    attn = [torch.rand(3, 2, 17, 17, generator=gen).softmax(dim=-1) for _ in range(3)]
+    for fusion, ratio in (("mean", 0.0), ("max", 0.5), ("min", 0.9)):
+        row = attention_rollout(attn, fusion, ratio)[:, 0, 1:]  # the full matrix product, [CLS] row
+        torch.testing.assert_close(pooling_weights(attn, 1, fusion, ratio), row / row.sum(dim=1, keepdim=True))
+
+
+def test_relative_to_uniform_scale_and_one_colour_range():
+    import torch
+
+    from harness.figures import relative_to_uniform, shared_range
+
+    maps = torch.tensor([[1.0, 1.0, 1.0, 1.0], [0.0, 0.1, 0.1, 0.2], [3.0, 1.0, 0.0, 0.0]])
+    want = [[v / sum(row) * len(row) for v in row] for row in maps.tolist()]  # share of the total x P
+    np.testing.assert_allclose(relative_to_uniform(maps).numpy(), want, rtol=1e-6)
+    assert relative_to_uniform(torch.zeros(1, 4)).tolist() == [[0.0] * 4]  # an empty map stays 0, no NaN
+    assert shared_range([relative_to_uniform(maps), torch.ones(2, 4)]) == (0.0, 3.0)
+    assert shared_range([torch.ones(2, 4)]) == (0.0, 2.0)  # near-uniform maps keep a range that shows it

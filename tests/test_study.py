@@ -93,10 +93,16 @@ def test_report_matches_the_evaluations(finished):
     assert "- `python scripts/study.py --dataset cifar10-sample --epochs 1 --seeds 0 1" in report
     assert "beyond" not in report  # the spread rule is gone
     assert _columns(report) == list(SHOWN)
-    for name in ("curves.png", "heatmaps.png", *(f"eval/{a}-s0/cosine_matrix.png" for a in SHOWN)):
+    for name in ("curves.png", "heatmaps.png", "pooling.png", *(f"eval/{a}-s0/cosine_matrix.png" for a in SHOWN)):
         assert (finished / name).stat().st_size > 10_000, name
     folders = {(a, s): finished / "eval" / f"{a}-s{s}" for a in SHOWN for s in (0, 1)}
     results = {k: json.loads((f / "results.json").read_text()) for k, f in folders.items()}
+    for metric in ("rollout_effective_patches", "rollout_cosine_to_mean"):  # shown per arm, not tested
+        for arm, cell in zip(SHOWN, _table_row(report, metric)[1:], strict=True):
+            values = [results[arm, s]["metrics"][metric] for s in (0, 1)]
+            assert float(cell.split()[0]) == pytest.approx(np.mean(values), abs=6e-5)
+        assert f"| {metric} |" not in report.split("## Paired differences")[1].split("## Training curves")[0]
+    assert "![pooling diagnostics](pooling.png)" in report
     for metric in ("top1", "linear_probe", "knn_loo", "knn_bank", "ratio", "silhouette", "ratio_original"):
         values = {a: np.array([results[a, s]["metrics"][metric] for s in (0, 1)]) for a in SHOWN}
         for arm, cell in zip(SHOWN, _table_row(report, metric)[1:], strict=True):
@@ -181,6 +187,22 @@ def test_arms_share_one_recipe(finished):
     assert config["model_args"]["rollout_grad"] is True and config["model_args"]["depth"] == 1
 
 
+def test_pick_seed_ignores_the_test_set_and_breaks_ties_by_seed():
+    logs = {2: [{"train_loss": 0.1}, {"train_loss": 0.5}], 0: [{"train_loss": 0.4}], 1: [{"train_loss": 0.4}]}
+    assert study.pick_seed(logs) == 0  # the last epoch counts; 0 and 1 tie at 0.4
+    assert study.pick_seed({**logs, 1: [{"train_loss": 0.39}]}) == 1
+
+
+def test_arms_table_holds_learned_and_sharpened_pooling_outside_the_defaults():
+    parser = study.build_parser()
+    assert parser.parse_args(["--dataset", "x", "--epochs", "1", "--output", "o"]).arms == list(study.DEFAULT_ARMS)
+    assert set(study.DEFAULT_ARMS) < set(study.ARMS)
+    assert study.ARMS["map"] == ("vit_tiny_cifar_cls", ("global_pool=map",))
+    model, kwargs = study.ARMS["rollout-max-discard0.9"]
+    assert model == "vit_tiny_cifar_rollout" and kwargs == ("rollout_head_fusion=max", "rollout_discard_ratio=0.9")
+    assert study.merge_model_kwargs(["--model-kwargs", "depth=1"], kwargs)[-3:] == ["depth=1", *kwargs]
+
+
 def test_merge_model_kwargs_keeps_one_list():
     merge = study.merge_model_kwargs
     assert merge(["--lr", "1e-3"], ()) == ["--lr", "1e-3"]
@@ -219,12 +241,20 @@ def test_rerun_skips_finished_work_and_redoes_only_what_is_missing(repo, finishe
     redo = finished / "eval" / "cls-posthoc-rollout-s1" / "results.json"
     stamp = kept.stat().st_mtime_ns
     redo.unlink()
+    older = finished / "eval" / "gap-s0" / "results.json"  # evaluated before the pooling diagnostics existed
+    full = json.loads(older.read_text())
+    stripped = {k: v for k, v in full.items() if k != "pooling_diagnostics"}
+    stripped["metrics"] = {k: v for k, v in full["metrics"].items() if not k.startswith("rollout_")}
+    older.write_text(json.dumps(stripped))
     capfd.readouterr()
     study.main(_argv(finished))
     printed = capfd.readouterr().out
     assert printed.count("finished, skipped") == RUNS
     assert printed.count("evaluated, skipped") == EVALS - 1
     assert kept.stat().st_mtime_ns == stamp
+    back = json.loads(older.read_text())  # only the diagnostics added, equal to the full evaluation's
+    assert back["metrics"] == full["metrics"] and back["pooling_diagnostics"] == full["pooling_diagnostics"]
+    assert back["timing"]["total"] == full["timing"]["total"]
     assert json.loads(redo.read_text())["model"]["pool"] == "rollout"
     assert _git(repo, "log", "-1", "--format=%s", "--", str(redo)).startswith("study: cls seed 1 (top1 ")
     # Naming fewer arms reuses the folder: the report still covers every arm run before.
@@ -286,14 +316,17 @@ def test_commit_waits_for_a_busy_repository(tmp_path):
         study.commit_paths([tmp_path / "run.txt"], "study: toy 2", attempts=2, wait=0.01)
 
 
-def test_best_run_of_each_arm_is_exported_for_the_hub(repo, finished):
-    """hub/<arm> holds the seed with the best test top-1 as the upload folder push_to_hub writes, committed."""
+def test_picked_run_of_each_arm_is_exported_for_the_hub(repo, finished):
+    """hub/<arm> holds the seed with the lowest final training loss (never the test set) as the upload folder
+    push_to_hub writes, committed, and its card says how it was picked."""
     report = (finished / "report.md").read_text(encoding="utf-8")
     tracked = set(_git(repo, "ls-files").splitlines())
     for arm in ARMS:
-        top1 = {s: json.loads((finished / "eval" / f"{arm}-s{s}" / "results.json").read_text())["metrics"]["top1"]
-                for s in (0, 1)}
-        best = 1 if top1[1] > top1[0] else 0
+        loss = {}
+        for s in (0, 1):
+            with open(finished / "runs" / f"{arm}-s{s}" / "log.csv", newline="") as f:
+                loss[s] = float(list(csv.DictReader(f))[-1]["train_loss"])
+        best = 1 if loss[1] < loss[0] else 0
         folder = finished / "hub" / arm
         assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors"]
         weights = load_file(folder / "model.safetensors")
@@ -301,7 +334,10 @@ def test_best_run_of_each_arm_is_exported_for_the_hub(repo, finished):
         assert weights.keys() == run.keys() and all(torch.equal(weights[k], run[k]) for k in run)
         model = timm.create_model(f"local-dir:{folder}", pretrained=True)
         assert all(torch.equal(v, run[k]) for k, v in model.state_dict().items())
-        assert f"timm-rollout/vit-tiny-cifar10-sample-{arm}" in (folder / "README.md").read_text()
+        card = (folder / "README.md").read_text()
+        assert f"timm-rollout/vit-tiny-cifar10-sample-{arm}" in card
+        assert f"**Selection:** seed {best} of seeds 0, 1 of this study arm, the one with the lowest final " \
+               "training loss" in card and "the test set played no part" in card
         assert f"- {arm}: `hub/{arm}` (seed {best}," in report
         assert f"results/toy/hub/{arm}/model.safetensors" in tracked
 

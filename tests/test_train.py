@@ -26,7 +26,7 @@ from timm_rollout.data import balanced_indices, load_image_set, normalization_st
 from timm_rollout.errors import UserError
 from timm_rollout.records import RESUME_FILE
 from timm_rollout.train import train
-from timm_rollout.train_log import LOG_COLUMNS, read_log
+from timm_rollout.train_log import LOG_COLUMNS, OPTIONAL_COLUMNS, read_log
 
 SAMPLE = "cifar10-sample"  # 2,000 train and 1,000 test images, shipped in the package
 QUICK = ["--dataset", SAMPLE, "--max-train-samples", "2000", "--max-eval-samples", "1000", "--epochs", "2",
@@ -57,7 +57,8 @@ def _metrics(rows: list[dict]) -> list[dict]:
 
 def test_quick_run_learns_and_writes_the_output_contract(quick_run: Path) -> None:
     rows = read_log(quick_run / "log.csv")
-    assert (quick_run / "log.csv").read_text().splitlines()[0] == ",".join(LOG_COLUMNS)
+    assert (quick_run / "log.csv").read_text().splitlines()[0] == ",".join([*LOG_COLUMNS, *OPTIONAL_COLUMNS])
+    assert 1.0 <= rows[-1]["rollout_effective_patches"] <= 64.0 and rows[-1]["rollout_cosine_to_mean"] > 0.5
     assert [r["epoch"] for r in rows] == [1, 2]
     assert rows[-1]["eval_top1"] > 20.0  # chance is 10 %; 1,000 eval images give a standard error of ~1.4 %
     assert rows[-1]["train_loss"] < rows[0]["train_loss"] < 2.31
@@ -108,6 +109,56 @@ def test_no_weight_decay_on_norms_biases_pos_embed_and_cls_token(quick_run: Path
 def _same_weights(a: Path, b: Path) -> bool:
     x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_eval_pass_logs_the_pooling_diagnostics_of_the_rollout_weights_it_pooled_with(monkeypatch) -> None:
+    import math
+
+    import numpy as np
+
+    from timm_rollout import attention_rollout, capture_attention
+    from timm_rollout import train as train_module
+
+    monkeypatch.setattr(train_module, "EVAL_BATCH", 7)  # several batches, the last one short
+    data = load_image_set("cifar10-sample", "test")
+    images, labels = data.images[:20], data.labels[:20]
+    mean, std = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)
+    d = train_module.Dist(0, 1, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_cifar_rollout", num_classes=10, depth=2).eval()
+    got = train_module.evaluate(model, images, labels, mean, std, d, None)
+    # independent route: the full rollout matrix product of the captured attention, per image in float64
+    cls = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=2).eval()
+    cls.load_state_dict(model.state_dict())
+    with torch.no_grad(), capture_attention(cls) as cap:
+        tokens = cls.forward_features(normalize(images, mean, std))[:, 1:].double().numpy()
+    rows = attention_rollout(cap.attentions)[:, 0, 1:].double().numpy()
+    patches, cosines = [], []
+    for row, t in zip(rows, tokens, strict=True):
+        w = row / row.sum()
+        patches.append(math.exp(-sum(p * math.log(p) for p in w)))
+        pooled, avg = w @ t, t.mean(axis=0)
+        cosines.append(pooled @ avg / (np.linalg.norm(pooled) * np.linalg.norm(avg)))
+    assert got["rollout_effective_patches"] == pytest.approx(np.mean(patches), rel=1e-5)
+    assert got["rollout_cosine_to_mean"] == pytest.approx(np.mean(cosines), rel=1e-5)
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model(normalize(images, mean, std)), labels).item()
+    assert got["eval_loss"] == pytest.approx(loss, rel=1e-5)  # the same pass classifies
+    assert set(train_module.evaluate(cls, images, labels, mean, std, d, None)) == {"eval_loss", "eval_top1",
+                                                                                   "eval_top5"}
+
+
+def test_log_keeps_optional_columns_of_some_rows_only(tmp_path: Path) -> None:
+    from timm_rollout.train_log import write_log
+
+    base = dict.fromkeys(LOG_COLUMNS, 1.0)
+    rows = [{**base, "epoch": 1}, {**base, "epoch": 2, "rollout_effective_patches": 60.5}]  # epoch 1 from before
+    write_log(tmp_path / "log.csv", rows)
+    assert (tmp_path / "log.csv").read_text().splitlines()[0] == ",".join([*LOG_COLUMNS, "rollout_effective_patches"])
+    back = read_log(tmp_path / "log.csv")
+    assert "rollout_effective_patches" not in back[0] and back[1]["rollout_effective_patches"] == 60.5
+    write_log(tmp_path / "plain.csv", rows[:1])
+    assert (tmp_path / "plain.csv").read_text().splitlines()[0] == ",".join(LOG_COLUMNS)
 
 
 def test_kill_and_resume_equals_uninterrupted_run(tiny_run: Path, tmp_path: Path) -> None:

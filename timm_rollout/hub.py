@@ -106,6 +106,14 @@ METRIC_DEFINITIONS = {
         "scikit-learn silhouette score, Euclidean on the normalised features (in [-1, 1]; above 10,000 points on a "
         "seeded sample of 10,000)"
     ),
+    "rollout_effective_patches": (
+        "mean over images of exp(entropy) of the rollout pooling weights over the patches (the [CLS] row of the "
+        "attention rollout, renormalised over the patches; for a model that does not pool by rollout, the weights "
+        "rollout pooling would use): the number of patches for uniform weights, 1 for a single patch"
+    ),
+    "rollout_cosine_to_mean": (
+        "mean over images of the cosine between the rollout-pooled and the mean-pooled final patch tokens"
+    ),
 }
 METRIC_DEFAULTS = {"k": 5, "bank_k": 20, "temperature": 0.07}
 
@@ -292,8 +300,10 @@ def model_card(
     facts: dict[str, Any],
     train_args: dict[str, Any] | None = None,
     summary: dict[str, Any] | None = None,
+    selection: str | None = None,
 ) -> dict[str, Any]:
-    """A card in the dict format of timm's ``generate_readme`` (tags, licence, description, details, usage)."""
+    """A card in the dict format of timm's ``generate_readme`` (tags, licence, description, details, usage);
+    ``selection`` says how the run was picked among several (e.g. the seeds of a study arm)."""
     train_args = train_args or {}
     pooling = facts["pooling"]
     pool_text = POOLING_TEXT.get(pooling, f"timm global pooling {pooling!r}")
@@ -313,6 +323,8 @@ def model_card(
         "Image size": "x".join(str(s) for s in facts["img_size"]),
         "Classes": facts["num_classes"],
     }
+    if selection:
+        details["Selection"] = selection
     if train_args.get("dataset"):
         details["Dataset"] = _dataset_id(str(train_args["dataset"]))
     recipe = _recipe(train_args)
@@ -453,9 +465,11 @@ def _load_run_model(run: Path) -> torch.nn.Module:
 
 
 def write_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike, repo_id: str,
-                        eval_dir: str | os.PathLike | None = None) -> tuple[list[Path], str]:
+                        eval_dir: str | os.PathLike | None = None, selection: str | None = None,
+                        ) -> tuple[list[Path], str]:
     """The upload folder of a training run for ``repo_id``: weights, config and a model card (with the metrics of
-    ``eval_dir``'s results.json, which must have evaluated these weights). Returns its files and the architecture.
+    ``eval_dir``'s results.json, which must have evaluated these weights; ``selection``: how this run was picked
+    among others, stated on the card). Returns its files and the architecture.
 
     The run must load with ``timm.create_model("local-dir:<run>", pretrained=True)``; that model gives the card
     its architecture facts. Warns on stderr about an unfinished run or a config whose normalisation differs
@@ -472,5 +486,5 @@ def write_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     if mismatch:
         print(f"warning: {mismatch}; timm's transforms for this model will use config.json's", file=sys.stderr)
     facts = describe_model(_load_run_model(run))
-    card = model_card(repo_id, facts, record["train_args"], record["summary"])
+    card = model_card(repo_id, facts, record["train_args"], record["summary"], selection)
     return prepare_upload_folder(run, out_dir, render_card(card, repo_id, results)), facts["architecture"]

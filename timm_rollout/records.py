@@ -23,6 +23,7 @@ __all__ = [
     "LEGACY_PREDICTIONS_FILE",
     "LOG_FILE",
     "MODEL_FILES",
+    "POOLING_FILE",
     "PREDICTIONS_FILE",
     "REPORT_FILE",
     "RESULTS_FILE",
@@ -55,6 +56,7 @@ FAITHFULNESS_FILE = "faithfulness.png"
 REPORT_FILE = "report.md"
 COMPARISON_FILE = "comparison.png"
 STUDY_FILE = "study.json"
+POOLING_FILE = "pooling.png"  # a study's pooling diagnostics per arm
 HUB_DIR = "hub"  # a study's Hub exports: hub/<arm>, the best run of each arm
 NOTES_FILE = "notes.md"  # hand-written notes in a study folder, included in its report.md
 # The model card of a Hub upload.

@@ -56,6 +56,7 @@ from .data import (
     split_names,
 )
 from .device import AMP_CHOICES, autocast, device_name, precision_name, resolve_amp, resolve_device
+from .diagnostics import cosine_to_mean, effective_patches
 from .dropout import use_fast_dropout
 from .errors import (
     CliParser,
@@ -301,30 +302,48 @@ def _criterion(args: argparse.Namespace) -> nn.Module:
     return nn.CrossEntropyLoss()
 
 
+def _eval_pass(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits, and for a rollout-pooled model the batch sums of its pooling diagnostics (effective patches,
+    cosine to the mean) from the weights and tokens of that same pass."""
+    if getattr(model, "global_pool", None) != "rollout":
+        return model(x), None
+    tokens = model.forward_features(x)
+    weights = model.rollout_weights()
+    logits = model.forward_head(tokens)
+    patches = tokens[:, model.num_prefix_tokens:]
+    return logits, torch.stack([effective_patches(weights).sum(), cosine_to_mean(patches, weights).sum()])
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean, std, d: Dist,
              amp_dtype: torch.dtype | None) -> dict[str, float]:
-    """Eval loss and top-1/top-5 accuracy (%) of ``model``; each rank takes every ``world``-th image.
+    """Eval loss and top-1/top-5 accuracy (%) of ``model``; each rank takes every ``world``-th image. A
+    rollout-pooled model adds the means of its pooling diagnostics (:mod:`timm_rollout.diagnostics`).
 
     Sums stay on the device until the end: one all-reduce and one host sync per evaluation.
     """
     was_training = model.training
     model.eval()
     count, images, labels = len(labels), images[d.rank::d.world], labels[d.rank::d.world]  # count: all ranks
-    sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss, top-1, top-5
+    sums = torch.zeros(5, dtype=torch.float64, device=d.device)  # loss, top-1, top-5, effective patches, cosine
+    pooled = False
     for start in range(0, len(labels), EVAL_BATCH):
         x = normalize(images[start:start + EVAL_BATCH].to(d.device, non_blocking=True), mean, std)
         y = labels[start:start + EVAL_BATCH].to(d.device, non_blocking=True)
         with autocast(d.device, amp_dtype):
-            logits = model(x)
+            logits, diagnostics = _eval_pass(model, x)
         logits = logits.float()
         hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
-        sums += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(), hit[:, 0].sum().double(),
-                             hit.any(dim=1).sum().double()])
+        sums[:3] += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(), hit[:, 0].sum().double(),
+                                 hit.any(dim=1).sum().double()])
+        if diagnostics is not None:
+            sums[3:] += diagnostics.double()
+            pooled = True
     sums = _reduce(sums, d).cpu()
     model.train(was_training)
-    loss, top1, top5 = (sums / max(count, 1)).tolist()
-    return {"eval_loss": loss, "eval_top1": 100 * top1, "eval_top5": 100 * top5}
+    loss, top1, top5, patches, cosine = (sums / max(count, 1)).tolist()
+    out = {"eval_loss": loss, "eval_top1": 100 * top1, "eval_top5": 100 * top5}
+    return {**out, "rollout_effective_patches": patches, "rollout_cosine_to_mean": cosine} if pooled else out
 
 
 def train(argv: list[str] | None = None) -> Path:

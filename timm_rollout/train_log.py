@@ -11,25 +11,30 @@ from typing import Any
 
 from .atomic import atomic_path, write_text
 
-__all__ = ["LOG_COLUMNS", "plot_curves", "read_log", "write_log"]
+__all__ = ["LOG_COLUMNS", "OPTIONAL_COLUMNS", "plot_curves", "read_log", "write_log"]
 
 LOG_COLUMNS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "img_per_s", "seconds")
+# Written when some row has them: the pooling diagnostics of a rollout-pooled model's evaluation pass.
+OPTIONAL_COLUMNS = ("rollout_effective_patches", "rollout_cosine_to_mean")
 
 
 def write_log(path: str | os.PathLike, rows: Sequence[dict[str, Any]]) -> None:
-    """Write ``rows`` (one dict per finished epoch, keys ``LOG_COLUMNS``) as CSV."""
+    """Write ``rows`` (one dict per finished epoch, keys ``LOG_COLUMNS``, some of ``OPTIONAL_COLUMNS``) as CSV;
+    an optional column some row has is written with empty cells for the rows without it (e.g. resumed epochs)."""
+    columns = [*LOG_COLUMNS, *(k for k in OPTIONAL_COLUMNS if any(k in row for row in rows))]
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=LOG_COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     for row in rows:
-        writer.writerow({k: row[k] for k in LOG_COLUMNS})
+        writer.writerow({k: row.get(k, "") for k in columns})
     write_text(path, buf.getvalue())
 
 
 def read_log(path: str | os.PathLike) -> list[dict[str, float]]:
-    """Rows of a ``log.csv`` as floats (``epoch`` as int)."""
+    """Rows of a ``log.csv`` as floats (``epoch`` as int); empty cells are left out of their row."""
     with open(path, newline="", encoding="utf-8") as f:
-        return [{k: int(v) if k == "epoch" else float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        return [{k: int(v) if k == "epoch" else float(v) for k, v in row.items() if v != ""}
+                for row in csv.DictReader(f)]
 
 
 def plot_curves(path: str | os.PathLike, rows: Sequence[dict[str, Any]], title: str) -> None:
