@@ -31,8 +31,12 @@ __all__ = ["add_pooling_diagnostics", "has_diagnostics", "main"]
 
 
 def has_diagnostics(results: dict[str, Any]) -> bool:
-    """Whether ``results`` (a results.json) holds every pooling diagnostic (None counts: no class token)."""
-    return all(k in results.get("metrics", {}) for k in POOLING_DIAGNOSTICS) and "pooling_diagnostics" in results
+    """Whether ``results`` (a results.json) holds every pooling diagnostic, per-layer and variant figures
+    included (None counts: no class token)."""
+    if not all(k in results.get("metrics", {}) for k in POOLING_DIAGNOSTICS) or "pooling_diagnostics" not in results:
+        return False
+    record = results["pooling_diagnostics"]
+    return record is None or ("layer_effective_patches" in record and "rollout_variants" in record)
 
 
 def add_pooling_diagnostics(folder: str | Path, device: str | None = None) -> bool:

@@ -19,7 +19,15 @@ from tqdm.auto import tqdm
 from timm_rollout.capture import capture_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast, inference_batch_size
-from timm_rollout.diagnostics import cosine_to_mean, effective_patches, pooling_weights, rollout_options
+from timm_rollout.diagnostics import (
+    ROLLOUT_VARIANTS,
+    cosine_to_mean,
+    effective_patches,
+    layer_effective_patches,
+    pooling_weights,
+    rollout_options,
+    variant_name,
+)
 from timm_rollout.explain import gradient_pass, readout_maps
 
 __all__ = ["PoolingDiagnostics", "SaliencyMaps", "extract", "pooling_diagnostics", "saliency_maps"]
@@ -104,13 +112,17 @@ def saliency_maps(
 
 @dataclass
 class PoolingDiagnostics:
-    """Per image: effective patches and cosine to the mean of the rollout pooling weights; their mean map."""
+    """Per image: effective patches and cosine to the mean of the rollout pooling weights; their mean map; the
+    effective patches of each layer's own [CLS] attention and of the sharper rollouts of
+    :data:`~timm_rollout.diagnostics.ROLLOUT_VARIANTS`."""
 
     effective_patches: torch.Tensor  # (N,)
     cosine_to_mean: torch.Tensor  # (N,)
     mean_weights: torch.Tensor  # (P,): the weights averaged over the images
     head_fusion: str
     discard_ratio: float
+    layer_patches: torch.Tensor  # (N, L)
+    variant_patches: dict[str, torch.Tensor]  # variant name -> (N,)
 
     def record(self) -> dict:
         """results.json's ``pooling_diagnostics``: the rollout options, the mean weight map and a histogram of
@@ -120,7 +132,9 @@ class PoolingDiagnostics:
         return {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio,
                 "num_images": int(self.effective_patches.numel()), "num_patches": p,
                 "mean_weights": [round(float(v), 7) for v in self.mean_weights],
-                "effective_patches_histogram": {"edges": edges.tolist(), "counts": counts.tolist()}}
+                "effective_patches_histogram": {"edges": edges.tolist(), "counts": counts.tolist()},
+                "layer_effective_patches": [round(float(v), 4) for v in self.layer_patches.double().mean(dim=0)],
+                "rollout_variants": {k: round(float(v.double().mean()), 4) for k, v in self.variant_patches.items()}}
 
 
 @torch.inference_mode()
@@ -144,16 +158,19 @@ def pooling_diagnostics(
     fusion, ratio = rollout_options(model)
     prefix = int(model.num_prefix_tokens)
     batch_size = batch_size or inference_batch_size(device)
-    found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    found: list[tuple[torch.Tensor, ...]] = []
     for start in tqdm(range(0, len(images), batch_size), desc="pooling diagnostics", leave=False):
         x = normalize(images[start:start + batch_size].to(device), mean, std).contiguous()
         with autocast(device, amp_dtype), capture_attention(model) as cap:
             tokens = model.forward_features(x)
-        weights = pooling_weights([a.float() for a in cap.attentions], prefix, fusion, ratio)
+        attentions = [a.float() for a in cap.attentions]
+        weights = pooling_weights(attentions, prefix, fusion, ratio)
+        variants = [effective_patches(pooling_weights(attentions, prefix, f, r)).cpu() for f, r in ROLLOUT_VARIANTS]
         found.append((effective_patches(weights).cpu(), cosine_to_mean(tokens[:, prefix:], weights).cpu(),
-                      weights.sum(dim=0).cpu()))
+                      weights.sum(dim=0).cpu(), layer_effective_patches(attentions, prefix).cpu(), *variants))
     if not found:
         raise ValueError("no images to diagnose")
-    patches, cosines, sums = zip(*found, strict=True)
+    patches, cosines, sums, layers, *variants = zip(*found, strict=True)
     return PoolingDiagnostics(torch.cat(patches), torch.cat(cosines), torch.stack(sums).sum(dim=0) / len(images),
-                              fusion, ratio)
+                              fusion, ratio, torch.cat(layers),
+                              {variant_name(*v): torch.cat(p) for v, p in zip(ROLLOUT_VARIANTS, variants, strict=True)})

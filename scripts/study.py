@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from matplotlib.figure import Figure
 
@@ -471,6 +472,37 @@ POOLING_NOTE = (
     "their `log.csv`.")
 
 
+def pooling_table(results: dict[tuple[str, int], dict[str, Any]], arms: Sequence[str], seeds: Sequence[int]) -> str:
+    """Where the uniformity comes from, per trained arm (mean ± std over seeds of the per-image means): the
+    effective patches of the arm's rollout pooling weights, of the sharper rollout variants on the same
+    attention, and of each layer's own [CLS] attention over the patches."""
+    records = {a: [results[a, s]["pooling_diagnostics"] for s in seeds] for a in arms}
+    records = {a: r for a, r in records.items() if all(x and "layer_effective_patches" in x for x in r)}
+    if not records:
+        return ""
+    first = next(iter(records.values()))[0]
+    variants, depth = list(first["rollout_variants"]), len(first["layer_effective_patches"])
+    head = ["arm", "rollout", *[f"rollout {v}" for v in variants], *[f"layer {i + 1} [CLS]" for i in range(depth)]]
+
+    def cell(values: Sequence[float]) -> str:
+        return f"{np.mean(values):.1f} ± {np.std(values, ddof=1):.1f}" if len(values) > 1 else f"{values[0]:.1f}"
+
+    rows = []
+    for arm, recs in records.items():
+        own = [results[arm, s]["metrics"]["rollout_effective_patches"] for s in seeds]
+        rows.append([arm, cell(own), *[cell([r["rollout_variants"][v] for r in recs]) for v in variants],
+                     *[cell([r["layer_effective_patches"][i] for r in recs]) for i in range(depth)]])
+    return "\n".join("| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows])
+
+
+LAYERS_NOTE = (
+    "Effective patches (out of the number of patches) of each arm's rollout pooling weights (`rollout`: its "
+    "own options), of sharper rollouts of the same attention (`max`/`min`: head fusion, `discard0.9`: the weakest "
+    "90% of patch-to-patch attention zeroed) and of each layer's own [CLS] attention over the patches (mean over "
+    "heads, renormalised). Mean ± std over seeds of the means over the test images (`results.json`'s "
+    "`pooling_diagnostics`).")
+
+
 def backbone(arm: str) -> str:
     """The trained arm whose run ``arm`` reads: itself, or ``cls`` for a post-hoc readout."""
     return arm if arm in ARMS else "cls"
@@ -564,7 +596,9 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         *notes_section(out),
         *_report_tables(groups, extra),
         "## Training curves", "", "![training curves](curves.png)", "",
-        *(["## Pooling diagnostics", "", POOLING_NOTE, "", f"![pooling diagnostics]({POOLING_FILE})", ""]
+        *(["## Pooling diagnostics", "", POOLING_NOTE, "", f"![pooling diagnostics]({POOLING_FILE})", "",
+           LAYERS_NOTE, "", pooling_table(dict(zip(pairs, loaded, strict=True)), [a for a in arms if a in ARMS],
+                                          seeds), ""]
           if pooling else []),
         f"## Cosine similarity of class centroids (seed {seeds[0]})", "",
         *[f"![{a}]({evals[a, seeds[0]].relative_to(out)}/cosine_matrix.png)" for a in arms], "",

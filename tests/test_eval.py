@@ -112,7 +112,11 @@ def test_pooling_diagnostics_of_the_evaluated_images_against_a_plain_loop(peaked
     full = load_image_set(SAMPLE, "test")
     idx = torch.tensor(read_predictions(out)["index"])
     model, _ = load_model("vit_tiny_cifar_cls", checkpoint)  # [CLS]-pooled: the weights rollout would pool with
-    patches, cosines, total = [], [], np.zeros(64)
+    def perplexity(row: np.ndarray) -> float:
+        w = row / row.sum()
+        return float(np.exp(-sum(p * np.log(p) for p in w)))
+
+    patches, cosines, total, layers, variants = [], [], np.zeros(64), [], {}
     for i in idx.tolist():  # one image at a time: full rollout matrix product, entropy by a float64 loop
         with torch.inference_mode():
             attentions = _manual_attentions(model, normalize(full.images[i:i + 1], MEAN, STD))
@@ -120,7 +124,11 @@ def test_pooling_diagnostics_of_the_evaluated_images_against_a_plain_loop(peaked
         row = attention_rollout(attentions)[0, 0, 1:].double().numpy()
         w = row / row.sum()
         total += w
-        patches.append(np.exp(-sum(p * np.log(p) for p in w)))
+        patches.append(perplexity(row))
+        layers.append([perplexity(a[0, :, 0, 1:].double().mean(dim=0).numpy()) for a in attentions])
+        for fusion, ratio, name in (("max", 0.0, "max"), ("mean", 0.9, "mean-discard0.9")):
+            variants.setdefault(name, []).append(
+                perplexity(attention_rollout(attentions, fusion, ratio)[0, 0, 1:].double().numpy()))
         pooled, avg = w @ tokens, tokens.mean(axis=0)
         cosines.append(pooled @ avg / np.linalg.norm(pooled) / np.linalg.norm(avg))
     assert results["metrics"]["rollout_effective_patches"] == pytest.approx(np.mean(patches), rel=1e-4)
@@ -130,6 +138,9 @@ def test_pooling_diagnostics_of_the_evaluated_images_against_a_plain_loop(peaked
     np.testing.assert_allclose(record["mean_weights"], total / len(idx), atol=2e-6)
     hist = record["effective_patches_histogram"]
     assert sum(hist["counts"]) == len(idx) and hist["edges"][0] == 1.0 and hist["edges"][-1] == 64.0
+    np.testing.assert_allclose(record["layer_effective_patches"], np.mean(layers, axis=0), rtol=1e-4)
+    for name, values in variants.items():
+        assert record["rollout_variants"][name] == pytest.approx(np.mean(values), rel=1e-4)
     assert max(patches) < 60 and min(cosines) < 0.95  # far from uniform: the comparisons above have teeth
 
 

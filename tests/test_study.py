@@ -103,6 +103,16 @@ def test_report_matches_the_evaluations(finished):
             assert float(cell.split()[0]) == pytest.approx(np.mean(values), abs=6e-5)
         assert f"| {metric} |" not in report.split("## Paired differences")[1].split("## Training curves")[0]
     assert "![pooling diagnostics](pooling.png)" in report
+    layers = next(line for line in report.splitlines() if line.startswith("| arm | rollout |"))
+    head = [c.strip() for c in layers.strip("|").split("|")]
+    assert head[2:6] == ["rollout max", "rollout min", "rollout mean-discard0.9", "rollout max-discard0.9"]
+    for arm in (a for a in SHOWN if "posthoc" not in a):  # the trained arms: mean ± std over seeds of the records
+        row = [c.strip() for c in next(line for line in report.splitlines() if line.startswith(f"| {arm} | ")
+                                       and "±" in line and line.count("|") == len(head) + 1).strip("|").split("|")]
+        records = [results[arm, s]["pooling_diagnostics"] for s in (0, 1)]
+        want = [np.mean([r["rollout_variants"]["max"] for r in records]),
+                np.mean([r["layer_effective_patches"][-1] for r in records])]
+        assert [float(row[2].split()[0]), float(row[-1].split()[0])] == pytest.approx(want, abs=0.051)
     for metric in ("top1", "linear_probe", "knn_loo", "knn_bank", "ratio", "silhouette", "ratio_original"):
         values = {a: np.array([results[a, s]["metrics"][metric] for s in (0, 1)]) for a in SHOWN}
         for arm, cell in zip(SHOWN, _table_row(report, metric)[1:], strict=True):

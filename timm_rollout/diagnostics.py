@@ -7,6 +7,10 @@ attention rollout over the patch columns, renormalised, as rollout pooling uses 
   all the weight is on one patch (the perplexity of the weights);
 - cosine to the mean: ``cos(sum_p w_p t_p, mean_p t_p)`` of the final patch tokens ``t`` (B, P, D): 1 when the
   weighted pooling points where the patch mean does.
+
+Where near-uniform rollout weights come from: :func:`layer_effective_patches` measures each layer's own [CLS]
+attention over the patches the same way, and :data:`ROLLOUT_VARIANTS` are the sharper rollout options whose
+weights :func:`pooling_weights` gives for comparison.
 """
 
 from __future__ import annotations
@@ -18,7 +22,17 @@ from torch import nn
 
 from .rollout import patch_weights, rollout_cls_row
 
-__all__ = ["cosine_to_mean", "effective_patches", "pooling_weights", "rollout_options"]
+__all__ = ["ROLLOUT_VARIANTS", "cosine_to_mean", "effective_patches", "layer_effective_patches", "pooling_weights",
+           "rollout_options", "variant_name"]
+
+# (head fusion, discard ratio) of the sharper rollouts measured beside a model's own: max fusion keeps each
+# position's most focused head, discarding drops the weakest 90% of patch-to-patch attention.
+ROLLOUT_VARIANTS = (("max", 0.0), ("min", 0.0), ("mean", 0.9), ("max", 0.9))
+
+
+def variant_name(head_fusion: str, discard_ratio: float) -> str:
+    """``'max'``, ``'max-discard0.9'``: a rollout variant's name, as in the study's arm names."""
+    return head_fusion if discard_ratio == 0 else f"{head_fusion}-discard{discard_ratio:g}"
 
 
 def rollout_options(model: nn.Module) -> tuple[str, float]:
@@ -31,6 +45,13 @@ def pooling_weights(attentions: Sequence[torch.Tensor], num_prefix_tokens: int, 
     """Rollout pooling weights (B, P) of one pass's attention: the [CLS] rollout row over the patches, renormalised."""
     row = rollout_cls_row(attentions, head_fusion, discard_ratio, num_prefix_tokens)
     return patch_weights(row, num_prefix_tokens)
+
+
+def layer_effective_patches(attentions: Sequence[torch.Tensor], num_prefix_tokens: int) -> torch.Tensor:
+    """Effective patches (B, L) of each layer's own [CLS] attention over the patches (mean over heads,
+    renormalised over the patch columns): how focused the attention is that rollout composes."""
+    rows = [a.float().mean(dim=1)[:, 0, num_prefix_tokens:] for a in attentions]
+    return torch.stack([effective_patches(r / r.sum(dim=-1, keepdim=True)) for r in rows], dim=1)
 
 
 def effective_patches(weights: torch.Tensor) -> torch.Tensor:
