@@ -15,6 +15,7 @@ over the paired seeds, from each run's ``predictions.json.gz`` (or the ``predict
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import timm
+import torch
 
 from harness import stats
 from harness.figures import plot_comparison
@@ -90,13 +93,29 @@ def load_results(folders: Sequence[str | Path]) -> list[dict[str, Any]]:
     return loaded
 
 
+@functools.cache
+def default_pool(name: str) -> str | None:
+    """The ``global_pool`` a registered model is built with by default (built on the meta device), else None."""
+    try:
+        with torch.device("meta"):
+            return str(timm.create_model(name).global_pool)
+    except RuntimeError:  # not a registered model name
+        return None
+
+
 def run_label(result: dict[str, Any]) -> str:
-    """Group label of a run: model, weights' architecture when it differs, data set and split."""
+    """Group label of a run: model, weights' architecture when it differs, its pooling when not the model's
+    default (e.g. ``global_pool=map``), a post-hoc readout's pooling, data set and split."""
     model = result["model"]
     label = model["name"]
     trained_as = model.get("checkpoint_architecture")
     if trained_as and trained_as != model.get("architecture"):
         label += f" ({trained_as} weights)"
+    built, pool = model.get("global_pool"), model.get("pool")
+    if built is not None and built != default_pool(model["name"]):
+        label += f" (global_pool={built})"
+    if pool is not None and pool != built:
+        label += f" (read out with {pool})"
     data = result.get("data", {})
     dataset = Path(str(data.get("argument") or data.get("dataset", "?"))).name
     return f"{label} on {dataset}/{data.get('split', '?')}"

@@ -250,6 +250,10 @@ def test_summarise_mean_std_and_deltas():
         return {"model": {"name": model, "architecture": model}, "data": {"argument": "cifar10", "split": "test"},
                 "metrics": {"knn_loo": value, "knn_bank": None}}
 
+    pooled = {"model": {"name": "vit_tiny_cifar_cls", "global_pool": "map", "pool": "avg"}, "data": {}}
+    assert compare.run_label(pooled) == "vit_tiny_cifar_cls (global_pool=map) (read out with avg) on ?/?"
+    plain = {"model": {"name": "vit_tiny_cifar_cls", "global_pool": "token", "pool": "token"}, "data": {}}
+    assert compare.run_label(plain) == "vit_tiny_cifar_cls on ?/?"
     groups = compare.summarise([result("a", 0.5), result("b", 0.7), result("a", 0.7)], ["knn_loo", "knn_bank"])
     assert [g.label for g in groups] == ["a on cifar10/test", "b on cifar10/test"]
     assert groups[0].mean["knn_loo"] == pytest.approx(0.6) and groups[0].std["knn_loo"] == pytest.approx(0.1414214)
