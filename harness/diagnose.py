@@ -7,8 +7,9 @@ evaluation's own arguments (``results["args"]``) select the same images and load
 same way; the diagnostics are computed exactly as ``harness.eval`` computes them and written into
 ``results.json`` (metrics, ``pooling_diagnostics``, their timing), atomically. Refused, nothing written, when
 the weights' sha256 or the evaluated images' fingerprint differ from what the evaluation recorded. Run it from
-the directory the evaluations ran in: their paths are relative to it. Folders that have the diagnostics are
-skipped.
+the directory the evaluations ran in: their paths are relative to it, or, for evaluations made on another
+machine, name the folder that now holds their checkpoints with ``--runs`` (a checkpoint is looked up there by its
+folder name; the sha256 check still applies). Folders that have the diagnostics are skipped.
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def has_diagnostics(results: dict[str, Any]) -> bool:
     return record is None or ("layer_effective_patches" in record and "rollout_variants" in record)
 
 
-def add_pooling_diagnostics(folder: str | Path, device: str | None = None) -> bool:
+def add_pooling_diagnostics(folder: str | Path, device: str | None = None, runs: str | Path | None = None) -> bool:
     """Compute the missing pooling diagnostics of the evaluation in ``folder`` and rewrite its results.json;
-    False when it already has them. ``device`` overrides the evaluation's ``--device``."""
+    False when it already has them. ``device`` overrides the evaluation's ``--device``; ``runs`` is the folder
+    holding the evaluated checkpoint now (found by its name), for evaluations made elsewhere."""
     path = Path(folder) / RESULTS_FILE
     if not path.is_file():
         raise UserError(f"{folder} holds no {RESULTS_FILE}; pass folders written by python -m harness.eval")
@@ -49,9 +51,11 @@ def add_pooling_diagnostics(folder: str | Path, device: str | None = None) -> bo
     if has_diagnostics(results):
         return False
     args = argparse.Namespace(**results["args"])
+    if args.checkpoint and runs is not None:
+        args.checkpoint = str(Path(runs) / Path(args.checkpoint).name)
     if args.checkpoint and not Path(args.checkpoint).exists():
         raise UserError(f"{folder} evaluated {args.checkpoint}, which is not there from {Path.cwd()}; run this "
-                        "command from the directory the evaluation ran in")
+                        "command from the directory the evaluation ran in, or pass --runs FOLDER holding it")
     start = time.perf_counter()
     dev = resolve_device(device or args.device)
     sel = harness_eval._select(args)
@@ -75,10 +79,12 @@ def main(argv: list[str] | None = None) -> list[Path]:
     p = CliParser(prog="python -m harness.diagnose", description=__doc__.split("\n")[0])
     p.add_argument("folders", nargs="+", type=existing_path, help="evaluation folders (results.json of harness.eval)")
     p.add_argument("--device", type=device_arg, help="override the evaluations' --device (e.g. cpu)")
+    p.add_argument("--runs", type=existing_path,
+                   help="folder now holding the evaluated checkpoints, found by name (evaluations made elsewhere)")
     args = p.parse_args(argv)
     added = []
     for folder in args.folders:
-        if add_pooling_diagnostics(folder, args.device):
+        if add_pooling_diagnostics(folder, args.device, args.runs):
             metrics = json.loads((Path(folder) / RESULTS_FILE).read_text(encoding="utf-8"))["metrics"]
             shown = ", ".join(f"{k} {metrics[k]:.4f}" for k in POOLING_DIAGNOSTICS if metrics[k] is not None)
             print(f"{folder}: {shown or 'no class token, diagnostics None'}")

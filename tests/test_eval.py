@@ -171,6 +171,15 @@ def test_diagnose_adds_the_missing_diagnostics_as_eval_computes_them(peaked, run
     with pytest.raises(UserError, match=r"weights .* changed since the evaluation"):
         diagnose.add_pooling_diagnostics(tmp_path / "old")
     assert "pooling_diagnostics" not in json.loads((tmp_path / "old" / "results.json").read_text())
+    with pytest.raises(UserError, match=r"weights .* changed since the evaluation"):  # found by name, still checked
+        diagnose.add_pooling_diagnostics(tmp_path / "old", runs=tmp_path)
+    moved = tmp_path / "elsewhere" / changed.name  # evaluated on another machine: the unchanged weights moved here
+    moved.mkdir(parents=True)
+    for f in checkpoint.iterdir():
+        (moved / f.name).write_bytes(f.read_bytes())
+    assert diagnose.add_pooling_diagnostics(tmp_path / "old", runs=tmp_path / "elsewhere")
+    back = json.loads((tmp_path / "old" / "results.json").read_text())
+    assert back["pooling_diagnostics"] == full["pooling_diagnostics"]
 
 
 def test_features_file_reproduces_the_metrics(runs):
