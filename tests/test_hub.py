@@ -300,6 +300,8 @@ def test_card_tolerates_missing_optional_files():
         ("vit_tiny_cifar_rollout", {}, "rollout", "weighted by the [CLS] row of the attention rollout"),
         ("vit_tiny_cifar_rollout", {"rollout_grad": True}, "rollout", "gradients flow through the pooling weights"),
         ("vit_tiny_cifar_cls", {"global_pool": "map"}, "map", "one learned latent query attends"),
+        ("vit_tiny_cifar_rollout", {"rollout_head_fusion": "max", "rollout_discard_ratio": 0.9}, "rollout",
+         "heads fused by max, the weakest 90% of patch-to-patch attention discarded"),
     ],
 )
 def test_card_names_each_study_arm(tmp_path, name, kwargs, pooling, words):
@@ -312,6 +314,10 @@ def test_card_names_each_study_arm(tmp_path, name, kwargs, pooling, words):
     assert card["details"]["Pooling"].startswith(f"{pooling}: ") and words in card["details"]["Pooling"]
     assert ("rollout_grad=True" in card["details"]["Pooling"]) == grad
     assert ("gradients through the rollout weights" in card["description"]) == grad
+    sharpened = "rollout_head_fusion" in kwargs
+    options = ("max", 0.9) if sharpened else ("mean", 0.0)
+    assert (facts["rollout_head_fusion"], facts["rollout_discard_ratio"]) == options
+    assert ("rollout_head_fusion='max', rollout_discard_ratio=0.9" in card["description"]) == sharpened
     assert hub.POOLING_SHORT[pooling] in card["description"]
 
 

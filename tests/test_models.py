@@ -72,6 +72,54 @@ def test_rollout_pooling_is_rollout_weighted_mean_of_patch_tokens(images, train)
     assert pooled.shape == (3, 128)
 
 
+def _plain_rollout_weights(attentions: list[torch.Tensor], fusion: str, ratio: float) -> torch.Tensor:
+    """The [CLS] rollout row over the patches by plain loops over images, layers and entries (float64)."""
+    out = []
+    for b in range(attentions[0].shape[0]):
+        r = torch.eye(65, dtype=torch.float64)
+        for attn in attentions:
+            heads = attn[b].double()
+            a = {"mean": heads.mean(0), "max": heads.amax(0), "min": heads.amin(0)}[fusion].clone()
+            entries = sorted((a[i, j].item(), i, j) for i in range(1, 65) for j in range(1, 65) if i != j)
+            for _, i, j in entries[:int(len(entries) * ratio)]:
+                a[i, j] = 0.0
+            a = a + torch.eye(65, dtype=torch.float64)
+            r = (a / a.sum(-1, keepdim=True)) @ r
+        row = r[0, 1:]
+        out.append(row / row.sum())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(("fusion", "ratio"), [("max", 0.9), ("min", 0.0), ("mean", 0.5)])
+def test_rollout_options_are_model_arguments_pooling_as_a_plain_loop(images, tmp_path, fusion, ratio):
+    from timm_rollout.checkpoint import save_model
+
+    model = make("vit_tiny_cifar_rollout", num_classes=10, rollout_head_fusion=fusion,
+                 rollout_discard_ratio=ratio).eval()
+    with torch.no_grad():  # larger queries and keys: peaked attention, on which the options matter
+        for block in model.blocks:
+            block.attn.qkv.weight[:256].mul_(8.0)
+    with torch.no_grad(), capture_attention(model) as cap:
+        tokens = model.forward_features(images)
+        pooled = model.forward_head(tokens, pre_logits=True)
+    weights = _plain_rollout_weights(cap.attentions, fusion, ratio)
+    torch.testing.assert_close(pooled.double(), (weights.unsqueeze(-1) * tokens[:, 1:].double()).sum(1),
+                               rtol=1e-5, atol=1e-6)
+    plain = patch_weights(rollout_cls_row(cap.attentions)).double()
+    assert (weights - plain).abs().max() > 2e-4  # the options change the weights: the check above has teeth
+    save_model(tmp_path, model, [], (0.5,) * 3, (0.5,) * 3)  # config.json records the options
+    back = timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval()
+    assert (back.rollout_head_fusion, back.rollout_discard_ratio) == (fusion, ratio)
+    torch.testing.assert_close(back(images), model(images))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"rollout_head_fusion": "median"}, "unknown head_fusion"),
+                                               ({"rollout_discard_ratio": 1.0}, "discard_ratio")])
+def test_bad_rollout_options_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        timm.create_model("vit_tiny_cifar_rollout", **kwargs)
+
+
 def test_cls_pooling_is_final_cls_token(images):
     model = make("vit_tiny_cifar_cls").eval()
     tokens = model.forward_features(images)

@@ -231,6 +231,8 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
         "architecture": model.pretrained_cfg.get("architecture", type(model).__name__),
         "pooling": str(model.global_pool),
         "rollout_grad": bool(getattr(model, "rollout_grad", False)),
+        "rollout_head_fusion": str(getattr(model, "rollout_head_fusion", "mean")),
+        "rollout_discard_ratio": float(getattr(model, "rollout_discard_ratio", 0.0)),
         "params": sum(p.numel() for p in model.parameters()),
         "img_size": tuple(model.patch_embed.img_size),
         "patch_size": tuple(model.patch_embed.patch_size),
@@ -311,6 +313,12 @@ def model_card(
     if pooling == "rollout" and facts.get("rollout_grad"):
         pool_text += ROLLOUT_GRAD_TEXT
         short += " (trained with gradients through the rollout weights)"
+    fusion, ratio = facts.get("rollout_head_fusion", "mean"), facts.get("rollout_discard_ratio", 0.0)
+    if pooling == "rollout" and (fusion != "mean" or ratio):
+        options = f"rollout_head_fusion={fusion!r}, rollout_discard_ratio={ratio:g}"
+        pool_text += f"; sharpened rollout ({options}: heads fused by {fusion}, the weakest {ratio:.0%} of " \
+                     "patch-to-patch attention discarded)"
+        short += f" ({options})"
     details: dict[str, Any] = {
         "Model Type": "Image classification / feature backbone",
         "Architecture": (

@@ -22,7 +22,7 @@ from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_
 
 from .capture import attention_modules, record_attention, set_attention_recorder
 from .dropout import use_fast_dropout
-from .rollout import patch_weights, rollout_cls_row
+from .rollout import check_options, patch_weights, rollout_cls_row
 
 __all__ = ["CIFAR100_MEAN", "CIFAR100_STD", "RolloutPooledVisionTransformer", "RolloutVisionTransformer"]
 
@@ -40,12 +40,23 @@ class RolloutVisionTransformer(VisionTransformer):
         global_pool: any timm pooling (``'token'``, ``'avg'``, ...) or ``'rollout'``.
         rollout_grad: let gradients flow through the rollout weights; by default they are a
             readout (detached), as in Abnar & Zuidema's use of rollout.
+        rollout_head_fusion: how each layer's heads are fused before rollout: ``'mean'`` (default),
+            ``'max'`` or ``'min'``, as in :func:`timm_rollout.rollout.attention_rollout`.
+        rollout_discard_ratio: fraction of each layer's weakest patch-to-patch attention zeroed before
+            rollout (0 keeps all), as in :func:`timm_rollout.rollout.attention_rollout`.
         **kwargs: passed to ``VisionTransformer``.
+
+    The three rollout options are model arguments, so timm's ``config.json`` (``model_args``) records them and
+    ``timm.create_model("local-dir:...", pretrained=True)`` rebuilds the model with them.
     """
 
-    def __init__(self, *args, global_pool: str = "token", rollout_grad: bool = False, **kwargs) -> None:
+    def __init__(self, *args, global_pool: str = "token", rollout_grad: bool = False,
+                 rollout_head_fusion: str = "mean", rollout_discard_ratio: float = 0.0, **kwargs) -> None:
+        check_options(rollout_head_fusion, rollout_discard_ratio)
         super().__init__(*args, global_pool="token" if global_pool == ROLLOUT else global_pool, **kwargs)
         self.rollout_grad = rollout_grad
+        self.rollout_head_fusion = rollout_head_fusion
+        self.rollout_discard_ratio = float(rollout_discard_ratio)
         self.global_pool = global_pool
         use_fast_dropout(self)
 
@@ -94,7 +105,8 @@ class RolloutPooledVisionTransformer(RolloutVisionTransformer):
         if all(a is not None for a in attentions):
             if not self.rollout_grad:
                 attentions = [a.detach() for a in attentions]
-            row = rollout_cls_row(attentions, num_prefix_tokens=self.num_prefix_tokens)
+            row = rollout_cls_row(attentions, self.rollout_head_fusion, self.rollout_discard_ratio,
+                                  self.num_prefix_tokens)
             weights = patch_weights(row, self.num_prefix_tokens)
         setattr(self, _WEIGHTS, weights)
 

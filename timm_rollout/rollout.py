@@ -22,6 +22,7 @@ HEAD_FUSIONS = ("mean", "max", "min")
 __all__ = [
     "HEAD_FUSIONS",
     "attention_rollout",
+    "check_options",
     "fuse_heads",
     "patch_weights",
     "rollout_cls_row",
@@ -44,7 +45,8 @@ def _fp32(fn: Callable) -> Callable:
     return wrapper
 
 
-def _check_options(head_fusion: str, discard_ratio: float) -> None:
+def check_options(head_fusion: str, discard_ratio: float) -> None:
+    """ValueError unless ``head_fusion`` is one of :data:`HEAD_FUSIONS` and ``0 <= discard_ratio < 1``."""
     if head_fusion not in HEAD_FUSIONS:
         raise ValueError(f"unknown head_fusion {head_fusion!r}; use one of {', '.join(HEAD_FUSIONS)}")
     if not 0.0 <= discard_ratio < 1.0:
@@ -54,7 +56,7 @@ def _check_options(head_fusion: str, discard_ratio: float) -> None:
 @_fp32
 def fuse_heads(attn: torch.Tensor, head_fusion: str = "mean") -> torch.Tensor:
     """Fuse (B, heads, N, N) attention over heads into (B, N, N), in float32."""
-    _check_options(head_fusion, 0.0)
+    check_options(head_fusion, 0.0)
     if attn.dim() != 4:
         raise ValueError(f"attention must be (B, heads, N, N), got shape {tuple(attn.shape)}")
     attn = attn.float()
@@ -97,7 +99,7 @@ def rollout_layers(
     num_prefix_tokens: int = 1,
 ) -> list[torch.Tensor]:
     """Per-layer residual-corrected, row-normalised attention ``Â_l`` (B, N, N) in float32."""
-    _check_options(head_fusion, discard_ratio)
+    check_options(head_fusion, discard_ratio)
     if len(attentions) == 0:
         raise ValueError("attention rollout needs at least one layer of attention")
     layers = []
@@ -141,7 +143,7 @@ def rollout_cls_row(
 
     Equal to ``attention_rollout(...)[:, token_index]`` without forming any N x N product.
     """
-    _check_options(head_fusion, discard_ratio)
+    check_options(head_fusion, discard_ratio)
     if len(attentions) == 0:
         raise ValueError("attention rollout needs at least one layer of attention")
     first = attentions[-1]
