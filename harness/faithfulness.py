@@ -146,7 +146,7 @@ def _logits(model: nn.Module, seq: torch.Tensor) -> torch.Tensor:
     if h.shape[1] == model.num_prefix_tokens and model.global_pool != "token":  # no patch left to pool
         return model.head(model.head_drop(model.fc_norm(h.new_zeros(h.shape[0], h.shape[2]))))
     if rollout:
-        model.keep_rollout_weights(attentions)
+        model.keep_rollout_weights(attentions, h)
     return model.forward_head(h)
 
 

@@ -99,8 +99,7 @@ def _readout_by_hand(model, x: torch.Tensor, kind: str) -> torch.Tensor:
         r[:, 1:] = _latent_attention_by_hand(model, x)
     else:
         with torch.no_grad():
-            model.forward_features(x)
-            r[:, 1:] = model.rollout_weights()  # what the classifier really pools with
+            r[:, 1:] = model.rollout_weights(model.forward_features(x))  # what the classifier really pools with
     return r
 
 
@@ -150,8 +149,7 @@ def test_rollout_map_of_a_cls_model_is_its_post_hoc_rollout_pooling(cifar):
     rollout = E.rollout_map(E.forward_with_attention(model, cifar))
     model.global_pool = "rollout"  # the same weights read out by rollout pooling
     with torch.no_grad():
-        model.forward_features(cifar)
-        torch.testing.assert_close(rollout, model.rollout_weights())
+        torch.testing.assert_close(rollout, model.rollout_weights(model.forward_features(cifar)))
 
 
 def test_map_readout_is_the_attention_the_pool_mixes_its_tokens_with(cifar):

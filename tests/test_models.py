@@ -143,16 +143,18 @@ def attached_tensors(model: torch.nn.Module) -> dict[str, tuple]:
 @pytest.mark.parametrize("name", NAMES)
 def test_no_attention_stays_attached_after_a_pass(images, name):
     model = make(name, depth=2).eval()
-    kept = {"model._rollout_pool_weights[0]": (3, 64)} if name.endswith("rollout") else {}
+    rollout = name.endswith("rollout")
     with torch.no_grad():
         model(images)
-        assert attached_tensors(model) == {}  # forward_head consumed the rollout weights
+        assert attached_tensors(model) == {}  # model(x) keeps nothing
+        assert model.__dict__.get("_rollout_passes", []) == []
         tokens = model.forward_features(images)
-        assert attached_tensors(model) == kept  # only the (B, P) pooling weights wait for forward_head
+        assert attached_tensors(model) == {}  # no attention: only the (B, P) weights, tied to these tokens
+        passes = model.__dict__.get("_rollout_passes", [])
+        assert [(p[0]() is tokens, tuple(p[2].shape)) for p in passes] == ([(True, (3, 64))] if rollout else [])
         model.forward_head(tokens)
-        assert attached_tensors(model) == {}
         model.forward_intermediates(images)
-        assert attached_tensors(model) == kept
+        assert attached_tensors(model) == {}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -166,27 +168,43 @@ def test_no_attention_stays_attached_after_a_checkpointed_training_step(images, 
     assert model.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
 
 
-def test_forward_head_never_reuses_the_weights_of_a_pass(images):
+def test_forward_head_pools_only_tokens_of_a_pass_with_that_pass_weights(images):
     model = make("vit_tiny_cifar_rollout", depth=2).eval()
-    with pytest.raises(RuntimeError, match=r"call forward_features\(x\) before each forward_head"):
+    with pytest.raises(RuntimeError, match="takes the very tensor its forward_features"):
         model.forward_head(torch.randn(3, 65, 128))
-    tokens = model.forward_features(images)
-    model.forward_head(tokens)
-    with pytest.raises(RuntimeError, match="used once"):  # a second forward_head does not reuse them
-        model.forward_head(tokens)
-    model.forward_features(images)
-    with pytest.raises(RuntimeError, match=r"rollout weights \(3, 64\) .* do not fit tokens \(2, 65, 128\)"):
-        model.forward_head(tokens[:2])
+    other = torch.randn_like(images)
+    with torch.no_grad(), capture_attention(model) as cap:
+        t1 = model.forward_features(images)
+    want = (patch_weights(rollout_cls_row(cap.attentions)).unsqueeze(-1) * t1[:, 1:]).sum(1)
+    with torch.no_grad():  # the sequence that used to pool t1 with the other pass's attention
+        model.forward_intermediates(other, intermediates_only=True)
+        model.forward_intermediates(other)  # its final tokens are dropped at once
+        t2 = model.forward_features(other)
+        model(other)
+        pooled = model.forward_head(t1, pre_logits=True)
+        torch.testing.assert_close(pooled, want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model.forward_head(t1, pre_logits=True), want)  # again: same pass, same weights
+        assert not torch.allclose(model.forward_head(t2, pre_logits=True), want)
+        with pytest.raises(RuntimeError, match="takes the very tensor"):
+            model.forward_head(t1[:2])  # a slice is another tensor
+        with pytest.raises(RuntimeError, match="takes the very tensor"):
+            model.forward_head(t1.clone())
+        t1.mul_(2.0)
+        with pytest.raises(RuntimeError, match="changed in place"):
+            model.forward_head(t1)
+    final, _ = model.forward_intermediates(images, stop_early=True, indices=[0])  # not every block ran
+    with pytest.raises(RuntimeError, match="takes the very tensor"):
+        model.forward_head(final)
 
 
-def test_forward_head_pools_with_the_latest_pass(images):
+def test_rollout_weights_of_a_pass_and_none_after_model_call(images):
     model = make("vit_tiny_cifar_rollout", depth=2).eval()
-    model.forward_features(torch.randn_like(images))
-    with capture_attention(model) as cap:
+    with torch.no_grad(), capture_attention(model) as cap:
         tokens = model.forward_features(images)
-    pooled = model.forward_head(tokens, pre_logits=True)
-    want = (patch_weights(rollout_cls_row(cap.attentions)).unsqueeze(-1) * tokens[:, 1:]).sum(1)
-    torch.testing.assert_close(pooled, want, rtol=1e-5, atol=1e-6)
+        logits = model(images)
+    torch.testing.assert_close(model.rollout_weights(tokens), patch_weights(rollout_cls_row(cap.attentions)))
+    assert model.__dict__["_rollout_passes"][0][0]() is tokens and len(model.__dict__["_rollout_passes"]) == 1
+    assert logits.shape == (3, 100)  # model(x) pooled its own pass and kept no weights of it
 
 
 def test_cls_and_gap_run_fused_attention_and_rollout_the_explicit_path(images):
@@ -232,8 +250,7 @@ def test_global_pool_assignment_switches_pooling_and_back(images):
 def test_rollout_weights_are_float32_under_bf16_autocast(images, device):
     model = make("vit_tiny_cifar_rollout", depth=2).eval().to(device)
     with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16), capture_attention(model) as cap:
-        model.forward_features(images.to(device))
-        got = model.rollout_weights()
+        got = model.rollout_weights(model.forward_features(images.to(device)))
     if device == "cpu":  # CPU autocast leaves softmax in bf16 (CUDA autocast runs it in fp32)
         assert cap.attentions[0].dtype == torch.bfloat16
     want = patch_weights(rollout_cls_row([a.float() for a in cap.attentions]))  # fp32, no autocast

@@ -6,6 +6,7 @@ with timm.
 
 from .capture import AttentionCapture, attention_modules, capture_attention
 from .models import RolloutPooledVisionTransformer, RolloutVisionTransformer
+from .pooling import set_pooling
 from .rollout import HEAD_FUSIONS, attention_rollout, fuse_heads, patch_weights, rollout_cls_row
 
 __version__ = "0.1.0"
@@ -21,4 +22,5 @@ __all__ = [
     "fuse_heads",
     "patch_weights",
     "rollout_cls_row",
+    "set_pooling",
 ]

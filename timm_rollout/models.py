@@ -2,35 +2,29 @@
 
 All three are :class:`RolloutVisionTransformer`, a timm ``VisionTransformer`` with the same parameter
 names, so a checkpoint trained with one pooling loads into the others. Pooling is switchable at run time
-by assigning ``model.global_pool``. Any timm pooling (``'token'``, ``'avg'``, ...) runs stock timm code:
-fused attention, TorchScript, FX. Assigning ``'rollout'`` swaps the model's class to
-:class:`RolloutPooledVisionTransformer` (object identity and parameters untouched, as ``use_fast_dropout``
-does for dropout): it runs timm's explicit attention path with a recorder hook on each ``attn_drop``,
-records each block's attention before dropout during ``forward_features``, turns it into (B, num_patches)
-pooling weights at the end of that pass and releases it; ``forward_head`` uses the weights once. Assigning
-another pooling swaps back (recorder removed, timm's default fused attention restored).
+by assigning ``model.global_pool`` (or with :func:`timm_rollout.set_pooling`, which does the same for any timm
+ViT). Any timm pooling (``'token'``, ``'avg'``, ...) runs stock timm code: fused attention, TorchScript, FX.
+Assigning ``'rollout'`` swaps the model's class to :class:`RolloutPooledVisionTransformer`
+(:mod:`timm_rollout.pooling`): timm's explicit attention path with a recorder hook on each ``attn_drop``,
+pooling weights tied to the tokens of the pass that computed them. Assigning another pooling swaps back.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
-import torch
-from timm.layers import LayerNorm, use_fused_attn
+from timm.layers import LayerNorm
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
-from .capture import attention_modules, record_attention, set_attention_recorder
 from .dropout import use_fast_dropout
-from .rollout import check_options, patch_weights, rollout_cls_row
+from .pooling import ROLLOUT, RolloutPooling, register_pooled_class, switch_pooling_class
+from .rollout import check_options
 
 __all__ = ["CIFAR100_MEAN", "CIFAR100_STD", "RolloutPooledVisionTransformer", "RolloutVisionTransformer"]
 
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
-
-ROLLOUT = "rollout"
-_WEIGHTS = "_rollout_pool_weights"  # (B, num_patches) from the latest forward pass, used once by pool()
 
 
 class RolloutVisionTransformer(VisionTransformer):
@@ -60,10 +54,12 @@ class RolloutVisionTransformer(VisionTransformer):
         self.global_pool = global_pool
         use_fast_dropout(self)
 
+    rollout_options_are_model_args = True  # set_pooling keeps them when switching to a timm pooling
+
     def __setattr__(self, name: str, value: object) -> None:
         super().__setattr__(name, value)
         if name == "global_pool":
-            _use_pooling_class(self, value == ROLLOUT)
+            switch_pooling_class(self, rollout=value == ROLLOUT)
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         """Replace the head; the pooling is kept unless ``global_pool`` (any timm pooling or 'rollout') is given."""
@@ -74,77 +70,13 @@ class RolloutVisionTransformer(VisionTransformer):
             super().reset_classifier(num_classes, global_pool)
 
 
-class RolloutPooledVisionTransformer(RolloutVisionTransformer):
-    """A :class:`RolloutVisionTransformer` while ``global_pool == 'rollout'`` (made by assigning it, never built).
+@register_pooled_class
+class RolloutPooledVisionTransformer(RolloutPooling, RolloutVisionTransformer):
+    """A :class:`RolloutVisionTransformer` while ``global_pool == 'rollout'`` (made by assigning it, never built);
+    see :class:`~timm_rollout.pooling.RolloutPooling`."""
 
-    ``forward_features`` and ``forward_intermediates`` record the attention of the pass they run, compute
-    the pooling weights from it at the end (float32, autocast off) and release it; the model then holds
-    only those (B, num_patches) weights, which the next ``forward_head`` consumes.
-    """
+    _stock_class = RolloutVisionTransformer
 
-    def forward_features(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        with record_attention(self) as attentions:
-            x = super().forward_features(x, *args, **kwargs)
-        self.keep_rollout_weights(attentions)
-        return x
-
-    def forward_intermediates(self, x: torch.Tensor, *args, **kwargs) -> tuple | list | dict:
-        with record_attention(self) as attentions:
-            out = super().forward_intermediates(x, *args, **kwargs)
-        self.keep_rollout_weights(attentions)
-        return out
-
-    def keep_rollout_weights(self, attentions: list[torch.Tensor | None]) -> None:
-        """Store the pooling weights of one pass's recorded attention for the next ``forward_head``.
-
-        ``forward_features`` calls it; so does code that runs the blocks itself inside
-        :func:`~timm_rollout.capture.record_attention` (e.g. on a shortened token sequence). No weights
-        when some block did not run (``stop_early``).
-        """
-        weights = None
-        if all(a is not None for a in attentions):
-            if not self.rollout_grad:
-                attentions = [a.detach() for a in attentions]
-            row = rollout_cls_row(attentions, self.rollout_head_fusion, self.rollout_discard_ratio,
-                                  self.num_prefix_tokens)
-            weights = patch_weights(row, self.num_prefix_tokens)
-        setattr(self, _WEIGHTS, weights)
-
-    def rollout_weights(self) -> torch.Tensor:
-        """Pooling weights (B, num_patches) of the latest ``forward_features`` that no ``forward_head`` used yet."""
-        weights = getattr(self, _WEIGHTS, None)
-        if weights is None:
-            raise RuntimeError(
-                "no rollout weights: call forward_features(x) before each forward_head(x) on a rollout-pooled "
-                "model (the weights of one pass are used once)"
-            )
-        return weights
-
-    def pool(self, x: torch.Tensor, pool_type: str | None = None) -> torch.Tensor:
-        pool_type = self.global_pool if pool_type is None else pool_type
-        if pool_type != ROLLOUT:
-            return super().pool(x, pool_type)
-        weights = self.rollout_weights()
-        setattr(self, _WEIGHTS, None)  # used once: pooling never reuses an earlier pass's attention
-        patches = x[:, self.num_prefix_tokens:]
-        if weights.shape != patches.shape[:2]:
-            raise RuntimeError(
-                f"rollout weights {tuple(weights.shape)} from the latest forward_features do not fit tokens "
-                f"{tuple(x.shape)}: pass forward_head the output of that same forward_features call"
-            )
-        return torch.bmm(weights.to(x.dtype).unsqueeze(1), patches).squeeze(1)
-
-
-def _use_pooling_class(model: RolloutVisionTransformer, rollout: bool) -> None:
-    """Swap ``model`` between the two classes; rollout pooling needs the explicit attention path."""
-    cls = RolloutPooledVisionTransformer if rollout else RolloutVisionTransformer
-    if type(model) is cls:
-        return
-    model.__class__ = cls
-    for attn in attention_modules(model):
-        attn.fused_attn = False if rollout else use_fused_attn()
-    set_attention_recorder(model, rollout)
-    model.__dict__.pop(_WEIGHTS, None)
 
 
 def _cfg(**kwargs) -> dict:

@@ -308,7 +308,7 @@ def _eval_pass(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     if getattr(model, "global_pool", None) != "rollout":
         return model(x), None
     tokens = model.forward_features(x)
-    weights = model.rollout_weights()
+    weights = model.rollout_weights(tokens)
     logits = model.forward_head(tokens)
     patches = tokens[:, model.num_prefix_tokens:]
     return logits, torch.stack([effective_patches(weights).sum(), cosine_to_mean(patches, weights).sum()])
