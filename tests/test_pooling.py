@@ -1,0 +1,126 @@
+"""set_pooling on stock timm ViTs (a plain ViT and a register-token ViT): rollout pooling against a plain-loop
+rollout over attention recorded by hand, switching back to the stock model exactly, refusals. CPU, float32."""
+
+import pytest
+import timm
+import torch
+
+from timm_rollout import set_pooling
+from timm_rollout.pooling import RolloutPooling
+
+# small stock timm ViTs (random init, no download): a plain one and one with 4 register tokens
+STOCK = {
+    "vit_small_patch16_224": dict(img_size=64, depth=3),
+    "vit_small_patch14_reg4_dinov2": dict(img_size=56, depth=3),
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=7, **STOCK[name]).eval()
+    with torch.no_grad():  # larger queries and keys: peaked attention, so the weights are far from uniform
+        for block in model.blocks:
+            block.attn.qkv.weight[:2 * model.embed_dim].mul_(4.0)
+    return model
+
+
+def images(name: str) -> torch.Tensor:
+    size = STOCK[name]["img_size"]
+    return torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(1))
+
+
+def hooked_attention(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Each block's softmax(q k^T / sqrt(d)) recomputed by hand from its input, seen by a forward pre-hook."""
+    found = []
+
+    def hook(block, args):
+        attn = block.attn
+        h = block.norm1(args[0])
+        b, n, _ = h.shape
+        qkv = attn.qkv(h).reshape(b, n, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = attn.q_norm(qkv[0]), attn.k_norm(qkv[1])
+        found.append((q @ k.transpose(-2, -1) * attn.scale).softmax(-1))
+
+    handles = [b.register_forward_pre_hook(hook) for b in model.blocks]
+    try:
+        model.forward_features(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def plain_rollout_pooling(model: torch.nn.Module, x: torch.Tensor, fusion: str = "mean") -> torch.Tensor:
+    """[CLS]-row rollout over the patches by plain loops (float64), pooling the final normed patch tokens."""
+    prefix = model.num_prefix_tokens
+    attentions = hooked_attention(model, x)
+    tokens = model.forward_features(x).double()
+    out = []
+    for i in range(x.shape[0]):
+        n = attentions[0].shape[-1]
+        r = torch.eye(n, dtype=torch.float64)
+        for attn in attentions:
+            heads = attn[i].double()
+            a = heads.mean(0) if fusion == "mean" else heads.amax(0)
+            a = a + torch.eye(n, dtype=torch.float64)
+            r = (a / a.sum(-1, keepdim=True)) @ r
+        w = r[0, prefix:] / r[0, prefix:].sum()
+        out.append(w @ tokens[i, prefix:])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", list(STOCK))
+@pytest.mark.parametrize("fusion", ["mean", "max"])
+def test_rollout_pooling_of_a_stock_vit_is_a_plain_loop_rollout(name, fusion):
+    model = build(name)
+    x = images(name)
+    with torch.no_grad():
+        want = plain_rollout_pooling(model, x, fusion)
+        stock = model.forward_head(model.forward_features(x), pre_logits=True).double()
+        assert (want - stock).abs().max() > 1e-2  # rollout pooling differs from the model's own: the test has teeth
+        set_pooling(model, "rollout", head_fusion=fusion)
+        assert isinstance(model, RolloutPooling) and model.rollout_head_fusion == fusion
+        got = model.forward_head(model.forward_features(x), pre_logits=True)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model(x), model.head(model.fc_norm(got)))
+
+
+@pytest.mark.parametrize("name", list(STOCK))
+def test_switching_back_gives_the_stock_model_exactly(name):
+    model = build(name)
+    x = images(name)
+    cls, pool = type(model), model.global_pool
+    fused = [b.attn.fused_attn for b in model.blocks]
+    keys = set(vars(model))
+    with torch.no_grad():
+        want = model(x)
+        set_pooling(model, "rollout", discard_ratio=0.5)
+        assert not any(b.attn.fused_attn for b in model.blocks)
+        rolled = model(x)
+        set_pooling(model, pool)
+        got = model(x)
+    assert type(model) is cls and [b.attn.fused_attn for b in model.blocks] == fused
+    assert all(not b.attn.attn_drop._forward_hooks for b in model.blocks) and set(vars(model)) == keys
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(rolled, want)
+    torch.jit.script(model)  # the stock model scripts again
+
+
+def test_refusals_name_the_reason():
+    model = build("vit_small_patch16_224")
+    with pytest.raises(ValueError, match="unknown pooling 'attention'"):
+        set_pooling(model, "attention")
+    with pytest.raises(ValueError, match="unknown head_fusion"):
+        set_pooling(model, "rollout", head_fusion="median")
+    with pytest.raises(ValueError, match="not rollout options"):
+        set_pooling(model, "avg", head_fusion="max")
+    with pytest.raises(ValueError, match="create it with global_pool='map'"):
+        set_pooling(model, "map")
+    no_cls = timm.create_model("vit_small_patch16_224", img_size=32, depth=1, class_token=False, global_pool="avg")
+    with pytest.raises(ValueError, match="needs a class token"):
+        set_pooling(no_cls, "rollout")
+    with pytest.raises(ValueError, match="not a timm VisionTransformer"):
+        set_pooling(torch.nn.Linear(2, 2), "avg")
+    set_pooling(model, "rollout")
+    with pytest.raises(RuntimeError, match=r"cannot be TorchScript-compiled.*torch\.compile"):
+        torch.jit.script(model)
