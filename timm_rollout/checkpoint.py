@@ -23,8 +23,9 @@ from safetensors.torch import save_file
 from timm.models import save_for_hf
 from torch import nn
 
-from .atomic import atomic_path, publish
-from .records import MODEL_FILES
+from .atomic import atomic_path, publish, write_json
+from .pooling import config_entries
+from .records import CONFIG_FILE, MODEL_FILES
 
 __all__ = ["load_resume", "save_model", "save_resume"]
 
@@ -41,6 +42,11 @@ def save_model(
     try:
         save_for_hf(model, tmp, model_config=model_config, safe_serialization=True,
                     data_config={"mean": tuple(mean), "std": tuple(std)})
+        pooled = config_entries(model)
+        if pooled:  # a stock timm ViT pooled by set_pooling: timm builds it with its stock pooling
+            config = json.loads((tmp / CONFIG_FILE).read_text(encoding="utf-8"))
+            config["model_args"]["global_pool"] = pooled["global_pool"]
+            write_json(tmp / CONFIG_FILE, {**config, **pooled})
         for name in MODEL_FILES:
             publish(tmp / name, out / name)
     finally:

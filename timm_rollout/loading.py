@@ -25,9 +25,10 @@ from timm.models import load_checkpoint, parse_model_name
 from torch import nn
 
 from .errors import UserError
+from .pooling import CONFIG_KEY, ROLLOUT, set_pooling
 from .records import CONFIG_FILE, WEIGHTS_FILE
 
-__all__ = ["check_input_size", "check_model", "create_model", "load_model", "sha256_file"]
+__all__ = ["check_input_size", "check_model", "create_model", "load_model", "pretrained_overlay", "sha256_file"]
 
 PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".tar", ".ckpt", ".pkl")
 CONVERT_HINT = "convert it with scripts/convert_checkpoint.py (pickled checkpoints are never loaded)"
@@ -74,7 +75,8 @@ def create_model(arch: str, **kwargs: Any) -> nn.Module:
 def check_input_size(model: nn.Module, images: torch.Tensor, fix: str) -> None:
     """A one-line error when a fixed-size model cannot take the data set's (N, C, H, W) ``images``; ``fix`` ends it."""
     cfg = getattr(model, "pretrained_cfg", {}) or {}
-    want = tuple(cfg.get("input_size", ())[1:])
+    built = getattr(getattr(model, "patch_embed", None), "img_size", None)  # timm ViTs: the size it was built for
+    want = tuple(built) if built is not None else tuple(cfg.get("input_size", ())[1:])
     got = tuple(images.shape[-2:])
     if cfg.get("fixed_input_size") and want and want != got:
         raise UserError(f"the data set's images are {got[0]}x{got[1]} but {cfg.get('architecture')} takes "
@@ -162,6 +164,26 @@ def _resolve_checkpoint(checkpoint: str | Path) -> tuple[Path, dict[str, Any] | 
     if path.suffix != ".safetensors":
         raise UserError(f"checkpoint {path} is not a .safetensors file; pass a .safetensors file or a folder")
     return path, None
+
+
+def pretrained_overlay(path: str | Path) -> dict[str, Any]:
+    """``pretrained_cfg_overlay`` that makes ``timm.create_model(..., pretrained=True)`` start from a local weights
+    file: a safetensors file or folder, or a timm checkpoint (``.pth``/``.pt``) read with ``weights_only=True``
+    (never unpickled), its EMA weights when it has them. timm then drops the head when the class count differs
+    and resamples the position embedding to the model's image size, as for Hub weights."""
+    path = Path(path)
+    if path.is_dir() or path.suffix == ".safetensors":
+        file = _resolve_checkpoint(path)[0]
+        _checkpoint_shapes(file)  # a readable safetensors file, or a one-line error
+        state = timm.models.load_state_dict(str(file))
+    else:
+        try:
+            state = timm.models.load_state_dict(str(path), weights_only=True)
+        except Exception as e:  # any failure to parse the file (read weights-only, never unpickled)
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"{path} is not a weights-only checkpoint ({reason[:120]}); {CONVERT_HINT}") from None
+    heads = [v.shape[0] for k, v in state.items() if k.endswith("head.weight") and v.dim() == 2]
+    return {"state_dict": state, **({"num_classes": heads[-1]} if heads else {})}
 
 
 def _checkpoint_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
@@ -288,6 +310,8 @@ def load_model(
     if weights is not None:
         _check_match(net, shapes, arch, weights)
         load_checkpoint(net, str(weights), strict=True)
+    if config and CONFIG_KEY in config:  # a stock timm ViT trained with set_pooling(model, "rollout", ...)
+        set_pooling(net, ROLLOUT, **config[CONFIG_KEY])
     net = net.to(device).eval()
 
     cfg = net.pretrained_cfg

@@ -24,8 +24,17 @@ from torch import nn
 from .capture import attention_modules, record_attention, set_attention_recorder
 from .rollout import check_options, patch_weights, rollout_cls_row
 
-__all__ = ["ROLLOUT", "TIMM_POOLS", "RolloutPooling", "register_pooled_class", "rollout_pooled_class", "set_pooling",
-           "switch_pooling_class"]
+__all__ = [
+    "CONFIG_KEY",
+    "ROLLOUT",
+    "TIMM_POOLS",
+    "RolloutPooling",
+    "config_entries",
+    "register_pooled_class",
+    "rollout_pooled_class",
+    "set_pooling",
+    "switch_pooling_class",
+]
 
 ROLLOUT = "rollout"
 TIMM_POOLS = ("", "avg", "avgmax", "max", "token", "map")  # timm VisionTransformer poolings (global_pool)
@@ -33,6 +42,8 @@ OPTIONS = {"head_fusion": ("rollout_head_fusion", "mean"), "discard_ratio": ("ro
            "grad": ("rollout_grad", False)}  # set_pooling option -> model attribute, default
 _PASSES = "_rollout_passes"  # [(weakref to tokens, their _version, (B, P) weights)] of live passes
 _FUSED = "_stock_fused_attn"  # each attention module's fused_attn before rollout pooling
+_STOCK_POOL = "_stock_global_pool"  # the timm pooling the model had before rollout pooling
+CONFIG_KEY = "rollout_pooling"  # config.json entry of a stock timm ViT saved while rollout-pooled
 
 
 class RolloutPooling:
@@ -158,6 +169,7 @@ def switch_pooling_class(model: nn.Module, rollout: bool) -> None:
         return
     modules = attention_modules(model)
     if rollout:
+        model.__dict__[_STOCK_POOL] = model.global_pool
         model.__dict__[_FUSED] = [m.fused_attn for m in modules]
         for m in modules:
             m.fused_attn = False
@@ -169,6 +181,7 @@ def switch_pooling_class(model: nn.Module, rollout: bool) -> None:
         m.fused_attn = fused
     set_attention_recorder(model, False)
     model.__dict__.pop(_PASSES, None)
+    model.__dict__.pop(_STOCK_POOL, None)
 
 
 def _check_pool(model: nn.Module, pool: str) -> None:
@@ -214,3 +227,13 @@ def set_pooling(model: nn.Module, pool: str, **options: Any) -> nn.Module:
             model.__dict__.pop(attr, None)
     model.global_pool = pool
     return model
+
+
+def config_entries(model: nn.Module) -> dict[str, Any]:
+    """What timm's ``config.json`` must say of a stock timm ViT that :func:`set_pooling` made rollout-pooled:
+    its stock pooling as ``global_pool`` (so ``timm.create_model("local-dir:...")`` builds it) and the rollout
+    options under :data:`CONFIG_KEY`, which :func:`timm_rollout.loading.load_model` applies; empty otherwise."""
+    if not isinstance(model, RolloutPooling) or getattr(model, "rollout_options_are_model_args", False):
+        return {}
+    options = {key: getattr(model, attr) for key, (attr, _) in OPTIONS.items()}
+    return {"global_pool": model.__dict__[_STOCK_POOL], CONFIG_KEY: options}

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import timm
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -63,6 +64,7 @@ from .errors import (
     UserError,
     as_type,
     device_arg,
+    existing_path,
     fraction,
     key_value,
     non_negative,
@@ -74,7 +76,8 @@ from .errors import (
     run_cli,
     seed_arg,
 )
-from .loading import check_input_size, check_model, create_model
+from .loading import check_input_size, check_model, create_model, pretrained_overlay
+from .pooling import ROLLOUT, TIMM_POOLS, set_pooling
 from .records import ARGS_FILE, CURVES_FILE, LOG_FILE, MODEL_FILES, RESUME_FILE, SUMMARY_FILE, versions
 from .train_log import plot_curves, write_log
 from .train_step import Batches, optimizer_step
@@ -88,6 +91,7 @@ EVAL_BATCH = 500
 BAR_EVERY = 50  # steps between loss updates of the progress bar (each costs one host sync)
 
 
+POOLS = (*[p for p in TIMM_POOLS if p], ROLLOUT)  # --pool choices
 # Optimizer schedules that train steps every update (timm's plateau steps on epochs only).
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt", "none")
 
@@ -118,6 +122,13 @@ def build_parser() -> CliParser:
     g.add_argument("--drop-path", type=fraction, default=None, help="stochastic depth rate (model default if unset)")
     g.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
                    help="extra timm.create_model arguments, e.g. depth=2")
+    g.add_argument("--pool", choices=POOLS, default=None,
+                   help="pool with this instead of the model's own pooling, on any timm ViT (timm_rollout.set_pooling)")
+    g.add_argument("--pool-kwargs", nargs="*", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
+                   help="rollout options with --pool rollout: head_fusion=max discard_ratio=0.9 grad=True")
+    g.add_argument("--pretrained-file", type=existing_path, default=None,
+                   help="start from these weights (safetensors or a timm checkpoint, never unpickled); the head is "
+                        "new when the class count differs, the data are normalised with the model's mean/std")
     g.add_argument("--model-ema", action="store_true", help="keep a timm ModelEmaV3; evaluate and export it")
     g.add_argument("--model-ema-decay", type=number(float, 0, 1, low_open=True, high_open=True), default=0.9998)
     g = p.add_argument_group("optimisation")
@@ -173,6 +184,14 @@ def _check_model_args(args: argparse.Namespace) -> None:
     if args.num_classes:
         kwargs["num_classes"] = args.num_classes
     check_model(args.model, kwargs)
+    if args.pool_kwargs and args.pool != ROLLOUT:
+        raise UserError("--pool-kwargs are rollout options; add --pool rollout or drop them")
+    if args.pool is not None:
+        try:
+            with torch.device("meta"):
+                set_pooling(timm.create_model(args.model, **kwargs), args.pool, **args.pool_kwargs)
+        except ValueError as e:
+            raise UserError(f"--pool {args.pool} {_shown(args.pool_kwargs)}: {e}") from None
 
 
 class NonFiniteLossError(UserError):
@@ -238,6 +257,9 @@ def _load_data(args: argparse.Namespace) -> tuple[ImageSet, ImageSet, tuple, tup
         eval_split = "test" if "test" in split_names(args.dataset) else "validation"
     eval_set = load_image_set(args.dataset, eval_split, **cols)
     mean, std = normalization_stats(args.dataset, train_set)
+    if args.pretrained_file:  # fine-tuning: the inputs the pretrained weights expect
+        cfg = timm.models.get_pretrained_cfg(args.model)
+        mean, std = (tuple(cfg.mean), tuple(cfg.std)) if cfg is not None else (mean, std)
     if args.max_train_samples:
         train_set = train_set.subset(balanced_indices(train_set.labels, total=args.max_train_samples, seed=args.seed))
     if args.max_eval_samples:
@@ -476,8 +498,15 @@ def _create_model(args: argparse.Namespace, data: RunData, device: torch.device)
     kwargs = dict(args.model_kwargs)
     if args.drop_path is not None:
         kwargs["drop_path_rate"] = args.drop_path
+    if args.pretrained_file:
+        kwargs.update(pretrained=True, pretrained_cfg_overlay=pretrained_overlay(args.pretrained_file))
     model = create_model(args.model, num_classes=data.num_classes, **kwargs)
     check_input_size(model, data.train.images, fix=f"pass --model-kwargs img_size={data.train.images.shape[-1]}")
+    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if size is not None:  # the exported config names the input size the model was built (and trained) for
+        model.pretrained_cfg = {**model.pretrained_cfg, "input_size": (data.train.images.shape[1], *size)}
+    if args.pool is not None:
+        set_pooling(model, args.pool, **args.pool_kwargs)
     use_fast_dropout(model)
     if device.type == "cpu":
         set_fused_attention(model, False)
