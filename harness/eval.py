@@ -56,7 +56,7 @@ from timm_rollout.errors import (
 )
 from timm_rollout.explain import MAP_LABELS, READOUTS
 from timm_rollout.loading import check_input_size, check_model, load_model
-from timm_rollout.models import RolloutVisionTransformer
+from timm_rollout.pooling import set_pooling
 from timm_rollout.records import (
     COSINE_FILE,
     FAITHFULNESS_FILE,
@@ -172,19 +172,21 @@ def _check_head(info: dict[str, Any], data: ImageSet) -> None:
 
 
 def set_pool(model: torch.nn.Module, pool: str | None) -> str:
-    """Switch the model's readout to ``pool`` (None: keep its own) by assigning ``global_pool``; returns it."""
+    """Switch the model's readout to ``pool`` (None: keep its own) with :func:`timm_rollout.set_pooling`, on any
+    timm ViT; returns it."""
     own = getattr(model, "global_pool", None)
     if pool is None or pool == own:
         return own
     if getattr(model, "attn_pool", None) is not None:
         raise UserError(f"the model pools with a learned attention pool (global_pool={own!r}), which --pool {pool} "
                         "would bypass or keep; evaluate it with its own pooling")
-    if pool == "rollout" and not isinstance(model, RolloutVisionTransformer):
-        raise UserError(f"--pool rollout needs a timm_rollout model; {type(model).__name__} cannot pool by rollout")
     if not isinstance(getattr(model, "fc_norm", torch.nn.Identity()), torch.nn.Identity):
         raise UserError(f"the model normalises after pooling (fc_norm), so --pool {pool} would read un-normed "
                         "tokens; evaluate it with its own pooling")
-    model.global_pool = pool
+    try:
+        set_pooling(model, pool)
+    except ValueError as e:
+        raise UserError(f"--pool {pool}: {e}") from None
     return pool
 
 

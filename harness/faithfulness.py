@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 
 from harness.features import saliency_maps
 from harness.figures import save_figure
-from timm_rollout.capture import record_attention, set_fused_attention
+from timm_rollout.capture import fused_attention, record_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast, inference_batch_size
 from timm_rollout.explain import MAP_LABELS
@@ -91,20 +91,6 @@ def ranks(scores: torch.Tensor, seed: int = 0) -> torch.Tensor:
 def random_ranks(num_images: int, num_patches: int, seed: int) -> torch.Tensor:
     """A uniform random order per image: the ranks of an all-equal map."""
     return ranks(torch.zeros(num_images, num_patches), seed)
-
-
-@contextmanager
-def _fused_attention(model: nn.Module) -> Iterator[None]:
-    """Use torch's fused attention for the duration (a rollout-pooled model keeps the explicit path its pooling
-    reads), then restore each module's own setting: same outputs up to float rounding, faster."""
-    modules = [m for m in model.modules() if hasattr(m, "fused_attn")]
-    before = [m.fused_attn for m in modules]
-    try:
-        set_fused_attention(model, True)
-        yield
-    finally:
-        for m, was in zip(modules, before, strict=True):
-            m.fused_attn = was
 
 
 def _check_vit(model: nn.Module) -> None:
@@ -182,7 +168,7 @@ def removal_probabilities(
         for j, k in enumerate(ks):
             jobs.setdefault(k, []).append((o, j))
     out = [torch.empty(b, len(ks), dtype=torch.float32, device=device) for ks in counts]
-    with _fused_attention(model):
+    with fused_attention(model, True):  # faster; same outputs up to float rounding
         for k, where in jobs.items():
             which = torch.tensor([o for o, _ in where], device=device)
             flat = torch.empty(len(where) * b, dtype=torch.float32, device=device)  # job-major, then image
@@ -292,7 +278,7 @@ def _all_removed(model: nn.Module, tokens: torch.Tensor, fill: torch.Tensor, mod
                  dtype: torch.dtype | None) -> torch.Tensor:
     """(C,) class probabilities with every patch removed: the same input for every image, one pass."""
     p = tokens.shape[1]
-    with _fused_attention(model), autocast(tokens.device, dtype):
+    with fused_attention(model, True), autocast(tokens.device, dtype):
         seq = _sequence(model, tokens[:1], fill, torch.zeros(1, p, dtype=torch.int64, device=tokens.device), p, mode)
         return _logits(model, seq).float().softmax(dim=1)[0].cpu()
 

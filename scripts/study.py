@@ -84,18 +84,36 @@ from timm_rollout.records import (
 )
 from timm_rollout.train_log import read_log
 
-# Trained arms: timm model and the --model-kwargs that set it apart (merged into --train-args' own); any timm
-# pooling is one row (e.g. "global_pool=avgmax" on vit_tiny_cifar_gap).
+# Trained arms: the pooling (any timm pooling, or rollout) and its rollout options. On the tiny CIFAR ViT (no
+# --model) an arm is the registered model of its pooling with the options as model arguments (the committed
+# studies' commands); on any other timm ViT (--model) it is `--pool` / `--pool-kwargs` of timm_rollout.train, and
+# `map` builds the model with timm's learned attention pooling.
 ARMS = {
-    "cls": ("vit_tiny_cifar_cls", ()),
-    "gap": ("vit_tiny_cifar_gap", ()),
-    "rollout": ("vit_tiny_cifar_rollout", ()),
-    "rollout-grad": ("vit_tiny_cifar_rollout", ("rollout_grad=True",)),
-    "map": ("vit_tiny_cifar_cls", ("global_pool=map",)),  # timm's learned attention pooling (one latent query)
-    # Sharpened rollout: max over heads, the weakest 90% of patch-to-patch attention discarded; of the nine
-    # fusion x discard options, the least uniform weights on trained rollout and cls backbones (effective patches).
-    "rollout-max-discard0.9": ("vit_tiny_cifar_rollout", ("rollout_head_fusion=max", "rollout_discard_ratio=0.9")),
+    "cls": ("token", {}),
+    "gap": ("avg", {}),
+    "rollout": ("rollout", {}),
+    "rollout-grad": ("rollout", {"grad": True}),
+    "map": ("map", {}),  # timm's learned attention pooling (one latent query)
+    # Sharpened rollout: max over heads, the weakest 90% of patch-to-patch attention discarded: of the rollout
+    # variants, the least uniform weights on trained rollout and cls backbones (effective patches).
+    "rollout-max-discard0.9": ("rollout", {"head_fusion": "max", "discard_ratio": 0.9}),
 }
+TINY = {"token": "vit_tiny_cifar_cls", "avg": "vit_tiny_cifar_gap", "rollout": "vit_tiny_cifar_rollout",
+        "map": "vit_tiny_cifar_cls"}  # the tiny CIFAR ViT of each pooling
+
+
+def arm_model(base: str | None, arm: str) -> tuple[str, list[str], list[str]]:
+    """(timm model, --model-kwargs items, other train flags) of ``arm`` on ``base`` (None: the tiny CIFAR ViT)."""
+    pool, options = ARMS[arm]
+    if base is None:
+        kwargs = ["global_pool=map"] if pool == "map" else [f"rollout_{k}={v}" for k, v in options.items()]
+        return TINY[pool], kwargs, []
+    if pool == "map":
+        return base, ["global_pool=map"], []
+    flags = ["--pool", pool]
+    return base, [], flags + (["--pool-kwargs", *[f"{k}={v}" for k, v in options.items()]] if options else [])
+
+
 # The arms a study trains unless --arms names others (the README quickstart runs these on the sample).
 DEFAULT_ARMS = ("cls", "gap", "rollout", "rollout-grad")
 # Post-hoc readouts of the cls backbones (no training): arm -> harness.eval --pool.
@@ -118,7 +136,7 @@ query as its own neighbour, so it is not our `knn_loo`):
 | silhouette | 0.143 | 0.134 |
 | k-NN@5 (query included) | 0.845 | 0.850 |"""
 # Study flags that change what is computed: a re-run must repeat them to reuse the folder (arms and seeds may grow).
-IDENTITY = ("dataset", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class",
+IDENTITY = ("model", "dataset", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class",
             "faithfulness_images")
 
 
@@ -126,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python scripts/study.py", description=__doc__.splitlines()[0])
     p.add_argument("--dataset", required=True, help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or folder")
     p.add_argument("--epochs", type=int, required=True)
+    p.add_argument("--model", default=None,
+                   help="base timm ViT every arm pools (default: the tiny CIFAR ViT, vit_tiny_cifar_<pooling>); size "
+                        "and depth via --train-args '--model-kwargs img_size=32 ...'")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(DEFAULT_ARMS),
                    help=f"trained arms (default: {' '.join(DEFAULT_ARMS)}); cls brings its post-hoc rollout and "
@@ -217,10 +238,10 @@ def train_run(args: argparse.Namespace, arm: str, seed: int, folder: Path) -> No
     if (folder / SUMMARY_FILE).exists():
         print(f"= {folder} finished, skipped")
         return
-    model, kwargs = ARMS[arm]
+    model, kwargs, flags = arm_model(args.model, arm)
     cmd = [sys.executable, "-m", "timm_rollout.train", "--model", model, "--dataset", args.dataset,
            "--epochs", str(args.epochs), "--seed", str(seed), "--output", str(folder), "--resume",
-           "--device", args.device, *merge_model_kwargs(shlex.split(args.train_args), kwargs)]
+           "--device", args.device, *merge_model_kwargs(shlex.split(args.train_args), kwargs), *flags]
     if args.max_train_samples:
         cmd += ["--max-train-samples", str(args.max_train_samples)]
     _run(cmd, args.threads)
@@ -304,7 +325,7 @@ def _commit_message(arm: str, seed: int, folder: Path, posthoc: Sequence[str]) -
 def run_arm(args: argparse.Namespace, arm: str, seed: int, runs: dict[tuple[str, int], Path],
             evals: dict[tuple[str, int], Path]) -> None:
     """Train and evaluate one run (for ``cls`` also its post-hoc readouts), then commit it when asked."""
-    run, model = runs[arm, seed], ARMS[arm][0]
+    run, model = runs[arm, seed], arm_model(args.model, arm)[0]
     train_run(args, arm, seed, run)
     (run / RESUME_FILE).unlink(missing_ok=True)  # a finished run never resumes: its state would only weigh on git
     eval_run(args, model, seed, run, evals[arm, seed])
@@ -535,7 +556,7 @@ def _figures(args: argparse.Namespace, out: Path, arms: list[str], seeds: list[i
                                  f"({args.dataset} test split; for non-rollout arms, the weights rollout would pool "
                                  "with post hoc)")
     first = seeds[0]
-    panels = {a: (ARMS[backbone(a)][0], runs[backbone(a), first], POSTHOC.get(a)) for a in arms}
+    panels = {a: (arm_model(args.model, backbone(a))[0], runs[backbone(a), first], POSTHOC.get(a)) for a in arms}
     plot_side_by_side(args, panels, first, out / HEATMAPS_FILE)
     return bool(records)
 

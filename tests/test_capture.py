@@ -3,9 +3,10 @@
 import pytest
 import timm
 import torch
+from timm.layers import use_fused_attn
 
 from timm_rollout import attention_modules, capture_attention
-from timm_rollout.capture import set_fused_attention
+from timm_rollout.capture import fused_attention, set_fused_attention
 
 
 def hook_count(model: torch.nn.Module) -> int:
@@ -81,7 +82,8 @@ def test_capture_on_model_without_attention_is_a_one_line_error():
 
 def test_set_fused_attention_switches_every_block_but_a_rollout_pooled_model_stays_explicit():
     cls = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=2).eval()
-    assert set_fused_attention(cls, False) == 2 and [b.attn.fused_attn for b in cls.blocks] == [False, False]
+    assert set_fused_attention(cls, False) == [use_fused_attn()] * 2  # the settings it had, for a restore
+    assert [b.attn.fused_attn for b in cls.blocks] == [False, False]
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         explicit = cls(x)
@@ -91,3 +93,7 @@ def test_set_fused_attention_switches_every_block_but_a_rollout_pooled_model_sta
     rollout = timm.create_model("vit_tiny_cifar_rollout", num_classes=10, depth=2)
     set_fused_attention(rollout, True)
     assert [b.attn.fused_attn for b in rollout.blocks] == [False, False]  # its pooling reads the attention
+    before = [b.attn.fused_attn for b in cls.blocks]
+    with fused_attention(cls, False):
+        assert [b.attn.fused_attn for b in cls.blocks] == [False, False]
+    assert [b.attn.fused_attn for b in cls.blocks] == before

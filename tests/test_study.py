@@ -207,10 +207,21 @@ def test_arms_table_holds_learned_and_sharpened_pooling_outside_the_defaults():
     parser = study.build_parser()
     assert parser.parse_args(["--dataset", "x", "--epochs", "1", "--output", "o"]).arms == list(study.DEFAULT_ARMS)
     assert set(study.DEFAULT_ARMS) < set(study.ARMS)
-    assert study.ARMS["map"] == ("vit_tiny_cifar_cls", ("global_pool=map",))
-    model, kwargs = study.ARMS["rollout-max-discard0.9"]
-    assert model == "vit_tiny_cifar_rollout" and kwargs == ("rollout_head_fusion=max", "rollout_discard_ratio=0.9")
+    # on the tiny CIFAR ViT: the committed studies' models and --model-kwargs
+    assert study.arm_model(None, "map") == ("vit_tiny_cifar_cls", ["global_pool=map"], [])
+    assert study.arm_model(None, "rollout-grad") == ("vit_tiny_cifar_rollout", ["rollout_grad=True"], [])
+    model, kwargs, flags = study.arm_model(None, "rollout-max-discard0.9")
+    assert flags == []
+    assert model == "vit_tiny_cifar_rollout" and kwargs == ["rollout_head_fusion=max", "rollout_discard_ratio=0.9"]
     assert study.merge_model_kwargs(["--model-kwargs", "depth=1"], kwargs)[-3:] == ["depth=1", *kwargs]
+    assert [study.arm_model(None, a)[0] for a in ("cls", "gap", "rollout")] == [
+        "vit_tiny_cifar_cls", "vit_tiny_cifar_gap", "vit_tiny_cifar_rollout"]
+    # on any timm ViT: the trainer's --pool / --pool-kwargs, and map built in
+    base = "vit_small_patch16_224"
+    assert study.arm_model(base, "gap") == (base, [], ["--pool", "avg"])
+    assert study.arm_model(base, "rollout-max-discard0.9") == (
+        base, [], ["--pool", "rollout", "--pool-kwargs", "head_fusion=max", "discard_ratio=0.9"])
+    assert study.arm_model(base, "map") == (base, ["global_pool=map"], [])
 
 
 def test_merge_model_kwargs_keeps_one_list():

@@ -22,7 +22,9 @@ __all__ = [
     "AttentionCapture",
     "attention_modules",
     "capture_attention",
+    "fused_attention",
     "record_attention",
+    "restore_fused_attention",
     "set_attention_recorder",
     "set_fused_attention",
 ]
@@ -46,16 +48,34 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def set_fused_attention(model: nn.Module, fused: bool) -> int:
-    """Switch every timm attention module of ``model`` to the fused (SDPA) or explicit path; returns the count.
+def set_fused_attention(model: nn.Module, fused: bool) -> list[bool]:
+    """Switch every timm attention module of ``model`` to the fused (SDPA) or explicit path; returns each module's
+    previous setting, for :func:`restore_fused_attention`.
 
     A rollout-pooled model keeps the explicit path whatever is asked: its pooling reads the attention.
     """
     modules = [m for m in model.modules() if hasattr(m, "fused_attn")]
     keep_explicit = getattr(model, "global_pool", None) == "rollout"
+    before = [bool(m.fused_attn) for m in modules]
     for m in modules:
         m.fused_attn = fused and not keep_explicit
-    return len(modules)
+    return before
+
+
+def restore_fused_attention(model: nn.Module, before: list[bool]) -> None:
+    """Give each timm attention module of ``model`` back the setting :func:`set_fused_attention` returned."""
+    for m, was in zip([m for m in model.modules() if hasattr(m, "fused_attn")], before, strict=True):
+        m.fused_attn = was
+
+
+@contextmanager
+def fused_attention(model: nn.Module, fused: bool) -> Iterator[None]:
+    """:func:`set_fused_attention` for the ``with`` body, each module's own setting restored after."""
+    before = set_fused_attention(model, fused)
+    try:
+        yield
+    finally:
+        restore_fused_attention(model, before)
 
 
 def _store_captured_attention(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -136,20 +156,18 @@ def capture_attention(model: nn.Module) -> Iterator[AttentionCapture]:
         attentions = cap.attentions  # list, block order
     """
     modules = attention_modules(model)
-    fused = [m.fused_attn for m in modules]
     handles = []
     try:
-        for m in modules:
-            m.fused_attn = False
-            handles.append(m.attn_drop.register_forward_hook(_store_captured_attention))
-        capture = AttentionCapture(modules, int(getattr(model, "num_prefix_tokens", 1)))
-        yield capture
-        found = [getattr(m.attn_drop, CAPTURE_SLOT, None) for m in modules]
-        capture._frozen = found if all(a is not None for a in found) else []
+        with fused_attention(model, False):
+            for m in modules:
+                handles.append(m.attn_drop.register_forward_hook(_store_captured_attention))
+            capture = AttentionCapture(modules, int(getattr(model, "num_prefix_tokens", 1)))
+            yield capture
+            found = [getattr(m.attn_drop, CAPTURE_SLOT, None) for m in modules]
+            capture._frozen = found if all(a is not None for a in found) else []
     finally:
         for handle in handles:
             handle.remove()
-        for m, was_fused in zip(modules, fused, strict=True):
-            m.fused_attn = was_fused
+        for m in modules:
             if hasattr(m.attn_drop, CAPTURE_SLOT):
                 delattr(m.attn_drop, CAPTURE_SLOT)

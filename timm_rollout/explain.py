@@ -45,7 +45,7 @@ from timm.layers import AttentionPoolLatent
 from torch import nn
 
 from .capture import capture_attention
-from .rollout import HEAD_FUSIONS, fuse_heads, patch_weights, rollout_cls_row, rollout_layers
+from .rollout import HEAD_FUSIONS, fuse_heads, patch_weights, rollout_cls_row, rollout_layers, rollout_row
 
 __all__ = [
     "MAP_LABELS",
@@ -220,29 +220,17 @@ def readout_attention(p: AttentionPass, layer: int = -1) -> torch.Tensor:
     return (p.readout.unsqueeze(1) @ fused).squeeze(1)[:, p.num_prefix_tokens:]
 
 
-def _compose_rows(row: torch.Tensor, layers: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``row @ M_L @ ... @ M_1`` for per-layer (B, N, N) matrices in block order; ``row`` is (B, N)."""
-    out = row.expand(layers[0].shape[0], -1).unsqueeze(1)
-    for m in reversed(layers):
-        out = out @ m
-    return out.squeeze(1)
-
-
 def rollout_map(p: AttentionPass, head_fusion: str = "mean", discard_ratio: float = 0.0) -> torch.Tensor:
     """Readout row of the attention rollout over the patch columns, renormalised to sum 1: (B, P)."""
-    layers = rollout_layers(p.attentions, head_fusion, discard_ratio, p.num_prefix_tokens)
-    return patch_weights(_compose_rows(p.readout, layers), p.num_prefix_tokens)
+    row = rollout_row(p.attentions, p.readout, head_fusion, discard_ratio, p.num_prefix_tokens)
+    return patch_weights(row, p.num_prefix_tokens)
 
 
 def rollout_buildup(p: AttentionPass, head_fusion: str = "mean") -> torch.Tensor:
     """``r Â_l ... Â_1`` for l = 1..L (the rollout after each layer), patch columns renormalised: (B, L, P)."""
-    layers = rollout_layers(p.attentions, head_fusion, 0.0, p.num_prefix_tokens)
-    maps = []
-    joint = None
-    for a in layers:
-        joint = a if joint is None else a @ joint
-        maps.append(patch_weights((p.readout.unsqueeze(1) @ joint).squeeze(1), p.num_prefix_tokens))
-    return torch.stack(maps, dim=1)
+    rows = [rollout_row(p.attentions[:depth], p.readout, head_fusion, 0.0, p.num_prefix_tokens)
+            for depth in range(1, len(p.attentions) + 1)]
+    return torch.stack([patch_weights(r, p.num_prefix_tokens) for r in rows], dim=1)
 
 
 def gradient_layers(attentions: Sequence[torch.Tensor], gradients: Sequence[torch.Tensor]) -> list[torch.Tensor]:

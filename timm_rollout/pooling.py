@@ -21,7 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture import attention_modules, record_attention, set_attention_recorder
+from .capture import (
+    attention_modules,
+    record_attention,
+    restore_fused_attention,
+    set_attention_recorder,
+    set_fused_attention,
+)
 from .rollout import check_options, patch_weights, rollout_cls_row
 
 __all__ = [
@@ -167,18 +173,14 @@ def switch_pooling_class(model: nn.Module, rollout: bool) -> None:
     class (the fused-attention setting it had, no hooks, no kept passes); nothing when it is there already."""
     if isinstance(model, RolloutPooling) == rollout:
         return
-    modules = attention_modules(model)
     if rollout:
         model.__dict__[_STOCK_POOL] = model.global_pool
-        model.__dict__[_FUSED] = [m.fused_attn for m in modules]
-        for m in modules:
-            m.fused_attn = False
+        model.__dict__[_FUSED] = set_fused_attention(model, False)
         set_attention_recorder(model, True)
         model.__class__ = rollout_pooled_class(type(model))
         return
     model.__class__ = model._stock_class
-    for m, fused in zip(modules, model.__dict__.pop(_FUSED), strict=True):
-        m.fused_attn = fused
+    restore_fused_attention(model, model.__dict__.pop(_FUSED))
     set_attention_recorder(model, False)
     model.__dict__.pop(_PASSES, None)
     model.__dict__.pop(_STOCK_POOL, None)

@@ -27,6 +27,7 @@ __all__ = [
     "patch_weights",
     "rollout_cls_row",
     "rollout_layers",
+    "rollout_row",
 ]
 
 
@@ -132,6 +133,35 @@ def attention_rollout(
 
 
 @_fp32
+def rollout_row(
+    attentions: Sequence[torch.Tensor],
+    row: torch.Tensor,
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    num_prefix_tokens: int = 1,
+) -> torch.Tensor:
+    """``row @ Â_L @ ... @ Â_1`` (B, N) for a readout ``row`` (B, N) or (N,), by vector-matrix products:
+    O(L * N^2) per image, no N x N product formed. The one rollout product of the package: pooling weights,
+    diagnostics and the maps of :mod:`timm_rollout.explain` all go through it."""
+    check_options(head_fusion, discard_ratio)
+    if len(attentions) == 0:
+        raise ValueError("attention rollout needs at least one layer of attention")
+    first = attentions[-1]
+    out = row.float().to(first.device).expand(first.shape[0], first.shape[-1]).unsqueeze(1)
+    for attn in reversed(attentions):
+        # out @ D^-1 (A + I), with D the row sums of A + I
+        if head_fusion == "mean" and discard_ratio == 0:
+            # mean over heads commutes with the product: one batched matmul, no fused (B, N, N) copy
+            attn = attn.float()
+            scaled = out / (attn.sum(dim=-1).mean(dim=1) + 1.0).unsqueeze(1)
+            out = (scaled.unsqueeze(1) @ attn).mean(dim=1) + scaled
+        else:
+            fused = _fuse_and_discard(attn, head_fusion, discard_ratio, num_prefix_tokens)
+            scaled = out / (fused.sum(dim=-1) + 1.0).unsqueeze(1)
+            out = scaled @ fused + scaled
+    return out.squeeze(1)
+
+
 def rollout_cls_row(
     attentions: Sequence[torch.Tensor],
     head_fusion: str = "mean",
@@ -139,28 +169,15 @@ def rollout_cls_row(
     num_prefix_tokens: int = 1,
     token_index: int = 0,
 ) -> torch.Tensor:
-    """Row ``token_index`` of the rollout, (B, N), by vector-matrix products: O(L * N^2) per image.
+    """Row ``token_index`` of the rollout, (B, N): :func:`rollout_row` of a one-hot row.
 
     Equal to ``attention_rollout(...)[:, token_index]`` without forming any N x N product.
     """
-    check_options(head_fusion, discard_ratio)
     if len(attentions) == 0:
         raise ValueError("attention rollout needs at least one layer of attention")
-    first = attentions[-1]
-    row = torch.zeros(first.shape[0], 1, first.shape[-1], dtype=torch.float32, device=first.device)
-    row[:, 0, token_index] = 1.0
-    for attn in reversed(attentions):
-        # row @ D^-1 (A + I), with D the row sums of A + I
-        if head_fusion == "mean" and discard_ratio == 0:
-            # mean over heads commutes with the product: one batched matmul, no fused (B, N, N) copy
-            attn = attn.float()
-            scaled = row / (attn.sum(dim=-1).mean(dim=1) + 1.0).unsqueeze(1)
-            row = (scaled.unsqueeze(1) @ attn).mean(dim=1) + scaled
-        else:
-            fused = _fuse_and_discard(attn, head_fusion, discard_ratio, num_prefix_tokens)
-            scaled = row / (fused.sum(dim=-1) + 1.0).unsqueeze(1)
-            row = scaled @ fused + scaled
-    return row.squeeze(1)
+    onehot = torch.zeros(attentions[-1].shape[-1])
+    onehot[token_index] = 1.0
+    return rollout_row(attentions, onehot, head_fusion, discard_ratio, num_prefix_tokens)
 
 
 def patch_weights(row: torch.Tensor, num_prefix_tokens: int = 1) -> torch.Tensor:
