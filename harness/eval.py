@@ -287,8 +287,9 @@ def _load(args: argparse.Namespace, full: ImageSet, device: torch.device) -> tup
     """The model to evaluate, checked against the data set, read out with ``--pool``."""
     prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
     default_classes = None if args.checkpoint or prefixed else full.num_classes
-    torch.manual_seed(args.seed)  # an untrained model's initial weights are reproducible too
-    model, info = load_model(args.model, args.checkpoint, num_classes=default_classes, device=device)
+    with torch.random.fork_rng(devices=[]):  # an untrained model's initial weights are reproducible too; the
+        torch.manual_seed(args.seed)         # caller's random state is left as it was
+        model, info = load_model(args.model, args.checkpoint, num_classes=default_classes, device=device)
     _check_head(info, full)
     check_input_size(model, full.images, fix="evaluate it on a data set of its input size")
     info["pool"] = set_pool(model, args.pool)

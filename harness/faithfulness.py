@@ -45,7 +45,6 @@ import torch
 from matplotlib.figure import Figure
 from scipy import stats
 from torch import nn
-from tqdm.auto import tqdm
 
 from harness.features import saliency_maps
 from harness.figures import save_figure
@@ -53,6 +52,7 @@ from timm_rollout.capture import fused_attention, record_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast, inference_batch_size
 from timm_rollout.explain import MAP_LABELS
+from timm_rollout.progress import progress, tqdm
 
 __all__ = [
     "FILLS",
@@ -317,7 +317,7 @@ def faithfulness_curves(
     per_fill = inner * (2 * len(maps) + len(seeds))
     fractions = np.array(step_counts(p), dtype=np.float64) / p
     result: dict[str, Any] = {}
-    with tqdm(total=n * per_fill * len(fills), desc=f"faithfulness ({n} images)", unit="img", leave=False) as bar:
+    with progress(total=n * per_fill * len(fills), desc=f"faithfulness ({n} images)", unit="img", leave=False) as bar:
         for mode in fills:
             empty = _all_removed(model, tokens, fill, mode, dtype)[pred]
             curves = _curves(model, tokens, fill, orders, pred, clean, empty, mode, batch_size=batch_size,

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from timm_rollout.capture import capture_attention
 from timm_rollout.data import normalize
@@ -29,6 +28,7 @@ from timm_rollout.diagnostics import (
     variant_name,
 )
 from timm_rollout.explain import gradient_pass, readout_maps
+from timm_rollout.progress import progress
 
 __all__ = ["PoolingDiagnostics", "SaliencyMaps", "extract", "pooling_diagnostics", "saliency_maps"]
 
@@ -59,7 +59,7 @@ def extract(
     batch_size = batch_size or inference_batch_size(device)
     n = images.shape[0]
     features = logits = None
-    with tqdm(total=n, desc=desc, unit="img", leave=False) as bar:
+    with progress(total=n, desc=desc, unit="img", leave=False) as bar:
         for start in range(0, n, batch_size):
             batch = images[start:start + batch_size].to(device, non_blocking=True)
             x = normalize(batch, mean, std).contiguous()
@@ -99,7 +99,7 @@ def saliency_maps(
     model.eval()
     maps: dict[str, list[torch.Tensor]] = {}
     logits, p = [], None
-    for start in tqdm(range(0, len(x), batch_size), desc="maps (forward + backward)", leave=False):
+    for start in progress(range(0, len(x), batch_size), desc="maps (forward + backward)", leave=False):
         with autocast(device, amp_dtype):
             p = gradient_pass(model, x[start:start + batch_size].to(device))
         logits.append(p.logits.cpu())
@@ -159,7 +159,7 @@ def pooling_diagnostics(
     prefix = int(model.num_prefix_tokens)
     batch_size = batch_size or inference_batch_size(device)
     found: list[tuple[torch.Tensor, ...]] = []
-    for start in tqdm(range(0, len(images), batch_size), desc="pooling diagnostics", leave=False):
+    for start in progress(range(0, len(images), batch_size), desc="pooling diagnostics", leave=False):
         x = normalize(images[start:start + batch_size].to(device), mean, std).contiguous()
         with autocast(device, amp_dtype), capture_attention(model) as cap:
             tokens = model.forward_features(x)

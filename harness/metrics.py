@@ -19,6 +19,8 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import silhouette_score
 from threadpoolctl import threadpool_limits
 
+from timm_rollout.accuracy import topk_hits as _topk_hits
+
 __all__ = [
     "ACCURACIES",
     "LINEAR_PROBE",
@@ -308,12 +310,8 @@ def silhouette(
 
 def topk_hits(logits: ArrayLike, labels: ArrayLike, k: int = 1) -> np.ndarray | None:
     """Per row, whether its label is among the ``k`` highest logits; None if there are fewer than k classes."""
-    z = _numpy(logits)
-    y = _numpy(labels).astype(np.int64)
-    if z.shape[1] < k:
-        return None
-    top = np.argpartition(-z, k - 1, axis=1)[:, :k] if k > 1 else z.argmax(axis=1)[:, None]
-    return (top == y[:, None]).any(axis=1)
+    hits = _topk_hits(torch.as_tensor(_numpy(logits)), torch.as_tensor(_numpy(labels).astype(np.int64)), k)
+    return None if hits is None else hits.numpy()
 
 
 def topk_accuracy(logits: ArrayLike, labels: ArrayLike, k: int = 1) -> float | None:

@@ -54,13 +54,13 @@ from timm.scheduler import create_scheduler_v2
 from torch import nn
 from torch.utils.data import DataLoader
 from torchvision import transforms
-from tqdm import tqdm
 
 from timm_rollout.capture import set_fused_attention
 from timm_rollout.data import load_image_set, normalization_stats
 from timm_rollout.device import device_name, resolve_amp, resolve_device
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.models import _TINY_CIFAR
+from timm_rollout.progress import progress
 from timm_rollout.train_log import read_log
 from timm_rollout.train_step import Batches, optimizer_step
 
@@ -163,7 +163,7 @@ def race(steps: dict[str, Step], rounds: int, desc: str, device: torch.device) -
         run()
     sync()
     rates: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in tqdm(range(rounds), desc=desc, leave=False):
+    for _ in progress(range(rounds), desc=desc, leave=False):
         for name, run in steps.items():
             t = time.perf_counter()
             n = run()
@@ -190,7 +190,7 @@ def compare_ranks(dataset: str, batch: int, steps: int, ranks: int, repeats: int
     """(a1) vs (aN), alternated ``repeats`` times; medians and their ratio."""
     rates: dict[int, list[float]] = {1: [], ranks: []}
     with tempfile.TemporaryDirectory(prefix="bench-ranks-") as tmp:
-        for _ in tqdm(range(repeats), desc="train CLI", leave=False):
+        for _ in progress(range(repeats), desc="train CLI", leave=False):
             for n in rates:
                 rates[n].append(cli_rate(dataset, batch, steps, n, Path(tmp) / f"r{n}"))
     one, many = statistics.median(rates[1]), statistics.median(rates[ranks])

@@ -67,7 +67,7 @@ from timm_rollout.data import load_image_set, normalize
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.explain import MAP_LABELS
 from timm_rollout.hub import write_upload_folder
-from timm_rollout.loading import load_model, sha256_file
+from timm_rollout.loading import load_model
 from timm_rollout.records import (
     CURVES_FILE,
     HEATMAPS_FILE,
@@ -81,6 +81,7 @@ from timm_rollout.records import (
     STUDY_FILE,
     SUMMARY_FILE,
     WEIGHTS_FILE,
+    sha256_file,
 )
 from timm_rollout.train_log import read_log
 

@@ -97,3 +97,19 @@ def test_set_fused_attention_switches_every_block_but_a_rollout_pooled_model_sta
     with fused_attention(cls, False):
         assert [b.attn.fused_attn for b in cls.blocks] == [False, False]
     assert [b.attn.fused_attn for b in cls.blocks] == before
+
+
+def test_progress_bars_come_from_one_helper_that_draws_only_on_a_terminal():
+    """Every bar goes through timm_rollout.progress (off unless stderr is a TTY), so log files hold no bars."""
+    import io
+    import re
+    from pathlib import Path
+
+    from timm_rollout.progress import progress
+
+    root = Path(__file__).resolve().parents[1]
+    calls = [str(p.relative_to(root)) for folder in ("timm_rollout", "harness", "scripts")
+             for p in sorted((root / folder).rglob("*.py")) if re.search(r"\btqdm\(", p.read_text(encoding="utf-8"))]
+    assert calls == ["timm_rollout/progress.py"]
+    log = io.StringIO()  # not a terminal: nothing drawn
+    assert list(progress(range(3), file=log, desc="x")) == [0, 1, 2] and log.getvalue() == ""

@@ -16,7 +16,7 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from PIL import Image
 
-from timm_rollout import hub
+from timm_rollout import online
 from timm_rollout.augment import random_crop_flip
 from timm_rollout.data import (
     KNOWN_STATS,
@@ -143,7 +143,7 @@ def test_hub_data_set_without_network_uses_only_the_cache(monkeypatch: pytest.Mo
     """No network: one failed probe switches datasets to offline mode (cache only) instead of retrying."""
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
+    monkeypatch.setattr(online, "hub_reachable", lambda: False)
     seen = []
     real = datasets.load_dataset
 

@@ -19,7 +19,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from safetensors.torch import load_file
 
 import timm_rollout
-from timm_rollout import hub
+from timm_rollout import hub, online
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.loading import load_model
 
@@ -151,7 +151,7 @@ def test_hf_hub_without_network_loads_from_cache_without_retries(tmp_path, run, 
     populate_hub_cache(cache, REPO, [folder / "config.json", folder / "model.safetensors"])
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(hub, "hub_reachable", lambda: False)
+    monkeypatch.setattr(online, "hub_reachable", lambda: False)
     offline_at_call = []
     real = timm_hub.download_from_hf
 
@@ -184,8 +184,8 @@ def test_hub_probe_answers_from_a_local_server_only(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the probe itself, whatever the shell's HF_HUB_OFFLINE
     try:
         monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
-        hub.hub_reachable.cache_clear()
-        assert hub.hub_reachable()
+        online.hub_reachable.cache_clear()
+        assert online.hub_reachable()
     finally:
         server.shutdown()
         server.server_close()
@@ -193,11 +193,11 @@ def test_hub_probe_answers_from_a_local_server_only(monkeypatch):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
-    hub.hub_reachable.cache_clear()
+    online.hub_reachable.cache_clear()
     try:
-        assert not hub.hub_reachable()
+        assert not online.hub_reachable()
     finally:
-        hub.hub_reachable.cache_clear()
+        online.hub_reachable.cache_clear()
 
 
 class FakeHfApi:
@@ -229,7 +229,7 @@ def fake_hub(monkeypatch):
     FakeHfApi.calls = []
     monkeypatch.setattr(hub, "HfApi", FakeHfApi)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(hub, "hub_reachable", lambda: True)  # tests never touch the network
+    monkeypatch.setattr(online, "hub_reachable", lambda: True)  # tests never touch the network
     monkeypatch.setenv("HF_TOKEN", "hf_test_token")
     return FakeHfApi.calls
 
@@ -371,7 +371,7 @@ def test_errors_are_one_line(tmp_path, run, eval_dir, fake_hub, monkeypatch, cap
     elif case == "offline":
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     elif case == "unreachable":
-        monkeypatch.setattr(hub, "hub_reachable", lambda: False)
+        monkeypatch.setattr(online, "hub_reachable", lambda: False)
     elif case == "no_token":
         monkeypatch.delenv("HF_TOKEN")
         monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)

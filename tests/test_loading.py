@@ -151,3 +151,30 @@ def test_input_size_mismatch_is_a_one_line_error_naming_both_sizes():
     want = r"^the data set's images are 64x48 but vit_tiny_cifar_cls takes 32x32; fix it$"
     with pytest.raises(UserError, match=want):
         check_input_size(model, torch.zeros(2, 3, 64, 48, dtype=torch.uint8), fix="fix it")
+
+
+def test_package_modules_import_each_other_without_a_cycle():
+    """Every `from .x import` / `import timm_rollout.x` edge among the package's modules, at any depth in a file:
+    the graph has no cycle (a cycle makes import order matter and hides behind function-level imports)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[1] / "timm_rollout"
+    names = {p.stem for p in package.glob("*.py")}
+    edges = {}
+    for path in package.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                found |= {node.module} if node.module else {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("timm_rollout."):
+                found.add(node.module.split(".")[1])
+        edges[path.stem] = found & names - {path.stem}
+
+    def visit(name: str, stack: tuple[str, ...]) -> None:
+        assert name not in stack, f"import cycle: {' -> '.join((*stack, name))}"
+        for other in sorted(edges[name]):
+            visit(other, (*stack, name))
+
+    for name in sorted(edges):
+        visit(name, ())

@@ -13,20 +13,30 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "publish", "write_json", "write_text"]
+__all__ = ["atomic_path", "new_file_mode", "publish", "write_json", "write_text"]
 
 
 def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
-    """Flush ``tmp`` to disk, give it the usual permissions (umask), and rename it onto ``path`` atomically.
+    """Flush ``tmp`` to disk, give it the permissions a new file gets there, and rename it onto ``path`` atomically.
 
     Writers such as safetensors and ``mkstemp`` create 0600 files; results should be as readable as any other.
     """
-    umask = os.umask(0)
-    os.umask(umask)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
-    os.chmod(tmp, 0o666 & ~umask)
+    os.chmod(tmp, new_file_mode(Path(tmp).parent))
     os.replace(tmp, path)
+
+
+def new_file_mode(folder: str | os.PathLike) -> int:
+    """The permissions a new file gets in ``folder`` (0666 less the umask), read off a probe file: the process
+    umask is never changed, so threads writing meanwhile are unaffected."""
+    probe = Path(tempfile.mktemp(dir=folder, prefix=".mode-"))  # a name only: created with O_EXCL below
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 @contextmanager

@@ -160,7 +160,7 @@ def _load_splits(spec: DatasetSpec, name: str):
     """
     import datasets
 
-    from .hub import hub_or_cache
+    from .online import hub_or_cache
 
     if Path(spec.path).is_dir():
         return _load_local(spec, name)

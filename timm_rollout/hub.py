@@ -1,8 +1,5 @@
 """Share a training output folder on the Hugging Face Hub: model card, upload folder, upload.
 
-``hub_or_cache`` makes every Hub download fail fast without network: one short probe of the endpoint,
-and when it gets no answer the download uses only the local cache instead of retrying for half a minute.
-
 The uploaded folder holds exactly ``model.safetensors`` and ``config.json`` as the training run wrote
 them with ``timm.models.save_for_hf`` (timm's format, loadable with ``hf-hub:``/``local-dir:``), plus a
 ``README.md`` model card. timm's ``push_to_hf_hub`` is not used for the upload because it re-serialises
@@ -16,21 +13,18 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import timm
 import torch
-from huggingface_hub import HfApi, constants, get_session, get_token
+from huggingface_hub import HfApi, constants, get_token
 from timm.models._hub import generate_readme
 
+from . import online
 from .atomic import atomic_path, write_text
 from .errors import UserError
-from .loading import sha256_file
-from .records import ARGS_FILE, CARD_FILE, CONFIG_FILE, RESULTS_FILE, SUMMARY_FILE, WEIGHTS_FILE
+from .records import ARGS_FILE, CARD_FILE, CONFIG_FILE, RESULTS_FILE, SUMMARY_FILE, WEIGHTS_FILE, sha256_file
 
 __all__ = [
     "METRIC_DEFAULTS",
@@ -38,8 +32,6 @@ __all__ = [
     "UPLOAD_FILES",
     "check_eval_matches",
     "describe_model",
-    "hub_or_cache",
-    "hub_reachable",
     "model_card",
     "normalisation_mismatch",
     "prepare_upload_folder",
@@ -139,41 +131,6 @@ TIMM_CITATION = """@misc{rw2019timm,
 }"""
 
 LICENSE = "apache-2.0"
-PROBE_TIMEOUT_S = 3.0
-
-
-@lru_cache(maxsize=1)
-def hub_reachable() -> bool:
-    """True when the Hub endpoint answers one HTTP request within a few seconds (no retries; cached per process)."""
-    try:
-        get_session().head(constants.ENDPOINT, timeout=PROBE_TIMEOUT_S)
-    except Exception:  # DNS, refused, timeout, proxy, TLS: any failure means no usable network
-        return False
-    return True
-
-
-@contextmanager
-def hub_or_cache() -> Iterator[bool]:
-    """Yield True when the Hub is used; without network, switch to offline mode (local cache only) meanwhile.
-
-    ``HF_HUB_OFFLINE`` set by the user is honoured as is (yields False). Without network, ``datasets`` and
-    ``huggingface_hub`` would otherwise retry for 25-45 s before failing.
-    """
-    if constants.HF_HUB_OFFLINE:
-        yield False
-        return
-    if hub_reachable():
-        yield True
-        return
-    modules = [constants, *(m for m in (sys.modules.get("datasets.config"),) if m is not None)]
-    saved = [m.HF_HUB_OFFLINE for m in modules]
-    for module in modules:
-        module.HF_HUB_OFFLINE = True
-    try:
-        yield False
-    finally:
-        for module, value in zip(modules, saved, strict=True):
-            module.HF_HUB_OFFLINE = value
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -440,7 +397,7 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
     """
     if constants.HF_HUB_OFFLINE:
         raise UserError("HF_HUB_OFFLINE is set: unset it to upload, or use --dry-run --output DIR to write the folder")
-    if not hub_reachable():
+    if not online.hub_reachable():
         raise UserError(f"the Hub ({constants.ENDPOINT}) is unreachable; check the network, or use --dry-run --output "
                         "DIR to write the folder")
     token = get_token()

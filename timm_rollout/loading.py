@@ -12,7 +12,6 @@ Only safetensors are read: pickled checkpoints are refused, never unpickled.
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -25,24 +24,16 @@ from timm.models import load_checkpoint, parse_model_name
 from torch import nn
 
 from .errors import UserError
+from .online import hub_or_cache
 from .pooling import CONFIG_KEY, ROLLOUT, set_pooling
-from .records import CONFIG_FILE, WEIGHTS_FILE
+from .records import CONFIG_FILE, WEIGHTS_FILE, sha256_file
 
-__all__ = ["check_input_size", "check_model", "create_model", "load_model", "pretrained_overlay", "sha256_file"]
+__all__ = ["check_input_size", "check_model", "create_model", "load_model", "pretrained_overlay"]
 
 PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".tar", ".ckpt", ".pkl")
 CONVERT_HINT = "convert it with scripts/convert_checkpoint.py (pickled checkpoints are never loaded)"
 # Reconstruction arguments that describe the head/pooling rather than the architecture.
 _HEAD_ARGS = ("num_classes", "global_pool")
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _refuse_pickle(path: Path) -> None:
@@ -114,8 +105,6 @@ def check_model(name: str, kwargs: dict[str, Any] | None = None) -> None:
 def _hub_folder(repo: str) -> Path:
     """Local snapshot folder holding ``config.json`` and ``model.safetensors`` of a Hub repo (cache first)."""
     from timm.models._hub import download_from_hf
-
-    from .hub import hub_or_cache
 
     try:
         with hub_or_cache():

@@ -6,8 +6,10 @@ changes in one place and every reader follows.
 
 from __future__ import annotations
 
+import hashlib
 import platform
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 __all__ = [
     "ARGS_FILE",
@@ -31,6 +33,7 @@ __all__ = [
     "STUDY_FILE",
     "SUMMARY_FILE",
     "WEIGHTS_FILE",
+    "sha256_file",
     "versions",
 ]
 
@@ -74,3 +77,12 @@ def versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
         except PackageNotFoundError:
             found[name] = None
     return found
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

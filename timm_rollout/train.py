@@ -41,8 +41,8 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3, ParseKwargs
 from torch import nn
-from tqdm import tqdm
 
+from .accuracy import topk_hits
 from .atomic import write_json
 from .capture import set_fused_attention
 from .checkpoint import load_resume, save_model, save_resume
@@ -78,6 +78,7 @@ from .errors import (
 )
 from .loading import check_input_size, check_model, create_model, pretrained_overlay
 from .pooling import ROLLOUT, TIMM_POOLS, set_pooling
+from .progress import progress, tqdm
 from .records import ARGS_FILE, CURVES_FILE, LOG_FILE, MODEL_FILES, RESUME_FILE, SUMMARY_FILE, versions
 from .train_log import plot_curves, write_log
 from .train_step import Batches, optimizer_step
@@ -355,9 +356,8 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean,
         with autocast(d.device, amp_dtype):
             logits, diagnostics = _eval_pass(model, x)
         logits = logits.float()
-        hit = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
-        sums[:3] += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(), hit[:, 0].sum().double(),
-                                 hit.any(dim=1).sum().double()])
+        hits = [topk_hits(logits, y, k).sum().double() for k in (1, min(5, logits.shape[1]))]
+        sums[:3] += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(), *hits])
         if diagnostics is not None:
             sums[3:] += diagnostics.double()
             pooled = True
@@ -601,7 +601,7 @@ def _train_epoch(t: Trainer, batches: Batches, args: argparse.Namespace, data: R
     losses = torch.zeros(data.steps, device=d.device)
     t.net.train()
     lr = t.optimizer.param_groups[0]["lr"]
-    bar = tqdm(range(data.steps), desc=f"epoch {epoch + 1}/{args.epochs}", disable=not d.main or args.no_progress,
+    bar = progress(range(data.steps), desc=f"epoch {epoch + 1}/{args.epochs}", disable=not d.main or args.no_progress,
                leave=False, file=sys.stderr)
     for step in bar:
         x, y = batches(order[step * args.batch_size:(step + 1) * args.batch_size], aug_gen)

@@ -1,0 +1,54 @@
+"""Hub access that fails fast without network: one short probe of the endpoint per process, and when it gets no
+answer a Hub download uses only the local cache instead of retrying for half a minute.
+
+``hub_or_cache`` sets huggingface_hub's (and datasets') offline flag only for the duration of its ``with`` block
+and only when the probe failed: those libraries read no per-call setting for it. Nothing else changes process
+state.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+
+from huggingface_hub import constants, get_session
+
+__all__ = ["PROBE_TIMEOUT_S", "hub_or_cache", "hub_reachable"]
+
+PROBE_TIMEOUT_S = 3.0
+
+
+@lru_cache(maxsize=1)
+def hub_reachable() -> bool:
+    """True when the Hub endpoint answers one HTTP request within a few seconds (no retries; cached per process)."""
+    try:
+        get_session().head(constants.ENDPOINT, timeout=PROBE_TIMEOUT_S)
+    except Exception:  # DNS, refused, timeout, proxy, TLS: any failure means no usable network
+        return False
+    return True
+
+
+@contextmanager
+def hub_or_cache() -> Iterator[bool]:
+    """Yield True when the Hub is used; without network, switch to offline mode (local cache only) meanwhile.
+
+    ``HF_HUB_OFFLINE`` set by the user is honoured as is (yields False). Without network, ``datasets`` and
+    ``huggingface_hub`` would otherwise retry for 25-45 s before failing.
+    """
+    if constants.HF_HUB_OFFLINE:
+        yield False
+        return
+    if hub_reachable():
+        yield True
+        return
+    modules = [constants, *(m for m in (sys.modules.get("datasets.config"),) if m is not None)]
+    saved = [m.HF_HUB_OFFLINE for m in modules]
+    for module in modules:
+        module.HF_HUB_OFFLINE = True
+    try:
+        yield False
+    finally:
+        for module, value in zip(modules, saved, strict=True):
+            module.HF_HUB_OFFLINE = value
