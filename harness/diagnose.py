@@ -24,8 +24,8 @@ from harness import eval as harness_eval
 from harness.features import pooling_diagnostics
 from harness.metrics import POOLING_DIAGNOSTICS
 from timm_rollout.atomic import write_json
-from timm_rollout.device import resolve_amp, resolve_device
-from timm_rollout.errors import CliParser, UserError, device_arg, existing_path, run_cli
+from timm_rollout.device import device_arg, resolve_amp, resolve_device
+from timm_rollout.errors import CliParser, UserError, existing_path, run_cli
 from timm_rollout.records import RESULTS_FILE
 
 __all__ = ["add_pooling_diagnostics", "has_diagnostics", "main"]

@@ -34,6 +34,7 @@ from timm_rollout.atomic import atomic_path, write_json
 from timm_rollout.data import ImageSet, balanced_indices, dataset_arg, load_image_set, normalize
 from timm_rollout.device import (
     AMP_CHOICES,
+    device_arg,
     device_name,
     inference_batch_size,
     precision_name,
@@ -44,7 +45,6 @@ from timm_rollout.errors import (
     CliParser,
     UserError,
     as_type,
-    device_arg,
     existing_path,
     non_negative_int,
     number,

@@ -26,12 +26,11 @@ from timm.utils import ParseKwargs
 from harness.figures import UNIFORM_SCALE_LABEL, relative_to_uniform, shared_range
 from timm_rollout.atomic import atomic_path
 from timm_rollout.data import dataset_arg
-from timm_rollout.device import resolve_device
+from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import (
     CliParser,
     UserError,
     as_type,
-    device_arg,
     existing_path,
     key_value,
     non_negative_int,

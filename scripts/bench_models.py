@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import timm_rollout  # noqa: F401  (registers the models)
 from timm_rollout.capture import set_fused_attention
-from timm_rollout.device import autocast, cpu_supports_bf16, resolve_amp
+from timm_rollout.device import autocast, cpu_supports_bf16, device_arg, resolve_amp
 
 NAMES = ("vit_tiny_cifar_cls", "vit_tiny_cifar_rollout")
 
@@ -101,7 +101,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--steps", type=int, default=10, help="timed steps per model and setting")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=device_arg)
     p.add_argument("--infer-batches", type=int, nargs="+", help="time inference at these batch sizes instead")
     args = p.parse_args()
     device = torch.device(args.device)

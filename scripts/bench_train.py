@@ -57,7 +57,7 @@ from torchvision import transforms
 
 from timm_rollout.capture import set_fused_attention
 from timm_rollout.data import load_image_set, normalization_stats
-from timm_rollout.device import device_name, resolve_amp, resolve_device
+from timm_rollout.device import device_arg, device_name, resolve_amp, resolve_device
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.models import _TINY_CIFAR
 from timm_rollout.progress import progress
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of each variant per round)")
     p.add_argument("--bf16-steps", type=int, default=0, help="also time (b) and (c) in bf16 for this many rounds")
     p.add_argument("--loader-workers", type=int, default=2, help="DataLoader workers for (c)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--ranks", type=int, default=0, help="also compare the train CLI in 1 vs N processes (CPU)")
     p.add_argument("--repeats", type=int, default=3, help="alternated CLI runs per variant with --ranks")
     p.add_argument("--concurrent", type=int, nargs="+", default=[],

@@ -64,6 +64,7 @@ from harness.figures import (
 from harness.metrics import POOLING_DIAGNOSTICS
 from timm_rollout.atomic import write_json, write_text
 from timm_rollout.data import load_image_set, normalize
+from timm_rollout.device import device_arg
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.explain import MAP_LABELS
 from timm_rollout.hub import write_upload_folder
@@ -168,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="owner in the repo ids of the Hub exports (hub/<arm>: the best seed of each arm, dry run)")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: report (and export) over the seeds every arm of --arms has finished")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
     return p
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import platform
 from functools import lru_cache
@@ -14,8 +15,10 @@ from .errors import UserError
 __all__ = [
     "autocast",
     "cpu_supports_bf16",
+    "device_arg",
     "device_name",
     "inference_batch_size",
+    "parse_device",
     "precision_name",
     "resolve_amp",
     "resolve_device",
@@ -45,19 +48,42 @@ def precision_name(amp_dtype: torch.dtype | None) -> str:
     return str(amp_dtype or torch.float32).replace("torch.", "")
 
 
-def resolve_device(device: str | None = None) -> torch.device:
-    """``None``/``'auto'`` picks CUDA when available, else CPU; a GPU that is not there is a user error."""
-    if device in (None, "auto"):
+def parse_device(text: str | None) -> torch.device:
+    """The one device check: ``None``/``'auto'`` is CUDA when available, else CPU; anything else must be a torch
+    device that exists on this machine. A ValueError names the fix."""
+    if text in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise UserError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0 or (dev.index or 0) >= count:
-            raise UserError(f"--device {device}: {count} CUDA GPU(s) visible; pass --device cpu or auto")
-    return dev
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"unknown device {text!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    backend = getattr(torch, device.type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        raise ValueError(f"{device.type} is not available on this machine; use --device cpu or auto")
+    count = backend.device_count() if hasattr(backend, "device_count") else 1
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"{text} does not exist: this machine has {count} {device.type} device(s), "
+                         f"{device.type}:0..{device.type}:{count - 1}")
+    return device
+
+
+def device_arg(text: str) -> str:
+    """An argparse ``type`` for ``--device``: :func:`parse_device`'s check at parse time."""
+    try:
+        parse_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def resolve_device(device: str | None = None) -> torch.device:
+    """:func:`parse_device`, its refusal a one-line user error."""
+    try:
+        return parse_device(device)
+    except ValueError as e:
+        raise UserError(f"--device {device}: {e}") from None
 
 
 def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:

@@ -21,7 +21,6 @@ __all__ = [
     "CliParser",
     "UserError",
     "as_type",
-    "device_arg",
     "existing_path",
     "fraction",
     "key_value",
@@ -178,23 +177,3 @@ def output_dir(text: str) -> str:
     return text
 
 
-def device_arg(text: str) -> str:
-    """An argparse ``type``: ``auto`` or a torch device that exists on this machine (``cpu``, ``cuda:1``...)."""
-    import torch
-
-    if text == "auto":
-        return text
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cpu":
-        return text
-    backend = getattr(torch, device.type, None)
-    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
-        raise argparse.ArgumentTypeError(f"{device.type} is not available on this machine; use --device cpu or auto")
-    count = backend.device_count() if hasattr(backend, "device_count") else 1
-    if device.index is not None and device.index >= count:
-        raise argparse.ArgumentTypeError(f"{text} does not exist: this machine has {count} {device.type} "
-                                         f"device(s), {device.type}:0..{device.type}:{count - 1}")
-    return text

@@ -56,14 +56,13 @@ from .data import (
     resolve_dataset,
     split_names,
 )
-from .device import AMP_CHOICES, autocast, device_name, precision_name, resolve_amp, resolve_device
+from .device import AMP_CHOICES, autocast, device_arg, device_name, precision_name, resolve_amp, resolve_device
 from .diagnostics import cosine_to_mean, effective_patches
 from .dropout import use_fast_dropout
 from .errors import (
     CliParser,
     UserError,
     as_type,
-    device_arg,
     existing_path,
     fraction,
     key_value,
