@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch
 from huggingface_hub import HfApi, constants, get_token
 from timm.models._hub import generate_readme
@@ -24,6 +23,7 @@ from timm.models._hub import generate_readme
 from . import online
 from .atomic import atomic_path, write_text
 from .errors import UserError
+from .loading import load_model
 from .records import ARGS_FILE, CARD_FILE, CONFIG_FILE, RESULTS_FILE, SUMMARY_FILE, WEIGHTS_FILE, sha256_file
 
 __all__ = [
@@ -422,11 +422,9 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
 
 
 def _load_run_model(run: Path) -> torch.nn.Module:
-    try:
-        return timm.create_model(f"local-dir:{run.resolve()}", pretrained=True)
-    except (RuntimeError, ValueError, KeyError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{run} does not load with timm ({first}); re-export it with timm.models.save_for_hf") from None
+    """The run as ``timm.create_model("local-dir:...")`` builds it (:func:`~timm_rollout.loading.load_model`, which
+    also re-applies a recorded rollout pooling)."""
+    return load_model(f"local-dir:{run.resolve()}")[0]
 
 
 def write_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike, repo_id: str,
