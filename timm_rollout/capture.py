@@ -3,10 +3,11 @@
 timm's attention modules (``timm.layers.Attention`` and its relatives) compute
 ``softmax(q k^T)`` explicitly when ``fused_attn`` is off and pass it to ``attn_drop``. A forward
 hook on ``attn_drop`` therefore sees the attention probabilities *before* dropout. Hooks store what
-they see on the ``attn_drop`` module they are attached to (never in a closure over a model), so a deep
-copy of a model (e.g. ``timm.utils.ModelEmaV3``) records its own attention. :func:`capture_attention`
-(public) hooks a model for the duration of a ``with`` block; :func:`record_attention` arms the
-rollout-pooled model's own recorder for one forward pass and hands that pass's attention over on exit.
+they see into the sinks open on the ``attn_drop`` module they are attached to (never in a closure over a
+model), so a deep copy of a model (e.g. ``timm.utils.ModelEmaV3``) records its own attention. One hook and
+one sink mechanism serve both users: :func:`capture_attention` (public) hooks a model for the duration of a
+``with`` block; :func:`record_attention` opens a sink on the rollout-pooled model's permanent hooks for one
+forward pass and hands that pass's attention over on exit. A hook with no sink open records nothing.
 """
 
 from __future__ import annotations
@@ -29,9 +30,7 @@ __all__ = [
     "set_fused_attention",
 ]
 
-CAPTURE_SLOT = "_captured_attn"  # used by capture_attention()
-RECORD_SLOT = "_rollout_attn"  # used by the rollout-pooled model itself (record_attention)
-ARMED = "_rollout_armed"
+SINKS = "_attention_sinks"  # on each attn_drop: the dicts (attn_drop -> attention) open on it
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -78,48 +77,58 @@ def fused_attention(model: nn.Module, fused: bool) -> Iterator[None]:
         restore_fused_attention(model, before)
 
 
-def _store_captured_attention(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-    setattr(module, CAPTURE_SLOT, args[0])
+def _record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    """The one attention hook: hand the pre-dropout attention to every sink open on this ``attn_drop``."""
+    for sink in module.__dict__.get(SINKS, ()):
+        sink[module] = args[0]
 
 
-def _record_if_armed(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-    if getattr(module, ARMED, False):
-        setattr(module, RECORD_SLOT, args[0])
+def _has_recorder(drop: nn.Module) -> bool:
+    return any(hook is _record for hook in drop._forward_hooks.values())
 
 
 def set_attention_recorder(model: nn.Module, on: bool) -> None:
-    """Install (``on``) or remove the rollout model's own recorder: a hook on every ``attn_drop``.
+    """Install (``on``) or remove the rollout model's permanent recorder: the hook on every ``attn_drop``.
 
-    The hook records only while :func:`record_attention` arms it; it stays installed so that compiled
-    models (``torch.compile``) do not break their graph on hook registration in every forward pass.
+    It records only into sinks that :func:`record_attention` opens; it stays installed so that compiled models
+    (``torch.compile``) do not break their graph on hook registration in every forward pass.
     """
     for m in attention_modules(model):
         hooks = m.attn_drop._forward_hooks
-        for key in [k for k, hook in hooks.items() if hook is _record_if_armed]:
+        for key in [k for k, hook in hooks.items() if hook is _record]:
             del hooks[key]
         if on:
-            m.attn_drop.register_forward_hook(_record_if_armed)
+            m.attn_drop.register_forward_hook(_record)
+
+
+@contextmanager
+def _open_sink(drops: list[nn.Module]) -> Iterator[dict[nn.Module, torch.Tensor]]:
+    """A sink open on every module of ``drops`` for the ``with`` body, closed (removed) on exit."""
+    sink: dict[nn.Module, torch.Tensor] = {}
+    for drop in drops:
+        drop.__dict__.setdefault(SINKS, []).append(sink)
+    try:
+        yield sink
+    finally:
+        for drop in drops:
+            drop.__dict__[SINKS] = [s for s in drop.__dict__[SINKS] if s is not sink]
 
 
 @contextmanager
 def record_attention(model: nn.Module) -> Iterator[list[torch.Tensor | None]]:
-    """Arm the recorder of :func:`set_attention_recorder` for the ``with`` body of one forward pass.
+    """Open a sink on the recorder of :func:`set_attention_recorder` for the ``with`` body of one forward pass.
 
-    Yields a list that is filled on exit with each block's pre-dropout attention (block order; None for
-    a block that did not run) and released from the modules, so nothing stays on the model. Blocks re-run
-    by gradient checkpointing in backward find the recorder disarmed and record nothing.
+    Yields a list that is filled on exit with each block's pre-dropout attention (block order; None for a block
+    that did not run) and closes the sink, so nothing stays on the model. Blocks re-run by gradient checkpointing
+    in backward find no sink open and record nothing.
     """
     drops = [m.attn_drop for m in attention_modules(model)]
     found: list[torch.Tensor | None] = []
-    for drop in drops:
-        setattr(drop, ARMED, True)
-    try:
-        yield found
-    finally:
-        for drop in drops:
-            found.append(getattr(drop, RECORD_SLOT, None))
-            setattr(drop, RECORD_SLOT, None)
-            setattr(drop, ARMED, False)
+    with _open_sink(drops) as sink:
+        try:
+            yield found
+        finally:
+            found.extend(sink.get(drop) for drop in drops)
 
 
 @dataclass
@@ -132,13 +141,14 @@ class AttentionCapture:
 
     modules: list[nn.Module]
     num_prefix_tokens: int
+    _sink: dict[nn.Module, torch.Tensor] = field(default_factory=dict, repr=False)
     _frozen: list[torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def attentions(self) -> list[torch.Tensor]:
         if self._frozen is not None:
             return self._frozen
-        found = [getattr(m.attn_drop, CAPTURE_SLOT, None) for m in self.modules]
+        found = [self._sink.get(m.attn_drop) for m in self.modules]
         if any(a is None for a in found):
             raise RuntimeError("no attention recorded yet: run a forward pass inside capture_attention()")
         return found
@@ -148,26 +158,22 @@ class AttentionCapture:
 def capture_attention(model: nn.Module) -> Iterator[AttentionCapture]:
     """Record every block's attention probabilities (B, heads, N, N), before attention dropout.
 
-    Fused attention is switched off while recording and restored afterwards; the hooks are removed
-    on exit. The model's outputs are unchanged up to float rounding::
+    Fused attention is switched off while recording and restored afterwards; hooks it added are removed on
+    exit. The model's outputs are unchanged up to float rounding::
 
         with timm_rollout.capture_attention(model) as cap:
             logits = model(x)
         attentions = cap.attentions  # list, block order
     """
     modules = attention_modules(model)
-    handles = []
+    drops = [m.attn_drop for m in modules]
+    handles = [d.register_forward_hook(_record) for d in drops if not _has_recorder(d)]
     try:
-        with fused_attention(model, False):
-            for m in modules:
-                handles.append(m.attn_drop.register_forward_hook(_store_captured_attention))
-            capture = AttentionCapture(modules, int(getattr(model, "num_prefix_tokens", 1)))
+        with fused_attention(model, False), _open_sink(drops) as sink:
+            capture = AttentionCapture(modules, int(getattr(model, "num_prefix_tokens", 1)), sink)
             yield capture
-            found = [getattr(m.attn_drop, CAPTURE_SLOT, None) for m in modules]
+            found = [sink.get(d) for d in drops]
             capture._frozen = found if all(a is not None for a in found) else []
     finally:
         for handle in handles:
             handle.remove()
-        for m in modules:
-            if hasattr(m.attn_drop, CAPTURE_SLOT):
-                delattr(m.attn_drop, CAPTURE_SLOT)
