@@ -92,15 +92,17 @@ def plot_heatmaps(
     images: torch.Tensor,
     maps: Mapping[str, torch.Tensor],
     true_names: Sequence[str],
-    pred_names: Sequence[str],
+    pred_names: Sequence[str] | Mapping[str, Sequence[str]],
     path: str | Path,
     title: str,
 ) -> Path:
     """One row per image: the image, then each named map overlaid (columns in the order of ``maps``).
 
     ``images`` are uint8 (B, 3, H, W) (the de-normalised inputs); maps are (B, P) over the patch grid, drawn on
-    the :func:`relative_to_uniform` scale with one colour range for the whole figure.
+    the :func:`relative_to_uniform` scale with one colour range for the whole figure. ``pred_names``: one
+    prediction per image, or per map name when the columns come from different models.
     """
+    per_column = isinstance(pred_names, Mapping)
     maps = {name: relative_to_uniform(values) for name, values in maps.items()}
     vmin, vmax = shared_range(list(maps.values()))
     b, _, h, w = images.shape
@@ -109,14 +111,15 @@ def plot_heatmaps(
     for i in range(b):
         rgb = images[i].permute(1, 2, 0).numpy()
         axes[i, 0].imshow(rgb, interpolation="nearest")
-        axes[i, 0].set_title(f"true: {true_names[i]}\npred: {pred_names[i]}", fontsize=9)
+        axes[i, 0].set_title(f"true: {true_names[i]}" + ("" if per_column else f"\npred: {pred_names[i]}"), fontsize=9)
         for ax, (name, values) in zip(axes[i, 1:], maps.items(), strict=True):
             ax.imshow(rgb, interpolation="nearest")
             im = ax.imshow(upsample_patch_map(values[i], (h, w)), cmap="inferno", alpha=0.6, vmin=vmin, vmax=vmax)
             bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
             bar.set_label(UNIFORM_SCALE_LABEL, fontsize=7)
             bar.ax.tick_params(labelsize=6)
-            ax.set_title(f"{name}\ntrue: {true_names[i]}, pred: {pred_names[i]}", fontsize=8)
+            pred = (pred_names[name] if per_column else pred_names)[i]
+            ax.set_title(f"{name}\ntrue: {true_names[i]}, pred: {pred}", fontsize=8)
         for ax in axes[i]:
             ax.set_xlabel("x (pixels)", fontsize=7)
             ax.set_ylabel("y (pixels)", fontsize=7)

@@ -54,12 +54,9 @@ from harness.diagnose import has_diagnostics
 from harness.eval import set_pool
 from harness.features import saliency_maps
 from harness.figures import (
-    UNIFORM_SCALE_LABEL,
+    plot_heatmaps,
     plot_pooling_diagnostics,
-    relative_to_uniform,
     save_figure,
-    shared_range,
-    upsample_patch_map,
 )
 from harness.metrics import POOLING_DIAGNOSTICS
 from timm_rollout.atomic import write_json, write_text
@@ -437,29 +434,13 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
         set_pool(model, pool)
         found[short] = saliency_maps(model, normalize(images, info["mean"], info["std"]), device=torch.device("cpu"))
     names = data.class_names
-    columns = [(short, key) for short in panels for key in ("rollout", "gradient_rollout")]
-    scaled = {column: relative_to_uniform(found[column[0]].maps[column[1]]) for column in columns}
-    vmin, vmax = shared_range(list(scaled.values()))
-    b, _, h, w = images.shape
-    fig = Figure(figsize=(3.3 * (len(columns) + 1), 3.0 * b))
-    axes = fig.subplots(b, len(columns) + 1, squeeze=False)
-    for i in range(b):
-        rgb = images[i].permute(1, 2, 0).numpy()
-        axes[i, 0].imshow(rgb, interpolation="nearest")
-        axes[i, 0].set_title(f"test image, true: {names[int(labels[i])]}", fontsize=9)
-        for ax, (short, key) in zip(axes[i, 1:], columns, strict=True):
-            ax.imshow(rgb, interpolation="nearest")
-            im = ax.imshow(upsample_patch_map(scaled[short, key][i], (h, w)), cmap="inferno", alpha=0.6, vmin=vmin,
-                           vmax=vmax)
-            fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label(UNIFORM_SCALE_LABEL, fontsize=7)
-            pred = names[int(found[short].logits[i].argmax())]
-            ax.set_title(f"{short}: {MAP_LABELS[key]}\n(readout {found[short].readout}), pred: {pred}",
-                         fontsize=8)
-        for ax in axes[i]:
-            ax.set(xlabel="x (pixels)", ylabel="y (pixels)")
-    fig.suptitle(f"Same test images under every arm, maps of each arm's own readout (seed {seed})")
-    fig.tight_layout()
-    return save_figure(fig, path)
+    maps, preds = {}, {}
+    for short, key in ((short, key) for short in panels for key in ("rollout", "gradient_rollout")):
+        column = f"{short}: {MAP_LABELS[key]} (readout {found[short].readout})"
+        maps[column] = found[short].maps[key]
+        preds[column] = [names[int(j)] for j in found[short].logits.argmax(dim=1)]
+    return plot_heatmaps(images, maps, [names[int(y)] for y in labels], preds, path,
+                         f"Same test images under every arm, maps of each arm's own readout (seed {seed})")
 
 
 def _report_tables(groups: dict[str, Group], extra: list[str]) -> list[str]:
