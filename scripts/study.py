@@ -62,7 +62,7 @@ from harness.metrics import POOLING_DIAGNOSTICS
 from timm_rollout.atomic import write_json, write_text
 from timm_rollout.data import load_image_set, normalize
 from timm_rollout.device import device_arg
-from timm_rollout.errors import UserError, run_cli
+from timm_rollout.errors import UserError, positive_int, run_cli
 from timm_rollout.explain import MAP_LABELS
 from timm_rollout.hub import write_upload_folder
 from timm_rollout.loading import load_model
@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--faithfulness-images", type=int, default=0,
                    help="deletion/insertion faithfulness on N evaluated images (0: off)")
     p.add_argument("--heatmaps", type=int, default=6, help="test images in the side-by-side heatmap grid")
+    p.add_argument("--pack", type=positive_int, default=1,
+                   help="seeds of one arm trained in one trainer process, one after another (data loaded once); "
+                        "not part of the study's identity")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs side by side, the CPU cores split between them (and the GPUs, when several are visible)")
     p.add_argument("--commit", action="store_true",
@@ -232,14 +235,18 @@ def merge_model_kwargs(argv: Sequence[str], extra: Sequence[str]) -> list[str]:
     return [*rest, "--model-kwargs", *merged.values()] if merged else rest
 
 
-def train_run(args: argparse.Namespace, arm: str, seed: int, folder: Path) -> None:
-    """Train one run of ``arm``, or resume it; a finished run (summary.json) is left alone."""
-    if (folder / SUMMARY_FILE).exists():
-        print(f"= {folder} finished, skipped")
+def train_runs(args: argparse.Namespace, arm: str, seeds: Sequence[int], runs: dict[tuple[str, int], Path]) -> None:
+    """Train the runs of ``arm`` for ``seeds`` in one trainer process (``--seed`` several, data loaded once), or
+    resume them; finished runs (summary.json) are left alone."""
+    todo = [seed for seed in seeds if not (runs[arm, seed] / SUMMARY_FILE).exists()]
+    for seed in (s for s in seeds if s not in todo):
+        print(f"= {runs[arm, seed]} finished, skipped")
+    if not todo:
         return
     model, kwargs, flags = arm_model(args.model, arm)
+    output = str(runs[arm, todo[0]].parent / f"{arm}-s{{seed}}")
     cmd = [sys.executable, "-m", "timm_rollout.train", "--model", model, "--dataset", args.dataset,
-           "--epochs", str(args.epochs), "--seed", str(seed), "--output", str(folder), "--resume",
+           "--epochs", str(args.epochs), "--seed", *map(str, todo), "--output", output, "--resume",
            "--device", args.device, *merge_model_kwargs(shlex.split(args.train_args), kwargs), *flags]
     if args.max_train_samples:
         cmd += ["--max-train-samples", str(args.max_train_samples)]
@@ -321,38 +328,54 @@ def _commit_message(arm: str, seed: int, folder: Path, posthoc: Sequence[str]) -
     return f"study: {arm} seed {seed} ({shown}{extra})"
 
 
-def run_arm(args: argparse.Namespace, arm: str, seed: int, runs: dict[tuple[str, int], Path],
+def run_arm(args: argparse.Namespace, arm: str, seeds: Sequence[int], runs: dict[tuple[str, int], Path],
             evals: dict[tuple[str, int], Path]) -> None:
-    """Train and evaluate one run (for ``cls`` also its post-hoc readouts), then commit it when asked."""
-    run, model = runs[arm, seed], arm_model(args.model, arm)[0]
-    train_run(args, arm, seed, run)
-    (run / RESUME_FILE).unlink(missing_ok=True)  # a finished run never resumes: its state would only weigh on git
-    eval_run(args, model, seed, run, evals[arm, seed])
-    posthoc = [name for name in POSTHOC if arm == "cls"]
-    for name in posthoc:
-        eval_run(args, model, seed, run, evals[name, seed], pool=POSTHOC[name])
-    if args.commit:
-        commit_paths([run, evals[arm, seed], *(evals[name, seed] for name in posthoc), Path(args.output) / STUDY_FILE],
-                     _commit_message(arm, seed, evals[arm, seed], [POSTHOC[name] for name in posthoc]))
+    """Train one or more runs of ``arm`` (one trainer process), then evaluate each (for ``cls`` also its post-hoc
+    readouts) and commit each on its own when asked."""
+    train_runs(args, arm, seeds, runs)
+    model = arm_model(args.model, arm)[0]
+    for seed in seeds:
+        run = runs[arm, seed]
+        (run / RESUME_FILE).unlink(missing_ok=True)  # a finished run never resumes: its state would weigh on git
+        eval_run(args, model, seed, run, evals[arm, seed])
+        posthoc = [name for name in POSTHOC if arm == "cls"]
+        for name in posthoc:
+            eval_run(args, model, seed, run, evals[name, seed], pool=POSTHOC[name])
+        if args.commit:
+            commit_paths([run, evals[arm, seed], *(evals[name, seed] for name in posthoc),
+                          Path(args.output) / STUDY_FILE],
+                         _commit_message(arm, seed, evals[arm, seed], [POSTHOC[name] for name in posthoc]))
+
+
+def packed(todo: Sequence[tuple[str, int]], pack: int) -> list[tuple[str, list[int]]]:
+    """``todo`` (arm, seed) as jobs of up to ``pack`` seeds of one arm, in the order of each job's first run."""
+    jobs: list[tuple[str, list[int]]] = []
+    for arm, seed in todo:
+        open_job = next((j for j in jobs if j[0] == arm and len(j[1]) < pack), None)
+        if open_job is None:
+            jobs.append((arm, [seed]))
+        else:
+            open_job[1].append(seed)
+    return jobs
 
 
 def run_all(args: argparse.Namespace, todo: Sequence[tuple[str, int]], runs: dict[tuple[str, int], Path],
             evals: dict[tuple[str, int], Path]) -> None:
-    """Run ``todo`` (arm, seed) in order, ``--jobs`` side by side; a job holds one device of
-    :func:`job_devices` while it runs, so with several GPUs no two jobs share one."""
+    """Run ``todo`` (arm, seed) in order, as jobs of up to ``--pack`` seeds of one arm, ``--jobs`` side by side; a
+    job holds one device of :func:`job_devices` while it runs, so with several GPUs no two jobs share one."""
     slots: queue.Queue[str] = queue.Queue()
     for device in job_devices(args.device, args.jobs):
         slots.put(device)
 
-    def job(arm: str, seed: int) -> None:
+    def job(arm: str, seeds: list[int]) -> None:
         device = slots.get()
         try:
-            run_arm(argparse.Namespace(**{**vars(args), "device": device}), arm, seed, runs, evals)
+            run_arm(argparse.Namespace(**{**vars(args), "device": device}), arm, seeds, runs, evals)
         finally:
             slots.put(device)
 
     with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(lambda pair: job(*pair), todo))
+        list(pool.map(lambda pair: job(*pair), packed(todo, args.pack)))
 
 
 def means_table(groups: dict[str, Group], metrics: Sequence[str]) -> str:

@@ -41,8 +41,8 @@ def _argv(out: Path, epochs: int = 1, arms: tuple[str, ...] = ARMS) -> list[str]
     return ["--dataset", "cifar10-sample", "--epochs", str(epochs), "--seeds", "0", "1", "--max-train-samples", "100",
             "--arms", *arms, "--train-args", "--batch-size 20 --model-kwargs depth=1 --warmup-epochs 0 "
             "--max-eval-samples 100 --no-progress --workers 1", "--eval-per-class", "5", "--bank-per-class", "10",
-            "--faithfulness-images", "4", "--heatmaps", "2", "--jobs", "2", "--device", "cpu", "--commit",
-            "--output", str(out)]
+            "--faithfulness-images", "4", "--heatmaps", "2", "--jobs", "2", "--pack", "2", "--device", "cpu",
+            "--commit", "--output", str(out)]
 
 
 def _git(repo: Path, *argv: str) -> str:
@@ -222,6 +222,13 @@ def test_arms_table_holds_learned_and_sharpened_pooling_outside_the_defaults():
     assert study.arm_model(base, "rollout-max-discard0.9") == (
         base, [], ["--pool", "rollout", "--pool-kwargs", "head_fusion=max", "discard_ratio=0.9"])
     assert study.arm_model(base, "map") == (base, ["global_pool=map"], [])
+
+
+def test_pack_groups_the_seeds_of_one_arm_into_jobs():
+    todo = [(arm, seed) for seed in (0, 1, 2) for arm in ("cls", "gap")]
+    assert study.packed(todo, 1) == [(arm, [seed]) for arm, seed in todo]
+    assert study.packed(todo, 2) == [("cls", [0, 1]), ("gap", [0, 1]), ("cls", [2]), ("gap", [2])]
+    assert study.packed(todo, 5) == [("cls", [0, 1, 2]), ("gap", [0, 1, 2])]
 
 
 def test_merge_model_kwargs_keeps_one_list():

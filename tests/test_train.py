@@ -412,3 +412,33 @@ def test_compile_gives_the_eager_results_on_cpu(tmp_path: Path) -> None:
     compiled = read_log(train([*run, "--compile", "--output", str(tmp_path / "compiled")]) / "log.csv")
     for key, tol in (("train_loss", 1e-3), ("eval_loss", 1e-3), ("eval_top1", 1.0)):
         assert compiled[0][key] == pytest.approx(eager[0][key], abs=tol), key
+
+
+@pytest.mark.parametrize("model", ["vit_tiny_cifar_cls", "vit_tiny_cifar_gap", "vit_tiny_cifar_rollout"])
+def test_several_seeds_in_one_command_equal_separate_runs(model: str, tmp_path: Path) -> None:
+    """--seed 3 4: each run is bit-identical to its own command (weights, log), in its own folder with its own
+    train_args.json; dropout on, so the two seeds' masks differ as their separate runs' do."""
+    run = [*TINY, *FP32, "--model", model, "--epochs", "1", "--max-train-samples", "128", "--model-kwargs", "depth=1",
+           "embed_dim=64", "attn_drop_rate=0.1", "proj_drop_rate=0.1"]
+    outs = train([*run, "--seed", "3", "4", "--output", str(tmp_path / "packed-s{seed}")])
+    assert outs == [tmp_path / "packed-s3", tmp_path / "packed-s4"]
+    for seed in (3, 4):
+        alone = train([*run, "--seed", str(seed), "--output", str(tmp_path / f"alone-s{seed}")])
+        packed = tmp_path / f"packed-s{seed}"
+        assert _same_weights(packed, alone)
+        assert _metrics(read_log(packed / "log.csv")) == _metrics(read_log(alone / "log.csv"))
+        saved = json.loads((packed / "train_args.json").read_text())
+        assert saved["seed"] == seed and saved["output"] == str(packed)
+    assert not _same_weights(tmp_path / "packed-s3", tmp_path / "packed-s4")
+    # a second command resumes each run on its own: finished runs stay as they are
+    before = (tmp_path / "packed-s3" / "model.safetensors").read_bytes()
+    train([*run, "--seed", "3", "4", "--output", str(tmp_path / "packed-s{seed}"), "--resume"])
+    assert (tmp_path / "packed-s3" / "model.safetensors").read_bytes() == before
+
+
+def test_several_seeds_need_one_folder_each(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"several --seed values need \{seed\} in --output"):
+        train([*TINY, "--seed", "0", "1", "--output", str(tmp_path / "run")])
+    with pytest.raises(UserError, match="repeats a seed"):
+        train([*TINY, "--seed", "0", "0", "--output", str(tmp_path / "run-s{seed}")])
+    assert not any(tmp_path.iterdir())

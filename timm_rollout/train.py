@@ -145,7 +145,9 @@ def build_parser() -> CliParser:
     g.add_argument("--min-lr", type=non_negative, default=5e-6)
     g = p.add_argument_group("run")
     g.add_argument("--output", required=True, type=output_dir, help="output folder")
-    g.add_argument("--seed", type=seed_arg, default=0)
+    g.add_argument("--seed", type=seed_arg, nargs="+", default=[0],
+                   help="one seed, or several: their runs train one after another in this process, the data "
+                        "loaded once, into --output with {seed} replaced (e.g. runs/gap-s{seed})")
     g.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="auto: bf16 where it pays, else fp32")
     g.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
     g.add_argument("--workers", type=positive_int, default=None,
@@ -249,14 +251,18 @@ def _reduce(values: torch.Tensor, d: Dist) -> torch.Tensor:
     return values
 
 
-def _load_data(args: argparse.Namespace) -> tuple[ImageSet, ImageSet, tuple, tuple]:
+def _load_data(args: argparse.Namespace, loaded: dict[tuple, tuple]) -> tuple[ImageSet, ImageSet, tuple, tuple]:
+    """The run's splits and normalisation; ``loaded`` keeps the full splits for the other seeds of one command."""
     cols = {"image_column": args.image_column, "label_column": args.label_column}
-    train_set = load_image_set(args.dataset, args.train_split, **cols)
-    eval_split = args.eval_split
-    if eval_split is None:
-        eval_split = "test" if "test" in split_names(args.dataset) else "validation"
-    eval_set = load_image_set(args.dataset, eval_split, **cols)
-    mean, std = normalization_stats(args.dataset, train_set)
+    key = (args.dataset, args.train_split, args.eval_split, args.image_column, args.label_column)
+    if key not in loaded:
+        train_set = load_image_set(args.dataset, args.train_split, **cols)
+        eval_split = args.eval_split
+        if eval_split is None:
+            eval_split = "test" if "test" in split_names(args.dataset) else "validation"
+        loaded[key] = (train_set, load_image_set(args.dataset, eval_split, **cols),
+                       *normalization_stats(args.dataset, train_set))
+    train_set, eval_set, mean, std = loaded[key]
     if args.pretrained_file:  # fine-tuning: the inputs the pretrained weights expect
         cfg = timm.models.get_pretrained_cfg(args.model)
         mean, std = (tuple(cfg.mean), tuple(cfg.std)) if cfg is not None else (mean, std)
@@ -367,18 +373,34 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean,
     return {**out, "rollout_effective_patches": patches, "rollout_cosine_to_mean": cosine} if pooled else out
 
 
-def train(argv: list[str] | None = None) -> Path:
-    """Run training from CLI-style arguments; returns the output folder."""
+def train(argv: list[str] | None = None) -> Path | list[Path]:
+    """Run training from CLI-style arguments; returns the output folder (one per seed when given several)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    runs = seed_runs(args)
     d = _init_distributed(args.device)
     threads = torch.get_num_threads()
+    loaded: dict[tuple, tuple] = {}
     try:
-        return _train(args, parser, d)
+        outs = [_train(run, parser, d, loaded) for run in runs]
+        return outs[0] if len(args.seed) == 1 else outs
     finally:
         torch.set_num_threads(threads)
         if d.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def seed_runs(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """One run's arguments per ``--seed``, each with its own seed and output folder: exactly what a separate
+    command with that seed gets, so each run is bit-identical to it (and resumes on its own)."""
+    seeds = args.seed
+    if len(set(seeds)) < len(seeds):
+        raise UserError(f"--seed {' '.join(map(str, seeds))} repeats a seed; name each seed once")
+    if len(seeds) > 1 and "{seed}" not in args.output:
+        raise UserError("several --seed values need {seed} in --output, one run folder each "
+                        "(e.g. --output runs/gap-s{seed})")
+    return [argparse.Namespace(**{**vars(args), "seed": seed, "output": args.output.replace("{seed}", str(seed))})
+            for seed in seeds]
 
 
 @dataclass
@@ -421,7 +443,7 @@ class Trainer:
         return self.ema.module if self.ema is not None else self.model
 
 
-def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -> Path:
+def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, loaded: dict[tuple, tuple]) -> Path:
     out = Path(args.output)
     state = _prepare_output(out, args, d)
     saved_epochs = _saved_args(out)["epochs"] if state != "fresh" else args.epochs
@@ -440,7 +462,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -
     if args.save_every < 1:
         raise UserError(f"--save-every must be at least 1 (epochs between checkpoints), got {args.save_every}")
 
-    data = _prepare_data(args, d)
+    data = _prepare_data(args, d, loaded)
     t = _build(args, data, d)
     if state == "resume":
         _restore(t, out / RESUME_FILE)
@@ -470,9 +492,9 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -
     return out
 
 
-def _prepare_data(args: argparse.Namespace, d: Dist) -> RunData:
+def _prepare_data(args: argparse.Namespace, d: Dist, loaded: dict[tuple, tuple]) -> RunData:
     """Load the splits, check they fit the run's flags, and derive the sizes and settings they imply."""
-    train_set, eval_set, mean, std = _load_data(args)
+    train_set, eval_set, mean, std = _load_data(args, loaded)
     num_classes = args.num_classes or train_set.num_classes
     if int(train_set.labels.max()) >= num_classes:
         raise UserError(f"labels go up to {int(train_set.labels.max())} but --num-classes is {num_classes}; "
