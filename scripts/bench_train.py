@@ -31,6 +31,15 @@ of ``3 * --steps`` updates, one process per run as ``study.py --jobs`` does) and
 epoch 2 and its ratio to the first count: how many small runs one GPU takes before it is full::
 
     python scripts/bench_train.py --device cuda --steps 50 --concurrent 1 4 8
+
+``--pack N`` then times N seeds trained by one ``python -m timm_rollout.train --seed 0 .. N-1`` process (data
+loaded once, the members one after another) against N separate processes started together (``cores / N``
+threads each), each side two epochs of ``3 * --steps`` updates per run at batch B: total training images
+over the whole command's wall time (start-up, data loading and evaluation included, as a study pays them).
+``--json PATH`` writes every figure of the run with the machine's name (GPU, or CPU model and whether it has
+native bf16), ``ratio_vs_stock_timm_b128`` ((a)/(c) when the batch is 128) and ``packed_total_img_per_s``::
+
+    python scripts/bench_train.py --steps 20 --pack 2 --json results/bench/cpu.json
 """
 
 from __future__ import annotations
@@ -55,9 +64,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
+from timm_rollout.atomic import write_json
 from timm_rollout.capture import set_fused_attention
 from timm_rollout.data import load_image_set, normalization_stats
-from timm_rollout.device import device_arg, device_name, resolve_amp, resolve_device
+from timm_rollout.device import cpu_supports_bf16, device_arg, device_name, resolve_amp, resolve_device
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.models import _TINY_CIFAR
 from timm_rollout.progress import progress
@@ -227,6 +237,38 @@ def compare_concurrent(dataset: str, batch: int, steps: int, counts: list[int], 
         print(f"{label:<64} {total:8.1f} img/s in all ({total / first:.2f}x the {counts[0]}-run total)")
 
 
+def pack_rates(dataset: str, batch: int, steps: int, n: int, device: torch.device) -> dict[str, float]:
+    """Total training images/s (whole-command wall time) of ``n`` seeds in one trainer process and of ``n``
+    separate processes started together, each run two epochs of ``steps`` updates at ``batch``."""
+    images = n * 2 * steps * batch
+    args = [sys.executable, "-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset,
+            "--epochs", "2", "--max-train-samples", str(batch * steps), "--max-eval-samples", "100",
+            "--batch-size", str(batch), "--device", str(device), "--no-progress", "--save-every", "2", "--overwrite"]
+    threads = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+    with tempfile.TemporaryDirectory(prefix="bench-pack-") as tmp:
+        t = time.perf_counter()
+        subprocess.run([*args, "--seed", *map(str, range(n)), "--output", f"{tmp}/packed-s{{seed}}"], check=True,
+                       capture_output=True)
+        packed = images / (time.perf_counter() - t)
+        t = time.perf_counter()
+        procs = [subprocess.Popen([*args, "--seed", str(i), "--output", f"{tmp}/alone-{i}"], env=threads,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(n)]
+        if any(proc.wait() for proc in procs):
+            raise UserError("a separate training run of --pack failed; run it alone to see why")
+        separate = images / (time.perf_counter() - t)
+    print(f"{f'{n} seeds packed in one process, batch {batch} each':<64} {packed:8.1f} img/s in all")
+    print(f"{f'{n} separate processes at once, batch {batch} each':<64} {separate:8.1f} img/s in all "
+          f"(packed/separate = {packed / separate:.2f})")
+    return {"packed_total_img_per_s": packed, "separate_total_img_per_s": separate, "members": n}
+
+
+def machine_record(device: torch.device) -> dict[str, object]:
+    """What ran the benchmark: the GPU's name, or the CPU's model and whether it has native bf16."""
+    record: dict[str, object] = {"machine": device_name(device), "device": str(device), "torch": torch.__version__,
+                                 "timm": timm.__version__}
+    return record if device.type == "cuda" else {**record, "cpu_native_bf16": cpu_supports_bf16()}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", default=str(SHARED) if SHARED.exists() else "cifar10-sample")
@@ -239,7 +281,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="alternated CLI runs per variant with --ranks")
     p.add_argument("--concurrent", type=int, nargs="+", default=[],
                    help="also time N train CLI runs sharing the device, for each N given (e.g. 1 4 8)")
+    p.add_argument("--pack", type=int, default=0, help="also time N seeds in one train process vs N processes")
+    p.add_argument("--json", type=Path, help="write every figure of this run, with the machine's name, to this file")
     args = p.parse_args(argv)
+    if args.pack < 0:
+        raise UserError(f"--pack is a count of seeds (0: off), got {args.pack}")
     device = resolve_device(args.device)
     dtype = resolve_amp("auto", device)
     precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
@@ -280,6 +326,13 @@ def main(argv: list[str] | None = None) -> None:
         compare_ranks(args.dataset, b, args.steps * 3, args.ranks, args.repeats)
     if args.concurrent:
         compare_concurrent(args.dataset, b, args.steps * 3, args.concurrent, device)
+    packed = pack_rates(args.dataset, b, args.steps * 3, args.pack, device) if args.pack else {}
+    if args.json:
+        write_json(args.json, {
+            **machine_record(device), "batch_size": b, "steps": args.steps, "precision": precision,
+            "img_per_s": {labels[k]: v for k, v in r.items()},
+            "ratio_vs_stock_timm_b128": r["a"] / r["c"] if b == 128 else None,
+            "packed_total_img_per_s": packed.get("packed_total_img_per_s"), **packed})
 
 
 if __name__ == "__main__":
