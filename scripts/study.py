@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pack", type=positive_int, default=1,
                    help="seeds of one arm trained in one trainer process, one after another (data loaded once); "
                         "not part of the study's identity")
+    p.add_argument("--stack", action="store_true",
+                   help="with --pack, a job's seeds train stacked (timm_rollout.train --stack: one vmapped pass per "
+                        "step for all of them, for GPUs); not part of the study's identity")
     p.add_argument("--jobs", type=int, default=1,
                    help="runs side by side, the CPU cores split between them (and the GPUs, when several are visible)")
     p.add_argument("--commit", action="store_true",
@@ -250,6 +253,8 @@ def train_runs(args: argparse.Namespace, arm: str, seeds: Sequence[int], runs: d
            "--device", args.device, *merge_model_kwargs(shlex.split(args.train_args), kwargs), *flags]
     if args.max_train_samples:
         cmd += ["--max-train-samples", str(args.max_train_samples)]
+    if args.stack:
+        cmd.append("--stack")
     _run(cmd, args.threads)
 
 
@@ -700,6 +705,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     args.command = shlex.join(["python", "scripts/study.py", *(sys.argv[1:] if argv is None else argv)])
     if args.jobs < 1:
         raise UserError(f"--jobs must be at least 1, got {args.jobs}")
+    if args.stack and args.pack < 2:
+        raise UserError("--stack stacks the seeds of one --pack job; add --pack N with N of at least 2")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     args.threads = None if args.jobs == 1 else max(1, cores // args.jobs)
     out = Path(args.output)

@@ -41,7 +41,7 @@ def _argv(out: Path, epochs: int = 1, arms: tuple[str, ...] = ARMS) -> list[str]
     return ["--dataset", "cifar10-sample", "--epochs", str(epochs), "--seeds", "0", "1", "--max-train-samples", "100",
             "--arms", *arms, "--train-args", "--batch-size 20 --model-kwargs depth=1 --warmup-epochs 0 "
             "--max-eval-samples 100 --no-progress --workers 1", "--eval-per-class", "5", "--bank-per-class", "10",
-            "--faithfulness-images", "4", "--heatmaps", "2", "--jobs", "2", "--pack", "2", "--device", "cpu",
+            "--faithfulness-images", "4", "--heatmaps", "2", "--jobs", "2", "--pack", "2", "--stack", "--device", "cpu",
             "--commit", "--output", str(out)]
 
 
@@ -145,7 +145,8 @@ def test_report_matches_the_evaluations(finished):
 
 def test_report_lists_each_runs_wall_time_and_machine(finished):
     """The Runs section repeats what each run recorded: training minutes and the machine of every epoch, the
-    evaluation's minutes, machine and precision (this test's runs trained and evaluated on this CPU)."""
+    evaluation's minutes, machine and precision (this test's runs trained stacked, two seeds per job, and
+    evaluated on this CPU)."""
     report = (finished / "report.md").read_text(encoding="utf-8")
     cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                if ln.startswith("model name"))
@@ -154,7 +155,7 @@ def test_report_lists_each_runs_wall_time_and_machine(finished):
         summary = json.loads((run / "summary.json").read_text())
         [(machine, epochs)] = summary["machines"].items()
         precision = json.loads((run / "train_args.json").read_text())["amp_dtype"]  # --amp auto: bf16 where native
-        assert re.fullmatch(rf"CPU {re.escape(cpu)}, \d+ threads, {precision}", machine) and epochs == 1
+        assert re.fullmatch(rf"CPU {re.escape(cpu)}, \d+ threads, {precision}, 2 runs stacked", machine) and epochs == 1
         result = json.loads((finished / "eval" / f"{arm}-s{seed}" / "results.json").read_text())
         trained = f"{summary['wall_seconds'] / 60:.1f} min, {machine}: 1 epochs" if arm in ARMS else "the `cls` run"
         line = (f"- {arm}, seed {seed}: training `runs/{study.backbone(arm)}-s{seed}` ({trained}); evaluation "

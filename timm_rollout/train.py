@@ -76,6 +76,7 @@ from .errors import (
     seed_arg,
 )
 from .loading import check_input_size, check_model, create_model, pretrained_overlay
+from .packed import Stack
 from .pooling import ROLLOUT, TIMM_POOLS, set_pooling
 from .progress import progress, tqdm
 from .records import ARGS_FILE, CURVES_FILE, LOG_FILE, MODEL_FILES, RESUME_FILE, SUMMARY_FILE, versions
@@ -86,7 +87,7 @@ __all__ = ["build_parser", "main", "train"]
 
 RUN_FILES = (*MODEL_FILES, ARGS_FILE, SUMMARY_FILE, LOG_FILE, CURVES_FILE, RESUME_FILE)
 # Flags that may differ when a run is resumed: where it lives and how it runs, not what it computes.
-RESUME_FREE = {"resume", "overwrite", "output", "workers", "device", "no_progress", "save_every", "compile"}
+RESUME_FREE = {"resume", "overwrite", "output", "workers", "device", "no_progress", "save_every", "compile", "stack"}
 EVAL_BATCH = 500
 BAR_EVERY = 50  # steps between loss updates of the progress bar (each costs one host sync)
 
@@ -148,6 +149,10 @@ def build_parser() -> CliParser:
     g.add_argument("--seed", type=seed_arg, nargs="+", default=[0],
                    help="one seed, or several: their runs train one after another in this process, the data "
                         "loaded once, into --output with {seed} replaced (e.g. runs/gap-s{seed})")
+    g.add_argument("--stack", action="store_true",
+                   help="train the --seed runs together: parameters stacked, one vmap pass per step doing every "
+                        "run's work (for GPUs, where a small model's step is launch-bound); each run keeps its "
+                        "seed, initialisation, data order and augmentation, and writes its own run folder")
     g.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="auto: bf16 where it pays, else fp32")
     g.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
     g.add_argument("--workers", type=positive_int, default=None,
@@ -382,7 +387,8 @@ def train(argv: list[str] | None = None) -> Path | list[Path]:
     threads = torch.get_num_threads()
     loaded: dict[tuple, tuple] = {}
     try:
-        outs = [_train(run, parser, d, loaded) for run in runs]
+        outs = _train_stacked(runs, parser, d, loaded) if args.stack else [_train(run, parser, d, loaded)
+                                                                            for run in runs]
         return outs[0] if len(args.seed) == 1 else outs
     finally:
         torch.set_num_threads(threads)
@@ -443,7 +449,22 @@ class Trainer:
         return self.ema.module if self.ema is not None else self.model
 
 
-def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, loaded: dict[tuple, tuple]) -> Path:
+@dataclass
+class Run:
+    """One run opened for training: its (resume-merged) arguments, folder, data, trainer and batches."""
+
+    args: argparse.Namespace
+    out: Path
+    data: RunData
+    t: Trainer
+    batches: Batches
+    eval_images: torch.Tensor  # on the training device
+    eval_labels: torch.Tensor
+
+
+def _open(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, loaded: dict[tuple, tuple]) -> Run | None:
+    """Check the flags, load the data, build the trainer and restore or record the run; None when the run in
+    ``--output`` is finished and ``--epochs`` asks for no more."""
     out = Path(args.output)
     state = _prepare_output(out, args, d)
     saved_epochs = _saved_args(out)["epochs"] if state != "fresh" else args.epochs
@@ -451,7 +472,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, l
         args = _merge_saved_args(args, out, parser)
     if state == "finished":
         if not _trains_further(out, args.epochs, saved_epochs, d):
-            return out
+            return None
         state = "resume"
     if not args.dataset:
         raise UserError("no data set: pass --dataset (e.g. cifar10, cifar10-sample or a local folder)")
@@ -470,26 +491,107 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, l
             _record_extension(out, t.epoch, args.epochs, data.warmup)
     elif d.main:
         _write_record(out, args, data, d)
-    batches = _batches(args, data, d)
-    eval_images, eval_labels = data.eval.images.to(d.device), data.eval.labels.to(d.device)
-    machine = _machine(d, data)
-    for epoch in range(t.epoch, args.epochs):
+    return Run(args, out, data, t, _batches(args, data, d), data.eval.images.to(d.device),
+               data.eval.labels.to(d.device))
+
+
+def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, loaded: dict[tuple, tuple]) -> Path:
+    run = _open(args, parser, d, loaded)
+    if run is None:
+        return Path(args.output)
+    machine = _machine(d, run.data)
+    for epoch in range(run.t.epoch, run.args.epochs):
         t0 = time.perf_counter()
-        train_loss, lr = _train_epoch(t, batches, args, data, d, epoch, out)
-        train_seconds = time.perf_counter() - t0
-        metrics = evaluate(t.evaluator, eval_images, eval_labels, data.mean, data.std, d, data.amp_dtype)
-        t.rows.append({"epoch": epoch + 1, "train_loss": train_loss, **metrics, "lr": lr,
-                       "img_per_s": data.steps * args.batch_size * d.world / train_seconds,
-                       "seconds": time.perf_counter() - t0})
-        t.epoch = epoch + 1
-        t.machines[machine] = t.machines.get(machine, 0) + 1
-        if t.epoch % args.save_every == 0 or t.epoch == args.epochs:
-            _save(out, t, args, data, d)
-        if d.main:
-            _report_epoch(t.rows[-1], args.epochs)
+        train_loss, lr = _train_epoch(run, d, epoch)
+        _end_epoch(run, d, train_loss, lr, time.perf_counter() - t0, machine)
     if d.main:
-        _write_summary(out, args, data, t)
-    return out
+        _write_summary(run.out, run.args, run.data, run.t)
+    return run.out
+
+
+def _end_epoch(run: Run, d: Dist, train_loss: float, lr: float, train_seconds: float, machine: str) -> None:
+    """Evaluate, log the epoch's row, and save on save epochs."""
+    t, args, data = run.t, run.args, run.data
+    t0 = time.perf_counter()
+    metrics = evaluate(t.evaluator, run.eval_images, run.eval_labels, data.mean, data.std, d, data.amp_dtype)
+    t.rows.append({"epoch": t.epoch + 1, "train_loss": train_loss, **metrics, "lr": lr,
+                   "img_per_s": data.steps * args.batch_size * d.world / train_seconds,
+                   "seconds": train_seconds + time.perf_counter() - t0})
+    t.epoch += 1
+    t.machines[machine] = t.machines.get(machine, 0) + 1
+    if t.epoch % args.save_every == 0 or t.epoch == args.epochs:
+        _save(run.out, t, args, data, d)
+    if d.main:
+        _report_epoch(t.rows[-1], args.epochs)
+
+
+def _train_stacked(runs: list[argparse.Namespace], parser: argparse.ArgumentParser, d: Dist,
+                   loaded: dict[tuple, tuple]) -> list[Path]:
+    """``--stack``: the runs train together, one stacked update per step (:class:`timm_rollout.packed.Stack`);
+    each epoch takes the runs furthest behind (all of them unless a kill left some one epoch ahead)."""
+    opened = [_open(args, parser, d, loaded) for args in runs]
+    active = [run for run in opened if run is not None]
+    _check_stackable(active, d)
+    while pending := [run for run in active if run.t.epoch < run.args.epochs]:
+        epoch = min(run.t.epoch for run in pending)
+        group = [run for run in pending if run.t.epoch == epoch]
+        t0 = time.perf_counter()
+        losses, lr = _stacked_epoch(group, d, epoch)
+        runs_stacked = f"{len(group)} run{'s' if len(group) > 1 else ''} stacked"
+        seconds, machine = time.perf_counter() - t0, f"{_machine(d, group[0].data)}, {runs_stacked}"
+        for run, loss in zip(group, losses, strict=True):
+            _end_epoch(run, d, loss, lr, seconds, machine)
+    for run in active:
+        if d.main:
+            _write_summary(run.out, run.args, run.data, run.t)
+    return [Path(args.output) for args in runs]
+
+
+def _check_stackable(runs: list[Run], d: Dist) -> None:
+    if d.world > 1:
+        raise UserError("--stack trains its runs in one process; drop torchrun (or --stack)")
+    for run in runs:
+        if run.args.compile:
+            raise UserError("--stack does not compile its stacked pass; drop --compile")
+        if run.data.amp_dtype == torch.float16:
+            raise UserError("--stack needs one loss scale per run, which fp16's GradScaler does not keep; "
+                            "use --amp bf16 or fp32")
+        same = {k: v for k, v in vars(run.args).items() if k not in ("seed", "output", *RESUME_FREE)}
+        first = {k: v for k, v in vars(runs[0].args).items() if k not in ("seed", "output", *RESUME_FREE)}
+        if same != first:
+            diff = sorted(k for k in same if same[k] != first.get(k))
+            raise UserError(f"--stack trains runs of one recipe, but {run.out} was trained with other "
+                            f"{', '.join(diff)}; resume it on its own")
+
+
+def _stacked_epoch(group: list[Run], d: Dist, epoch: int) -> tuple[list[float], float]:
+    """One epoch of stacked updates: each run's own data order, augmentation and schedule; returns each run's
+    mean training loss and the last learning rate."""
+    first = group[0]
+    _seed_everything(_seed(*(run.args.seed for run in group), epoch, d.rank))
+    orders = [_epoch_order(run.args, run.data, d, epoch) for run in group]
+    stack = Stack([run.t.model for run in group], [run.t.optimizer for run in group],
+                  [run.t.ema.module for run in group] if first.t.ema is not None else None, first.t.criterion,
+                  lambda groups: _optimizer(groups, first.args))
+    steps, batch = first.data.steps, first.args.batch_size
+    losses = torch.zeros(steps, len(group), device=d.device)
+    bar = progress(range(steps), desc=f"epoch {epoch + 1}/{first.args.epochs} ({len(group)} runs stacked)",
+                   disable=first.args.no_progress, leave=False, file=sys.stderr)
+    for step in bar:
+        x, y = zip(*(run.batches(order[step * batch:(step + 1) * batch], gen)
+                     for run, (order, gen) in zip(group, orders, strict=True)), strict=True)
+        lr = first.t.optimizer.param_groups[0]["lr"]
+        losses[step] = stack.step(torch.stack(x), torch.stack(y), device=d.device, amp_dtype=first.data.amp_dtype,
+                                  clip_grad=first.args.clip_grad)
+        for run in group:
+            run.t.num_updates += 1
+            if run.t.scheduler is not None:
+                run.t.scheduler.step_update(run.t.num_updates)
+        stack.follow_schedule()
+        if stack.ema is not None:
+            stack.update_ema(first.t.ema.get_decay(first.t.num_updates))
+    stack.unstack()
+    return [_epoch_loss(losses[:, i], run, d, epoch) for i, run in enumerate(group)], lr
 
 
 def _prepare_data(args: argparse.Namespace, d: Dist, loaded: dict[tuple, tuple]) -> RunData:
@@ -537,8 +639,7 @@ def _create_model(args: argparse.Namespace, data: RunData, device: torch.device)
 def _build(args: argparse.Namespace, data: RunData, d: Dist) -> Trainer:
     """Model, optimizer, per-update schedule, EMA, grad scaler (fp16 only), loss, DDP and ``--compile``."""
     model = _create_model(args, data, d.device).to(d.device)
-    optimizer = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
-                                    momentum=args.momentum)
+    optimizer = _optimizer(model, args)
     scheduler, _ = create_scheduler_v2(optimizer, sched=args.sched, num_epochs=args.epochs, min_lr=args.min_lr,
                                        warmup_lr=args.warmup_lr, warmup_epochs=data.warmup, step_on_epochs=False,
                                        updates_per_epoch=data.steps)
@@ -549,6 +650,13 @@ def _build(args: argparse.Namespace, data: RunData, d: Dist) -> Trainer:
     if args.compile:
         net, evaluator = torch.compile(net), torch.compile(evaluator)
     return Trainer(model, net, optimizer, scheduler, ema, scaler, _criterion(args), evaluator)
+
+
+def _optimizer(model_or_groups: nn.Module | list[dict], args: argparse.Namespace) -> torch.optim.Optimizer:
+    """timm's optimizer for ``--opt``; given a model, without weight decay on norms, biases, position embedding
+    and CLS token (timm's grouping), given parameter groups, with theirs."""
+    return create_optimizer_v2(model_or_groups, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+                               momentum=args.momentum)
 
 
 def _batches(args: argparse.Namespace, data: RunData, d: Dist) -> Batches:
@@ -608,24 +716,28 @@ def _write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -
         "world_size": d.world, "device": str(d.device), "amp_dtype": amp, "versions": versions()})
 
 
-def _train_epoch(t: Trainer, batches: Batches, args: argparse.Namespace, data: RunData, d: Dist, epoch: int,
-                 out: Path) -> tuple[float, float]:
-    """One epoch of updates; returns the mean training loss (over ranks and steps) and the last learning rate.
-
-    Per-step losses stay on the device and are fetched once at the end (no host sync per step), where a
-    non-finite one stops the run, naming its step, before anything of this epoch is saved.
-    """
-    _seed_everything(_seed(args.seed, epoch, d.rank))
+def _epoch_order(args: argparse.Namespace, data: RunData, d: Dist, epoch: int) -> tuple[torch.Tensor, torch.Generator]:
+    """This rank's image order for the epoch and the generator of its augmentation, both from the run's seed."""
     order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(_seed(args.seed, epoch)))
     order = order[d.rank::d.world][: data.steps * args.batch_size].to(d.device)
-    aug_gen = torch.Generator().manual_seed(_seed(args.seed, epoch, d.rank, 1))
+    return order, torch.Generator().manual_seed(_seed(args.seed, epoch, d.rank, 1))
+
+
+def _train_epoch(run: Run, d: Dist, epoch: int) -> tuple[float, float]:
+    """One epoch of updates; returns the mean training loss (over ranks and steps) and the last learning rate.
+
+    Per-step losses stay on the device and are fetched once at the end (no host sync per step).
+    """
+    t, args, data = run.t, run.args, run.data
+    _seed_everything(_seed(args.seed, epoch, d.rank))
+    order, aug_gen = _epoch_order(args, data, d, epoch)
     losses = torch.zeros(data.steps, device=d.device)
     t.net.train()
     lr = t.optimizer.param_groups[0]["lr"]
     bar = progress(range(data.steps), desc=f"epoch {epoch + 1}/{args.epochs}", disable=not d.main or args.no_progress,
-               leave=False, file=sys.stderr)
+                   leave=False, file=sys.stderr)
     for step in bar:
-        x, y = batches(order[step * args.batch_size:(step + 1) * args.batch_size], aug_gen)
+        x, y = run.batches(order[step * args.batch_size:(step + 1) * args.batch_size], aug_gen)
         lr = t.optimizer.param_groups[0]["lr"]
         losses[step] = optimizer_step(t.net, x, y, t.criterion, t.optimizer, device=d.device,
                                       amp_dtype=data.amp_dtype, scaler=t.scaler, clip_grad=args.clip_grad)
@@ -636,14 +748,20 @@ def _train_epoch(t: Trainer, batches: Batches, args: argparse.Namespace, data: R
             t.ema.update(t.model, step=t.num_updates)
         if not bar.disable and (step + 1) % BAR_EVERY == 0:  # one local sync per BAR_EVERY steps, rank 0 only
             bar.set_postfix(loss=f"{losses[step + 1 - BAR_EVERY:step + 1].mean().item():.3f}", refresh=False)
+    return _epoch_loss(losses, run, d, epoch), lr
+
+
+def _epoch_loss(losses: torch.Tensor, run: Run, d: Dist, epoch: int) -> float:
+    """The epoch's mean training loss over ranks and steps; a non-finite step loss stops the run, naming its
+    step, before anything of this epoch is saved."""
     values = [v / d.world for v in _reduce(losses, d).tolist()]
     bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
     if bad is not None:
-        kept = f"the last good checkpoint (epoch {t.saved_epoch}) is kept in {out}" if t.saved_epoch else \
-            "no checkpoint was written"
+        kept = f"the last good checkpoint (epoch {run.t.saved_epoch}) is kept in {run.out}" if run.t.saved_epoch \
+            else "no checkpoint was written"
         raise NonFiniteLossError(f"the training loss is {values[bad]} at epoch {epoch + 1} step {bad + 1}; "
                                  f"{kept}; lower --lr, add --clip-grad 1.0 or use --amp none in a new --output")
-    return sum(values) / data.steps, lr
+    return sum(values) / len(values)
 
 
 def _save(out: Path, t: Trainer, args: argparse.Namespace, data: RunData, d: Dist) -> None:
