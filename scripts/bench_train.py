@@ -32,12 +32,15 @@ epoch 2 and its ratio to the first count: how many small runs one GPU takes befo
 
     python scripts/bench_train.py --device cuda --steps 50 --concurrent 1 4 8
 
-``--pack N`` then times N seeds trained by one ``python -m timm_rollout.train --seed 0 .. N-1`` process (data
-loaded once, the members one after another) against N separate processes started together (``cores / N``
-threads each), each side two epochs of ``3 * --steps`` updates per run at batch B: total training images
-over the whole command's wall time (start-up, data loading and evaluation included, as a study pays them).
+``--pack N`` adds (s), the bare step of N models stacked (``train --stack``: one vmapped pass for all, total
+images/s, to set beside (b)), then times N seeds trained by one ``python -m timm_rollout.train --seed 0 .. N-1``
+process (data loaded once), the members one after another and stacked (``--stack``), against N separate
+processes started together (``cores / N`` threads each), each two epochs of ``3 * --steps`` updates per run at
+batch B: total training images over the whole command's wall time (start-up, data loading and evaluation
+included, as a study pays them).
 ``--json PATH`` writes every figure of the run with the machine's name (GPU, or CPU model and whether it has
-native bf16), ``ratio_vs_stock_timm_b128`` ((a)/(c) when the batch is 128) and ``packed_total_img_per_s``::
+native bf16), ``ratio_vs_stock_timm_b128`` ((a)/(c) when the batch is 128) and ``packed_total_img_per_s``
+(the stacked command; ``serial_total_img_per_s`` and ``separate_total_img_per_s`` beside it)::
 
     python scripts/bench_train.py --steps 20 --pack 2 --json results/bench/cpu.json
 """
@@ -66,10 +69,11 @@ from torchvision import transforms
 
 from timm_rollout.atomic import write_json
 from timm_rollout.capture import set_fused_attention
-from timm_rollout.data import load_image_set, normalization_stats
+from timm_rollout.data import load_image_set, normalization_stats, resolve_dataset
 from timm_rollout.device import cpu_supports_bf16, device_arg, device_name, resolve_amp, resolve_device
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.models import _TINY_CIFAR
+from timm_rollout.packed import Stack
 from timm_rollout.progress import progress
 from timm_rollout.train_log import read_log
 from timm_rollout.train_step import Batches, optimizer_step
@@ -144,6 +148,29 @@ def bare(model: nn.Module, batch: int, dtype, device) -> Step:
     return run
 
 
+def stacked(n: int, batch: int, dtype, device) -> Step:
+    """(s): the bare step of ``n`` models stacked (``timm_rollout.packed.Stack``), each on its own batch, as
+    ``train --stack`` runs it (explicit attention on CPU, as training uses there)."""
+    models = []
+    for seed in range(n):
+        torch.manual_seed(seed)
+        model = timm.create_model("vit_tiny_cifar_rollout", num_classes=10)
+        set_fused_attention(model, device.type != "cpu")
+        models.append(model.to(device).train())
+    opts = [create_optimizer_v2(m, opt="adamw", lr=5e-4, weight_decay=1e-4) for m in models]
+    stack = Stack(models, opts, None, nn.CrossEntropyLoss(),
+                  lambda groups: create_optimizer_v2(groups, opt="adamw", lr=5e-4, weight_decay=1e-4))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, batch, 3, 32, 32, generator=gen).to(device)
+    y = torch.randint(0, 10, (n, batch), generator=gen).to(device)
+
+    def run() -> int:
+        stack.step(x, y, device=device, amp_dtype=dtype)
+        return n * batch
+
+    return run
+
+
 def stock(dataset: str, batch: int, rounds: int, workers: int, dtype, device) -> Step:
     """(c): stock timm ViT (fused attention, nn.Dropout) fed by a DataLoader with per-image PIL transforms."""
     mean, std = normalization_stats(dataset)
@@ -151,7 +178,7 @@ def stock(dataset: str, batch: int, rounds: int, workers: int, dtype, device) ->
         transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
         transforms.Normalize(mean, std),
     ])
-    ds = datasets.load_dataset(dataset, split="train").select(range(batch * (rounds + 1)))
+    ds = datasets.load_dataset(resolve_dataset(dataset).path, split="train").select(range(batch * (rounds + 1)))
     ds = ds.with_transform(lambda rows: {"x": [tf(img.convert("RGB")) for img in rows["img"]], "y": rows["label"]})
     loader = iter(DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True,
                              pin_memory=device.type == "cuda"))
@@ -238,28 +265,37 @@ def compare_concurrent(dataset: str, batch: int, steps: int, counts: list[int], 
 
 
 def pack_rates(dataset: str, batch: int, steps: int, n: int, device: torch.device) -> dict[str, float]:
-    """Total training images/s (whole-command wall time) of ``n`` seeds in one trainer process and of ``n``
-    separate processes started together, each run two epochs of ``steps`` updates at ``batch``."""
+    """Total training images/s (whole-command wall time) of ``n`` seeds in one trainer process, one after another
+    and stacked (``--stack``), and of ``n`` separate processes started together, each run two epochs of ``steps``
+    updates at ``batch``."""
     images = n * 2 * steps * batch
     args = [sys.executable, "-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset,
             "--epochs", "2", "--max-train-samples", str(batch * steps), "--max-eval-samples", "100",
             "--batch-size", str(batch), "--device", str(device), "--no-progress", "--save-every", "2", "--overwrite"]
     threads = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+    seeds = ["--seed", *map(str, range(n))]
+    rates = {}
     with tempfile.TemporaryDirectory(prefix="bench-pack-") as tmp:
-        t = time.perf_counter()
-        subprocess.run([*args, "--seed", *map(str, range(n)), "--output", f"{tmp}/packed-s{{seed}}"], check=True,
-                       capture_output=True)
-        packed = images / (time.perf_counter() - t)
+        for name, flags in (("serial", []), ("stacked", ["--stack"])):
+            t = time.perf_counter()
+            subprocess.run([*args, *seeds, *flags, "--output", f"{tmp}/{name}-s{{seed}}"], check=True,
+                           capture_output=True)
+            rates[name] = images / (time.perf_counter() - t)
         t = time.perf_counter()
         procs = [subprocess.Popen([*args, "--seed", str(i), "--output", f"{tmp}/alone-{i}"], env=threads,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(n)]
         if any(proc.wait() for proc in procs):
             raise UserError("a separate training run of --pack failed; run it alone to see why")
         separate = images / (time.perf_counter() - t)
-    print(f"{f'{n} seeds packed in one process, batch {batch} each':<64} {packed:8.1f} img/s in all")
+    print(f"{f'{n} seeds in one process, one after another, batch {batch} each':<64} {rates['serial']:8.1f} "
+          f"img/s in all")
+    print(f"{f'{n} seeds in one process, stacked (--stack), batch {batch} each':<64} {rates['stacked']:8.1f} "
+          f"img/s in all")
     print(f"{f'{n} separate processes at once, batch {batch} each':<64} {separate:8.1f} img/s in all "
-          f"(packed/separate = {packed / separate:.2f})")
-    return {"packed_total_img_per_s": packed, "separate_total_img_per_s": separate, "members": n}
+          f"(stacked/separate = {rates['stacked'] / separate:.2f}, serial/separate = "
+          f"{rates['serial'] / separate:.2f})")
+    return {"packed_total_img_per_s": rates["stacked"], "serial_total_img_per_s": rates["serial"],
+            "separate_total_img_per_s": separate, "members": n}
 
 
 def machine_record(device: torch.device) -> dict[str, object]:
@@ -301,7 +337,10 @@ def main(argv: list[str] | None = None) -> None:
         "f": f"(f) bare step, CLS model, fused attention ({precision})",
         "e": f"(e) bare step, CLS model, explicit attention ({precision})",
     }
+    if args.pack > 1 and dtype != torch.float16:
+        labels["s"] = f"(s) bare step, {args.pack} runs stacked, in all ({precision})"
     r = race({
+        **({"s": stacked(args.pack, b, dtype, device)} if "s" in labels else {}),
         "a": full_loop(args.dataset, b, dtype, device),
         "a0": full_loop(args.dataset, b, dtype, device, **NO_DROPOUT),
         "b": bare(ours(), b, dtype, device),
@@ -314,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{label:<64} {r[key]:8.1f} img/s")
     print(f"ratios ({precision}): (a)/(b) = {r['a'] / r['b']:.2f}, (a)/(c) = {r['a'] / r['c']:.2f}, "
           f"(b)/(b0) = {r['b'] / r['b0']:.2f}, (a0)/(c) = {r['a0'] / r['c']:.2f}, "
-          f"(e)/(f) = {r['e'] / r['f']:.2f}")
+          f"(e)/(f) = {r['e'] / r['f']:.2f}" + (f", (s)/(b) = {r['s'] / r['b']:.2f}" if "s" in r else ""))
     if args.bf16_steps:
         n = args.bf16_steps
         rb = race({"b": bare(ours(), b, torch.bfloat16, device),
