@@ -1,5 +1,6 @@
 """The CUDA path end to end on the shipped ``cifar10-sample``: bf16 and fp16 training, kill-and-resume,
-``torchrun``, ``--compile``, ``harness.eval --faithfulness`` and ``harness.explain``. Skipped without a GPU.
+``torchrun``, ``--compile``, ``--stack``, ``harness.eval --faithfulness`` and ``harness.explain``. Skipped
+without a GPU.
 
 Every run pins ``--device cuda`` and its precision. Where CUDA results are compared with the CPU, both sides
 run in fp32 (``--amp none``) and the tolerance allows for TF32 convolutions and reordered sums only.
@@ -122,6 +123,25 @@ def test_compile_gives_the_eager_results_on_cuda(tmp_path: Path) -> None:
     compiled = read_log(train([*run, "--compile", "--output", str(tmp_path / "compiled")]) / "log.csv")
     for key, tol in (("train_loss", 0.01), ("eval_loss", 0.02), ("eval_top1", 1.0)):
         assert compiled[0][key] == pytest.approx(eager[0][key], abs=tol), key
+
+
+@pytest.mark.parametrize("model", ["vit_tiny_cifar_gap", "vit_tiny_cifar_rollout"])  # fused / explicit attention
+def test_stacked_runs_on_cuda_equal_separate_runs(model: str, tmp_path: Path) -> None:
+    """--stack on CUDA (vmap over fused attention for gap, over the attention-recording hooks for rollout): each run
+    equals its separate run in fp32, and bf16 stacked runs learn."""
+    run = [a for a in SAMPLE if a not in ("--seed", "0")] + [*NO_DROPOUT, "--model", model, "--epochs", "2"]
+    fp32 = [*run, "--amp", "none"]
+    train([*fp32, "--seed", "0", "1", "--stack", "--output", str(tmp_path / "stacked-s{seed}")])
+    for seed in (0, 1):
+        alone = read_log(train([*fp32, "--seed", str(seed), "--output", str(tmp_path / f"alone-s{seed}")]) / "log.csv")
+        stacked = read_log(tmp_path / f"stacked-s{seed}" / "log.csv")
+        for a, b in zip(stacked, alone, strict=True):
+            for key, tol in (("train_loss", 0.01), ("eval_loss", 0.02), ("eval_top1", 1.0)):
+                assert a[key] == pytest.approx(b[key], abs=tol), (seed, key)
+    train([*run, "--amp", "bf16", "--seed", "0", "1", "--stack", "--output", str(tmp_path / "bf16-s{seed}")])
+    for seed in (0, 1):
+        rows = read_log(tmp_path / f"bf16-s{seed}" / "log.csv")
+        assert rows[-1]["train_loss"] < rows[0]["train_loss"] and rows[-1]["eval_top1"] > 15
 
 
 def _eval(run: Path, out: Path, device: str) -> dict:

@@ -11,9 +11,11 @@ embedding and CLS token; ``create_scheduler_v2`` stepped every update). Every ``
 ``config.json``, loadable with ``timm.create_model("local-dir:<out>")``), a resume state, the log and the
 curves; ``summary.json`` appears when all epochs are done.
 
-The steps, in order: ``_prepare_data`` (splits, sizes), ``_build`` (model, optimizer, schedule, EMA, grad
-scaler, DDP, ``--compile``), ``_restore`` or ``_write_record``, then per epoch ``_train_epoch`` (no host sync
-per step), ``evaluate`` and, on save epochs, ``_save``; ``_write_summary`` at the end.
+The steps, in order: ``_open`` (``_prepare_data``: splits, sizes; ``_build``: model, optimizer, schedule, EMA,
+grad scaler, DDP, ``--compile``; ``_restore`` or ``_write_record``), then per epoch ``_train_epoch`` (no host
+sync per step) and ``_end_epoch`` (``evaluate``, the log row and, on save epochs, ``_save``);
+``_write_summary`` at the end. Several ``--seed`` runs train one after another, or with ``--stack`` together
+(``_train_stacked``: ``_stacked_epoch`` steps a :class:`timm_rollout.packed.Stack` of them).
 """
 
 from __future__ import annotations
@@ -147,8 +149,9 @@ def build_parser() -> CliParser:
     g = p.add_argument_group("run")
     g.add_argument("--output", required=True, type=output_dir, help="output folder")
     g.add_argument("--seed", type=seed_arg, nargs="+", default=[0],
-                   help="one seed, or several: their runs train one after another in this process, the data "
-                        "loaded once, into --output with {seed} replaced (e.g. runs/gap-s{seed})")
+                   help="one seed, or several: their runs train one after another in this process (or together "
+                        "with --stack), the data loaded once, into --output with {seed} replaced (e.g. "
+                        "runs/gap-s{seed})")
     g.add_argument("--stack", action="store_true",
                    help="train the --seed runs together: parameters stacked, one vmap pass per step doing every "
                         "run's work (for GPUs, where a small model's step is launch-bound); each run keeps its "
