@@ -34,10 +34,24 @@ from timm_rollout.atomic import write_text
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.records import ARGS_FILE, COMPARISON_FILE, REPORT_FILE, RESULTS_FILE
 
-__all__ = ["METRICS", "ORIGINAL_METRICS", "PRIMARY", "Group", "MetricComparison", "ci_half_widths",
-           "compare_groups",
-           "correct_per_image", "load_results", "main", "render_comparison", "render_markdown", "run_label",
-           "run_seed", "summarise"]
+__all__ = [
+    "METRICS",
+    "ORIGINAL_METRICS",
+    "PRIMARY",
+    "Group",
+    "MetricComparison",
+    "ci_half_widths",
+    "compare_groups",
+    "correct_per_image",
+    "load_results",
+    "main",
+    "render_comparison",
+    "render_markdown",
+    "run_folder",
+    "run_label",
+    "run_seed",
+    "summarise",
+]
 
 METRICS = ("top1", "top5", "linear_probe", "knn_loo", "knn_bank", "intra", "inter", "ratio", "silhouette")
 ORIGINAL_METRICS = ("intra_original", "inter_original", "ratio_original")  # the original study's definitions
@@ -121,14 +135,23 @@ def run_label(result: dict[str, Any]) -> str:
     return f"{label} on {dataset}/{data.get('split', '?')}"
 
 
+def run_folder(result: dict[str, Any], runs: str | Path | None = None) -> Path | None:
+    """The training run folder of an evaluated checkpoint (``results["model"]["checkpoint"]``, resolved from the
+    working directory, or looked up by its folder name in ``runs`` for runs moved since); None if not recorded."""
+    checkpoint = result.get("model", {}).get("checkpoint")
+    if not checkpoint:
+        return None
+    path = Path(checkpoint)
+    folder = path.parent if path.suffix in {".safetensors", ".pth", ".pt", ".bin"} or path.is_file() else path
+    return Path(runs) / folder.name if runs is not None else folder
+
+
 def run_seed(result: dict[str, Any]) -> int | None:
     """Training seed of a run: ``train_args.json`` beside its checkpoint if readable, else the eval seed."""
-    checkpoint = result.get("model", {}).get("checkpoint")
-    if checkpoint:
-        path = Path(checkpoint)
-        args_file = (path if path.is_dir() else path.parent) / ARGS_FILE
+    folder = run_folder(result)
+    if folder is not None:
         try:
-            seed = json.loads(args_file.read_text(encoding="utf-8")).get("seed")
+            seed = json.loads((folder / ARGS_FILE).read_text(encoding="utf-8")).get("seed")
         except (OSError, json.JSONDecodeError, AttributeError):
             seed = None
         if isinstance(seed, int):
