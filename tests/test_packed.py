@@ -126,10 +126,19 @@ def test_stacked_dropout_draws_an_independent_mask_per_run_at_the_separate_runs_
         assert torch.equal(stack.forward(x), x)  # eval mode: no dropout
 
 
+@pytest.mark.slow  # torch.compile: a minute or more on a 2-core CPU
+def test_compiled_stacked_runs_equal_eager_stacked_runs(tmp_path: Path) -> None:
+    """--stack --compile compiles the vmapped pass once (the stack lives across epochs) and trains as eager."""
+    run = [*TINY, "--model", "vit_tiny_cifar_rollout", "--seed", "0", "1", "--stack"]
+    train([*run, "--output", str(tmp_path / "eager-s{seed}")])
+    train([*run, "--compile", "--output", str(tmp_path / "compiled-s{seed}")])
+    for seed in (0, 1):
+        assert _close(tmp_path / f"compiled-s{seed}", tmp_path / f"eager-s{seed}", "model.safetensors", tol=1e-4)
+        _same_logs(tmp_path / f"compiled-s{seed}", tmp_path / f"eager-s{seed}")
+
+
 def test_stack_refuses_what_it_cannot_train_exactly(tmp_path: Path) -> None:
     run = [*TINY, "--model", "vit_tiny_cifar_gap", "--seed", "0", "1", "--stack", "--output",
            str(tmp_path / "r-s{seed}")]
-    with pytest.raises(UserError, match="--stack does not compile"):
-        train([*run, "--compile"])
     with pytest.raises(UserError, match="--stack needs one loss scale per run"):
         train([*run, "--amp", "fp16"])

@@ -8,7 +8,9 @@ so a stacked step equals N separate steps up to float rounding. Dropout draws an
 (``randomness="different"``), with PyTorch's dropout, which ``vmap`` batches.
 
 :class:`Stack` is built from the runs' own models, optimizers and EMAs, steps them, and writes the result
-back (:meth:`Stack.unstack`), so everything else (evaluation, checkpoints, resume) stays per run.
+back (:meth:`Stack.unstack`), so everything else (evaluation, checkpoints, resume) stays per run. A stack lives
+as long as its runs train together (its tensors keep their state between unstacks), so a compiled pass
+(``compile=True``, ``torch.compile`` of the vmapped forward) compiles once.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ class Stack:
 
     def __init__(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                  emas: Sequence[nn.Module] | None, criterion: nn.Module,
-                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer]):
+                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], compile: bool = False):
         self.models, self.optimizers, self.emas, self.criterion = list(models), list(optimizers), emas, criterion
+        self._pass = torch.compile(self._vmapped) if compile else self._vmapped
         self.params, self.buffers = stack_module_state(self.models)
         self.base = copy.deepcopy(self.models[0]).to("meta")
         for module in self.base.modules():  # vmap batches PyTorch's dropout; FastDropout draws raw bits
@@ -60,11 +63,14 @@ class Stack:
     def _forward(self, params: dict, buffers: dict, x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.base, (params, buffers), (x,))
 
+    def _vmapped(self, params: dict, buffers: dict, x: torch.Tensor) -> torch.Tensor:
+        return vmap(self._forward, randomness="different")(params, buffers, x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every run's model on its own inputs: ``x`` (N, B, ...) -> (N, B, ...), in the models' train/eval mode,
-        dropout masks drawn independently per run."""
+        dropout masks drawn independently per run (compiled once when the stack was built with ``compile``)."""
         self.base.train(self.models[0].training)
-        return vmap(self._forward, randomness="different")(self.params, self.buffers, x)
+        return self._pass(self.params, self.buffers, x)
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.criterion(logits, y)
@@ -94,12 +100,14 @@ class Stack:
 
     @torch.no_grad()
     def update_ema(self, decay: float) -> None:
-        """``ModelEmaV3``'s update for every run: floats move towards the model by ``1 - decay``, others copy."""
+        """``ModelEmaV3``'s update for every run: floats move towards the model by ``1 - decay`` (one foreach
+        kernel per dtype group), other entries copy."""
         model = {**self.params, **self.buffers}
+        floats = [(v, model[k]) for k, v in self.ema.items() if v.is_floating_point()]
+        if floats:
+            torch._foreach_lerp_([v for v, _ in floats], [m.to(v.dtype) for v, m in floats], 1.0 - decay)
         for k, v in self.ema.items():
-            if v.is_floating_point():
-                v.lerp_(model[k].to(v.dtype), 1.0 - decay)
-            else:
+            if not v.is_floating_point():
                 v.copy_(model[k])
 
     @torch.no_grad()

@@ -163,7 +163,8 @@ def build_parser() -> CliParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--save-every", type=int, default=1,
                    help="epochs between checkpoint, export, log and plot writes (the last epoch is always saved)")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model for training and evaluation")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model for training and evaluation (with --stack: the stacked pass)")
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true",
                       help="continue the run in --output; a larger --epochs trains a finished run further, on a "
@@ -452,7 +453,7 @@ class Trainer:
         return self.ema.module if self.ema is not None else self.model
 
 
-@dataclass
+@dataclass(eq=False)  # runs compare by identity
 class Run:
     """One run opened for training: its (resume-merged) arguments, folder, data, trainer and batches."""
 
@@ -535,11 +536,14 @@ def _train_stacked(runs: list[argparse.Namespace], parser: argparse.ArgumentPars
     opened = [_open(args, parser, d, loaded) for args in runs]
     active = [run for run in opened if run is not None]
     _check_stackable(active, d)
+    stack, stacked = None, []
     while pending := [run for run in active if run.t.epoch < run.args.epochs]:
         epoch = min(run.t.epoch for run in pending)
         group = [run for run in pending if run.t.epoch == epoch]
+        if group != stacked:  # the runs behind catch up first; a stack lives while its runs train together
+            stack, stacked = _stack(group), group
         t0 = time.perf_counter()
-        losses, lr = _stacked_epoch(group, d, epoch)
+        losses, lr = _stacked_epoch(group, stack, d, epoch)
         runs_stacked = f"{len(group)} run{'s' if len(group) > 1 else ''} stacked"
         seconds, machine = time.perf_counter() - t0, f"{_machine(d, group[0].data)}, {runs_stacked}"
         for run, loss in zip(group, losses, strict=True):
@@ -550,12 +554,18 @@ def _train_stacked(runs: list[argparse.Namespace], parser: argparse.ArgumentPars
     return [Path(args.output) for args in runs]
 
 
+def _stack(group: list[Run]) -> Stack:
+    """The runs' models, optimizers and EMAs stacked, with timm's optimizer for the stacked parameters."""
+    first = group[0]
+    return Stack([run.t.model for run in group], [run.t.optimizer for run in group],
+                 [run.t.ema.module for run in group] if first.t.ema is not None else None, first.t.criterion,
+                 lambda groups: _optimizer(groups, first.args), compile=first.args.compile)
+
+
 def _check_stackable(runs: list[Run], d: Dist) -> None:
     if d.world > 1:
         raise UserError("--stack trains its runs in one process; drop torchrun (or --stack)")
     for run in runs:
-        if run.args.compile:
-            raise UserError("--stack does not compile its stacked pass; drop --compile")
         if run.data.amp_dtype == torch.float16:
             raise UserError("--stack needs one loss scale per run, which fp16's GradScaler does not keep; "
                             "use --amp bf16 or fp32")
@@ -567,15 +577,14 @@ def _check_stackable(runs: list[Run], d: Dist) -> None:
                             f"{', '.join(diff)}; resume it on its own")
 
 
-def _stacked_epoch(group: list[Run], d: Dist, epoch: int) -> tuple[list[float], float]:
+def _stacked_epoch(group: list[Run], stack: Stack, d: Dist, epoch: int) -> tuple[list[float], float]:
     """One epoch of stacked updates: each run's own data order, augmentation and schedule; returns each run's
-    mean training loss and the last learning rate."""
+    mean training loss and the last learning rate. The runs' own objects get the state at the end."""
     first = group[0]
     _seed_everything(_seed(*(run.args.seed for run in group), epoch, d.rank))
     orders = [_epoch_order(run.args, run.data, d, epoch) for run in group]
-    stack = Stack([run.t.model for run in group], [run.t.optimizer for run in group],
-                  [run.t.ema.module for run in group] if first.t.ema is not None else None, first.t.criterion,
-                  lambda groups: _optimizer(groups, first.args))
+    for run in group:
+        run.t.model.train()
     steps, batch = first.data.steps, first.args.batch_size
     losses = torch.zeros(steps, len(group), device=d.device)
     bar = progress(range(steps), desc=f"epoch {epoch + 1}/{first.args.epochs} ({len(group)} runs stacked)",
