@@ -72,16 +72,13 @@ class Stack:
         self.base.train(self.models[0].training)
         return self._pass(self.params, self.buffers, x)
 
-    def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.criterion(logits, y)
-
     def step(self, x: torch.Tensor, y: torch.Tensor, *, device: torch.device, amp_dtype: torch.dtype | None,
              clip_grad: float | None = None) -> torch.Tensor:
         """One update of every run: ``x`` (N, B, ...) and ``y`` (N, B, ...) hold each run's batch; returns the
         (N,) losses. Clipping bounds each run's own gradient norm, as ``clip_grad_norm_`` does for one run."""
         with autocast(device, amp_dtype):
             logits = self.forward(x)
-            losses = vmap(self._loss)(logits, y)
+            losses = vmap(self.criterion)(logits, y)
         self.optimizer.zero_grad(set_to_none=True)
         losses.sum().backward()
         if clip_grad:
