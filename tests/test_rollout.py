@@ -45,6 +45,19 @@ def test_rollout_matches_plain_loops(head_fusion, discard_ratio):
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("discard_ratio", [0.3, 0.9])
+def test_discard_breaks_ties_like_the_plain_loop(discard_ratio):
+    # attention on a coarse grid (as bf16 attention is): many entries tie at the discard threshold; exactly
+    # int(count * ratio) are dropped, the tied ones in row-major order
+    attentions = [(a * 8).round() / 8 for a in random_attention(batch=2, heads=2, n=7, layers=2, seed=3)]
+    fused = fuse_heads(attentions[0], "max")[:, 1:, 1:]
+    off = fused[:, ~torch.eye(6, dtype=torch.bool)]
+    threshold = off.sort(dim=1).values[:, int(30 * discard_ratio) - 1]
+    assert ((off == threshold[:, None]).sum(1) > 1).all()  # the case under test: ties at the threshold
+    got = attention_rollout(attentions, head_fusion="max", discard_ratio=discard_ratio)
+    torch.testing.assert_close(got, loop_rollout(attentions, "max", discard_ratio).float(), rtol=1e-5, atol=1e-6)
+
+
 def test_rollout_rows_are_distributions():
     rollout = attention_rollout(random_attention(2, 4, 9, 5), head_fusion="max", discard_ratio=0.9)
     torch.testing.assert_close(rollout.sum(-1), torch.ones(2, 9))
