@@ -661,7 +661,7 @@ def run_line(out: Path, arm: str, seed: int, run: Path, evaluation: Path, result
     """The report's line for one run: its folders, wall times and machines (runs from before machines were
     recorded say so)."""
     summary = json.loads((run / SUMMARY_FILE).read_text(encoding="utf-8"))
-    machines = "; ".join(f"{m}: {n} epochs" for m, n in summary.get("machines", {}).items())
+    machines = "; ".join(f"{m}: {n} epoch{'s' if n != 1 else ''}" for m, n in summary.get("machines", {}).items())
     trained = (f"{summary['wall_seconds'] / 60:.1f} min, {machines or 'machine not recorded'}" if arm in ARMS
                else f"the `{backbone(arm)}` run")
     env = result["environment"]

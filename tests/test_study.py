@@ -157,7 +157,7 @@ def test_report_lists_each_runs_wall_time_and_machine(finished):
         precision = json.loads((run / "train_args.json").read_text())["amp_dtype"]  # --amp auto: bf16 where native
         assert re.fullmatch(rf"CPU {re.escape(cpu)}, \d+ threads, {precision}, 2 runs stacked", machine) and epochs == 1
         result = json.loads((finished / "eval" / f"{arm}-s{seed}" / "results.json").read_text())
-        trained = f"{summary['wall_seconds'] / 60:.1f} min, {machine}: 1 epochs" if arm in ARMS else "the `cls` run"
+        trained = f"{summary['wall_seconds'] / 60:.1f} min, {machine}: 1 epoch" if arm in ARMS else "the `cls` run"
         line = (f"- {arm}, seed {seed}: training `runs/{study.backbone(arm)}-s{seed}` ({trained}); evaluation "
                 f"`eval/{arm}-s{seed}` ({result['timing']['total'] / 60:.1f} min, CPU {cpu}, "
                 f"{result['environment']['torch_threads']} threads, {result['environment']['dtype']})")
