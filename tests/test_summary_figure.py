@@ -2,8 +2,6 @@
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,13 +30,12 @@ def test_paired_differences_match_a_t_interval_by_hand():
         assert found[base, other][3] == 3
 
 
-def test_cli_writes_the_figure_and_refuses_a_bad_pair(tmp_path):
+def test_cli_writes_the_figure_and_refuses_a_bad_pair(tmp_path, capsys):
     out = tmp_path / "summary.png"
-    script = str(ROOT / "scripts" / "summary_figure.py")
-    done = subprocess.run([sys.executable, script, "--curves", str(STUDY), "--studies", str(STUDY), "--pairs",
-                           "cls:gap", "gap:map", "--output", str(out)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    common = ["--curves", str(STUDY), "--studies", str(STUDY), "--output", str(out)]
+    summary_figure.main([*common, "--pairs", "cls:gap", "gap:map"])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    bad = subprocess.run([sys.executable, script, "--curves", str(STUDY), "--studies", str(STUDY), "--pairs", "cls",
-                          "--output", str(out)], capture_output=True, text=True)
-    assert bad.returncode == 2 and "BASE:OTHER" in bad.stderr and "Traceback" not in bad.stderr
+    with pytest.raises(SystemExit) as refused:
+        summary_figure.main([*common, "--pairs", "cls"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "BASE:OTHER" in err and "Traceback" not in err
