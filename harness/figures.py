@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -96,36 +97,45 @@ def plot_heatmaps(
     path: str | Path,
     title: str,
 ) -> Path:
-    """One row per image: the image, then each named map overlaid (columns in the order of ``maps``).
+    """One row per image: the image, then each named map overlaid (columns in the order of ``maps``, named on top).
 
     ``images`` are uint8 (B, 3, H, W) (the de-normalised inputs); maps are (B, P) over the patch grid, drawn on
-    the :func:`relative_to_uniform` scale with one colour range for the whole figure. ``pred_names``: one
-    prediction per image, or per map name when the columns come from different models.
+    the :func:`relative_to_uniform` scale with one colour range and one colour bar for the whole figure.
+    ``pred_names``: one prediction per image, or per map name when the columns come from different models.
+    The layout is fixed in inches (no tight_layout pass over dozens of axes), so a large grid renders quickly.
     """
     per_column = isinstance(pred_names, Mapping)
     maps = {name: relative_to_uniform(values) for name, values in maps.items()}
     vmin, vmax = shared_range(list(maps.values()))
     b, _, h, w = images.shape
-    fig = Figure(figsize=(3.2 * (len(maps) + 1), 2.9 * b))
-    axes = fig.subplots(b, len(maps) + 1, squeeze=False)
+    cols = len(maps) + 1
+    heads = {name: "\n".join(textwrap.fill(line, 32) for line in name.split("\n")) for name in maps}  # fit a panel
+    header = 0.15 * (max(head.count("\n") for head in heads.values()) + 3)  # column names + the first row's titles
+    panel, gap_w, gap_h, left, right, bottom, top = 2.2, 0.25, 0.5, 0.6, 1.2, 0.55, 0.45 + header  # inches
+    fig_w, fig_h = left + cols * panel + (cols - 1) * gap_w + right, bottom + b * panel + (b - 1) * gap_h + top
+    fig = Figure(figsize=(fig_w, fig_h))
+    axes = fig.subplots(b, cols, squeeze=False, sharex=True, sharey=True)
+    fig.subplots_adjust(left=left / fig_w, right=1 - right / fig_w, bottom=bottom / fig_h, top=1 - top / fig_h,
+                        wspace=gap_w / panel, hspace=gap_h / panel)
     for i in range(b):
         rgb = images[i].permute(1, 2, 0).numpy()
         axes[i, 0].imshow(rgb, interpolation="nearest")
-        axes[i, 0].set_title(f"true: {true_names[i]}" + ("" if per_column else f"\npred: {pred_names[i]}"), fontsize=9)
+        axes[i, 0].set_title(f"true: {true_names[i]}" + ("" if per_column else f"\npred: {pred_names[i]}"), fontsize=8)
         for ax, (name, values) in zip(axes[i, 1:], maps.items(), strict=True):
             ax.imshow(rgb, interpolation="nearest")
             im = ax.imshow(upsample_patch_map(values[i], (h, w)), cmap="inferno", alpha=0.6, vmin=vmin, vmax=vmax)
-            bar = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-            bar.set_label(UNIFORM_SCALE_LABEL, fontsize=7)
-            bar.ax.tick_params(labelsize=6)
-            pred = (pred_names[name] if per_column else pred_names)[i]
-            ax.set_title(f"{name}\ntrue: {true_names[i]}, pred: {pred}", fontsize=8)
-        for ax in axes[i]:
-            ax.set_xlabel("x (pixels)", fontsize=7)
-            ax.set_ylabel("y (pixels)", fontsize=7)
-            ax.tick_params(labelsize=6)
-    fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))  # keep the suptitle clear of the panels
+            pred = f"pred: {pred_names[name][i]}" if per_column else ""
+            ax.set_title(f"{heads[name]}\n{pred}" if i == 0 else pred, fontsize=8)
+    for ax in axes[-1]:
+        ax.set_xlabel("x (pixels)", fontsize=7)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("y (pixels)", fontsize=7)
+    for ax in axes.flat:
+        ax.tick_params(labelsize=6)
+    grid_h = fig_h - top - bottom  # the colour bar: half the grid's height, centred beside it
+    bar = fig.add_axes((1 - (right - 0.25) / fig_w, (bottom + grid_h / 4) / fig_h, 0.18 / fig_w, grid_h / 2 / fig_h))
+    fig.colorbar(im, cax=bar).set_label(UNIFORM_SCALE_LABEL, fontsize=8)
+    fig.suptitle(title, y=1 - 0.2 / fig_h, va="top")
     return save_figure(fig, path)
 
 
