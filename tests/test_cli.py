@@ -2,8 +2,9 @@
 
 Each case is its own process running the real command exactly as ``python -m`` does (``runpy.run_module`` as
 ``__main__``, with ``sys.argv`` set); the processes are forked from one interpreter that has already imported
-torch, timm and friends, so the 28 cases cost one library import (5-10 s on a busy 2-core machine) instead of
-thirty. Every case fails before any data or model is loaded (one loads the 3,000-image sample to list its splits).
+torch, timm and friends, so the cases cost one library import (5-10 s on a busy 2-core machine) instead of one
+each. Every case fails before any data or model is loaded (two load the 3,000-image sample, for its splits and
+its class names).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ CASES = [
     (EVAL, ["--checkpoint", "{missing}"], "does not exist; check the path"),
     (EVAL, ["--split", "nope"], "has no split 'nope'; its splits are train, test"),
     (EVAL, ["--model"], "argument --model: expected one argument"),
+    (EVAL, ["--classes", "unicorn"], "unknown class name(s) for --classes: unicorn; valid: airplane, automobile"),
     (EXPLAIN, ["--image", "{missing}"], "does not exist; check the path"),
     (EXPLAIN, ["--dataset", "cifar10-sample", "--target-class", "-1"], "argument --target-class: must be an integer"),
     (EXPLAIN, ["--dataset", "cifar10-sample", "--image", "{file}"], "not allowed with argument"),
