@@ -68,6 +68,7 @@ def test_gradient_pass_differentiates_the_target_logit(cifar):
 
 
 READOUTS = [("vit_tiny_cifar_rollout", {}, "rollout"), ("vit_tiny_cifar_cls", {}, "token"),
+            ("vit_tiny_cifar_rollout", {"rollout_head_fusion": "max", "rollout_discard_ratio": 0.9}, "rollout"),
             ("vit_tiny_cifar_cls", {"global_pool": "avg", "fc_norm": False}, "avg"),
             ("vit_tiny_cifar_cls", {"global_pool": "map"}, "map")]
 

@@ -45,6 +45,7 @@ from timm.layers import AttentionPoolLatent
 from torch import nn
 
 from .capture import capture_attention
+from .diagnostics import rollout_options
 from .rollout import HEAD_FUSIONS, fuse_heads, patch_weights, rollout_cls_row, rollout_layers, rollout_row
 
 __all__ = [
@@ -146,16 +147,18 @@ def latent_attention(pool: AttentionPoolLatent, tokens: torch.Tensor) -> torch.T
 
 
 def readout_row(kind: str, attentions: Sequence[torch.Tensor], num_prefix_tokens: int,
-                pool_attention: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, N) readout weights: one-hot [CLS], ``[0, w]`` (rollout pooling weights of these attentions), patch
-    mean, or (``'map'``) ``pool_attention`` (B, T) from :func:`latent_attention` on the last T tokens."""
+                pool_attention: torch.Tensor | None = None, head_fusion: str = "mean",
+                discard_ratio: float = 0.0) -> torch.Tensor:
+    """(B, N) readout weights: one-hot [CLS], ``[0, w]`` (rollout pooling weights of these attentions with the
+    model's own ``head_fusion`` and ``discard_ratio``), patch mean, or (``'map'``) ``pool_attention`` (B, T) from
+    :func:`latent_attention` on the last T tokens."""
     first = attentions[0]
     b, n = first.shape[0], first.shape[-1]
     row = torch.zeros(b, n, dtype=torch.float32, device=first.device)
     if kind == "token":
         row[:, 0] = 1.0
     elif kind == "rollout":
-        weights = rollout_cls_row([a.detach() for a in attentions], num_prefix_tokens=num_prefix_tokens)
+        weights = rollout_cls_row([a.detach() for a in attentions], head_fusion, discard_ratio, num_prefix_tokens)
         row[:, num_prefix_tokens:] = patch_weights(weights, num_prefix_tokens)
     elif kind == "map":
         if pool_attention is None:
@@ -202,7 +205,7 @@ def _pass(model: nn.Module, x: torch.Tensor, cap, logits: torch.Tensor,
     grid = patch_grid(model, x.shape[-2:], n - prefix)
     kind = readout_kind(model)
     pool_attention = latent_attention(model.attn_pool, pool_tokens[-1]) if kind == "map" else None
-    readout = readout_row(kind, attentions, prefix, pool_attention)
+    readout = readout_row(kind, attentions, prefix, pool_attention, *rollout_options(model))
     return AttentionPass(logits.detach().float(), attentions, prefix, readout, READOUTS[kind], grid)
 
 
