@@ -355,7 +355,8 @@ def test_set_pool_refuses_what_it_cannot_switch():
         harness_eval.set_pool(timm.create_model("vit_tiny_patch16_224", depth=1, class_token=False,
                                                 global_pool="max", fc_norm=False), "token")
     with pytest.raises(UserError, match="fc_norm"):
-        harness_eval.set_pool(timm.create_model("vit_tiny_cifar_cls", global_pool="avg", depth=1), "token")
+        harness_eval.set_pool(timm.create_model("vit_tiny_cifar_cls", global_pool="avg", fc_norm=True,
+                                                depth=1), "token")
     with pytest.raises(UserError, match="learned attention pool"):  # timm would pool with attn_pool whatever it says
         harness_eval.set_pool(timm.create_model("vit_tiny_cifar_cls", global_pool="map", depth=1), "avg")
 

@@ -113,6 +113,32 @@ def test_rollout_options_are_model_arguments_pooling_as_a_plain_loop(images, tmp
     torch.testing.assert_close(back(images), model(images))
 
 
+@pytest.mark.parametrize(("name", "pool", "options"), [("vit_tiny_cifar_cls", "rollout", {"head_fusion": "max",
+                                                                                          "discard_ratio": 0.9}),
+                                                     ("vit_tiny_cifar_cls", "avg", {}),
+                                                     ("vit_tiny_cifar_rollout", "max", {})])
+def test_a_model_saved_after_set_pooling_reloads_pooling_as_it_was(images, tmp_path, name, pool, options):
+    """``train --pool ... --pool-kwargs ...`` switches pooling after building: the export must record the switch."""
+    from timm_rollout.checkpoint import save_model
+    from timm_rollout.loading import load_model
+
+    model = timm_rollout.set_pooling(make(name, num_classes=10).eval(), pool, **options)
+    with torch.no_grad():
+        for block in model.blocks:  # peaked attention, on which the rollout options matter
+            block.attn.qkv.weight[:256].mul_(8.0)
+    save_model(tmp_path, model, [], (0.5,) * 3, (0.5,) * 3)
+    for back in (timm.create_model(f"local-dir:{tmp_path}", pretrained=True).eval(),
+                 load_model(f"local-dir:{tmp_path}")[0]):
+        assert back.global_pool == pool
+        assert (back.rollout_head_fusion, back.rollout_discard_ratio) == (model.rollout_head_fusion,
+                                                                          model.rollout_discard_ratio)
+        torch.testing.assert_close(back(images), model(images))
+    if options:  # the options change the logits: the comparison above has teeth
+        plain = timm_rollout.set_pooling(make(name, num_classes=10).eval(), pool)
+        plain.load_state_dict(model.state_dict())
+        assert (plain(images) - model(images)).abs().max() > 1e-4
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [({"rollout_head_fusion": "median"}, "unknown head_fusion"),
                                                ({"rollout_discard_ratio": 1.0}, "discard_ratio")])
 def test_bad_rollout_options_are_refused(kwargs, match):

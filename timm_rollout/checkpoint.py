@@ -24,7 +24,7 @@ from timm.models import save_for_hf
 from torch import nn
 
 from .atomic import atomic_path, publish, write_json
-from .pooling import config_entries
+from .pooling import config_entries, option_model_args
 from .records import CONFIG_FILE, MODEL_FILES
 
 __all__ = ["load_resume", "save_model", "save_resume"]
@@ -40,8 +40,8 @@ def save_model(
     model_config = {"label_names": list(class_names)} if len(class_names) == model.num_classes else None
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=".export-"))
     try:
-        save_for_hf(model, tmp, model_config=model_config, safe_serialization=True,
-                    data_config={"mean": tuple(mean), "std": tuple(std)})
+        save_for_hf(model, tmp, model_config=model_config, model_args=option_model_args(model) or None,
+                    safe_serialization=True, data_config={"mean": tuple(mean), "std": tuple(std)})
         pooled = config_entries(model)
         if pooled:  # a stock timm ViT pooled by set_pooling: timm builds it with its stock pooling
             config = json.loads((tmp / CONFIG_FILE).read_text(encoding="utf-8"))

@@ -120,6 +120,7 @@ _TINY_CIFAR = dict(
     attn_drop_rate=0.1,
     proj_drop_rate=0.1,
     norm_layer=partial(LayerNorm, eps=1e-5),
+    fc_norm=False,  # the final LayerNorm stays before pooling under every pooling: one set of parameter names
 )
 
 
@@ -145,10 +146,10 @@ def vit_tiny_cifar_cls(pretrained: bool = False, **kwargs) -> RolloutVisionTrans
 def vit_tiny_cifar_gap(pretrained: bool = False, **kwargs) -> RolloutVisionTransformer:
     """The same tiny CIFAR ViT, averaging the final (normed) patch tokens (timm's ``global_pool='avg'``).
 
-    ``fc_norm=False`` keeps the final LayerNorm before pooling (timm would move it after), so the three
+    The final LayerNorm stays before pooling (``fc_norm=False``; timm would move it after for 'avg'), so the three
     models differ in pooling only and share every parameter name.
     """
-    return _create("vit_tiny_cifar_gap", pretrained, "avg", **{"fc_norm": False, **kwargs})
+    return _create("vit_tiny_cifar_gap", pretrained, "avg", **kwargs)
 
 
 @register_model

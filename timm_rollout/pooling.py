@@ -36,6 +36,7 @@ __all__ = [
     "TIMM_POOLS",
     "RolloutPooling",
     "config_entries",
+    "option_model_args",
     "register_pooled_class",
     "rollout_pooled_class",
     "set_pooling",
@@ -229,6 +230,14 @@ def set_pooling(model: nn.Module, pool: str, **options: Any) -> nn.Module:
             model.__dict__.pop(attr, None)
     model.global_pool = pool
     return model
+
+
+def option_model_args(model: nn.Module) -> dict[str, Any]:
+    """The rollout options of a model that takes them as model arguments, at their current values (``set_pooling``
+    may have changed them since the model was built), for ``config.json``'s ``model_args``; empty otherwise."""
+    if not getattr(model, "rollout_options_are_model_args", False):
+        return {}
+    return {attr: getattr(model, attr) for attr, _ in OPTIONS.values()}
 
 
 def config_entries(model: nn.Module) -> dict[str, Any]:
