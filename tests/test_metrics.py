@@ -291,6 +291,10 @@ def test_cosine_to_mean_and_pooling_weights_against_plain_routes():
         want = pooled @ mean / (np.linalg.norm(pooled) * np.linalg.norm(mean))
         assert abs(got[i] - want) < 1e-5
     np.testing.assert_allclose(cosine_to_mean(tokens, torch.full((3, 16), 1 / 16)).numpy(), 1.0, rtol=1e-6)
+    big = torch.randn(64, 64, 128, generator=gen)  # the training log computes it inside CPU bf16 autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = cosine_to_mean(big, torch.full((64, 64), 1 / 64))
+    assert under.dtype == torch.float32 and float((under - 1).abs().max()) < 1e-6
     attn = [torch.rand(3, 2, 17, 17, generator=gen).softmax(dim=-1) for _ in range(3)]
     for fusion, ratio in (("mean", 0.0), ("max", 0.5), ("min", 0.9)):
         row = attention_rollout(attn, fusion, ratio)[:, 0, 1:]  # the full matrix product, [CLS] row

@@ -61,7 +61,9 @@ def effective_patches(weights: torch.Tensor) -> torch.Tensor:
 
 
 def cosine_to_mean(tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Cosine between the ``weights``-pooled and the mean-pooled (B, P, D) ``tokens``, in float32: (B,)."""
+    """Cosine between the ``weights``-pooled and the mean-pooled (B, P, D) ``tokens``, in float32: (B,).
+
+    A product and a sum, not a matmul, so that autocast (the training log's evaluation pass) keeps it in float32."""
     t = tokens.float()
-    pooled = (weights.float().unsqueeze(1) @ t).squeeze(1)
+    pooled = (weights.float().unsqueeze(-1) * t).sum(dim=1)
     return torch.nn.functional.cosine_similarity(pooled, t.mean(dim=1), dim=-1)
