@@ -142,3 +142,5 @@ def test_stack_refuses_what_it_cannot_train_exactly(tmp_path: Path) -> None:
            str(tmp_path / "r-s{seed}")]
     with pytest.raises(UserError, match="--stack needs one loss scale per run"):
         train([*run, "--amp", "fp16"])
+    with pytest.raises(UserError, match="--opt lamb may take norms over whole tensors"):  # LAMB's trust ratio
+        train([*run, "--opt", "lamb"])

@@ -562,9 +562,20 @@ def _stack(group: list[Run]) -> Stack:
                  lambda groups: _optimizer(groups, first.args), compile=first.args.compile)
 
 
+# timm optimizers whose update of a parameter element depends on that element's own state only: on stacked
+# parameters they update every run as alone (LAMB, LARS, Adafactor, AdamP, cautious and orthogonalising
+# optimizers take norms or means over a whole tensor, which would span the runs).
+STACKABLE_OPTIMIZERS = ("adabelief", "adagrad", "adam", "adamw", "lion", "momentum", "nadam", "nadamw", "nesterov",
+                        "radam", "rmsprop", "sgd")
+
+
 def _check_stackable(runs: list[Run], d: Dist) -> None:
     if d.world > 1:
         raise UserError("--stack trains its runs in one process; drop torchrun (or --stack)")
+    if runs[0].args.opt.lower() not in STACKABLE_OPTIMIZERS:
+        raise UserError(f"--stack needs an optimizer that updates each element on its own "
+                        f"({', '.join(STACKABLE_OPTIMIZERS)}); --opt {runs[0].args.opt} may take norms over whole "
+                        "tensors, which would mix the stacked runs; drop --stack")
     for run in runs:
         if run.data.amp_dtype == torch.float16:
             raise UserError("--stack needs one loss scale per run, which fp16's GradScaler does not keep; "
