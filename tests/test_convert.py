@@ -195,6 +195,18 @@ def test_pickled_objects_are_refused(tmp_path):
         load_original(src)
 
 
+def test_a_truncated_or_foreign_file_is_one_line_error(tmp_path):
+    whole = tmp_path / "whole.pth"
+    torch.save(reference("new", "cls").state_dict(), whole)
+    cut = tmp_path / "cut_cls.pth"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    zipped = tmp_path / "zip_cls.pth"
+    zipped.write_bytes(b"PK\x03\x04" + bytes(200))  # a zip header, then nothing a torch.save file holds
+    for src in (cut, zipped):
+        with pytest.raises(UserError, match=rf"{src.name} is not a readable torch.save checkpoint \(\w+Error: "):
+            load_original(src)
+
+
 def test_heads_must_divide_dim(tmp_path):
     src = tmp_path / "cls.pth"
     torch.save(reference("new", "cls").state_dict(), src)

@@ -109,6 +109,9 @@ def load_original(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             f"{path} holds more than plain tensors ({reason}) and is refused, as nothing is unpickled; "
             "re-save just the weights with torch.save(model.state_dict(), path)"
         ) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:  # truncated or not a torch.save file at all
+        raise UserError(f"{path} is not a readable torch.save checkpoint ({type(e).__name__}: "
+                        f"{str(e).split('. ')[0] or 'empty'}); check the file is complete") from None
     for wrapper in ("model", "state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(wrapper), dict):
             obj = obj[wrapper]
