@@ -124,13 +124,26 @@ def _sequence(model: nn.Module, tokens: torch.Tensor, fill: torch.Tensor, rank: 
     return seq.gather(1, idx[..., None].expand(-1, -1, seq.shape[-1]))
 
 
+def _empty_pool(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """Pooled features (B, D) of no patch token: the empty (weighted) sum, 0; a learned attention pool
+    (timm's ``AttentionPoolLatent``) then applies its projection and MLP to that 0, as to any attention output."""
+    empty = h.new_zeros(h.shape[0], 1, h.shape[2])
+    pool = getattr(model, "attn_pool", None)
+    if pool is None:
+        return empty[:, 0]
+    x = pool.proj(empty.expand(-1, pool.latent_len, -1))
+    if pool.mlp is not None:
+        x = x + pool.mlp(pool.norm(x))
+    return x.mean(dim=1) if pool.pool == "avg" else x[:, 0]
+
+
 def _logits(model: nn.Module, seq: torch.Tensor) -> torch.Tensor:
     """Logits of the blocks' input sequence ``seq``; a rollout-pooled model pools by this pass's attention."""
     rollout = getattr(model, "global_pool", None) == "rollout"
     with record_attention(model) if rollout else nullcontext() as attentions:
         h = model.norm(model.blocks(model.norm_pre(seq)))
     if h.shape[1] == model.num_prefix_tokens and model.global_pool != "token":  # no patch left to pool
-        return model.head(model.head_drop(model.fc_norm(h.new_zeros(h.shape[0], h.shape[2]))))
+        return model.head(model.head_drop(model.fc_norm(_empty_pool(model, h))))
     if rollout:
         model.keep_rollout_weights(attentions, h)
     return model.forward_head(h)
@@ -256,10 +269,11 @@ def _fill_summary(curves: dict[str, dict[str, torch.Tensor]], maps: Sequence[str
         summary["maps"].setdefault("random", {"per_seed": {}})
         rand = summary["maps"]["random"]
         rand[f"{kind}_auc"] = round(float(per_seed.mean()), 5)
-        rand[f"{kind}_auc_std"] = round(float(per_seed.mean(axis=1).std()), 5)  # spread of the seeds' means
+        ddof = int(len(seeds) > 1)  # sample std of the seeds (0 for one seed), as everywhere in the harness
+        rand[f"{kind}_auc_std"] = round(float(per_seed.mean(axis=1).std(ddof=ddof)), 5)  # spread of the seeds' means
         stacked = torch.stack([curves[f"random_{s}"][kind].mean(dim=0) for s in seeds])
         rand[f"{kind}_curve"] = [round(v, 5) for v in stacked.mean(dim=0).tolist()]
-        rand[f"{kind}_curve_std"] = [round(v, 5) for v in stacked.std(dim=0, correction=0).tolist()]
+        rand[f"{kind}_curve_std"] = [round(v, 5) for v in stacked.std(dim=0, correction=ddof).tolist()]
         for i, s in enumerate(seeds):
             rand["per_seed"].setdefault(str(s), {})[f"{kind}_auc"] = round(float(per_seed[i].mean()), 5)
     for name in maps:

@@ -152,7 +152,10 @@ def test_curves_and_paired_score_of_one_image_by_hand(sample):
     np.testing.assert_allclose(block["maps"]["rollout"]["insertion_curve"][1:-1], insertion, atol=1e-5)
     for mode, fill in result["fills"].items():
         drop = result["original_probability"] - fill["all_removed_probability"]
-        rand = np.mean([fill["maps"]["random"]["per_seed"][s]["deletion_auc"] for s in ("1", "2")])
+        per_seed = [fill["maps"]["random"]["per_seed"][s]["deletion_auc"] for s in ("1", "2")]
+        rand = np.mean(per_seed)
+        spread = abs(per_seed[0] - per_seed[1]) / np.sqrt(2)  # the sample std of two values, by hand
+        assert fill["maps"]["random"]["deletion_auc_std"] == pytest.approx(spread, abs=2e-5)
         for name in found.maps:
             want = (fill["maps"][name]["deletion_auc"] - rand) / drop
             rounding = 3e-5 / abs(drop) + 1e-5  # the reported AUCs and probabilities carry 5 decimals
@@ -189,6 +192,27 @@ def test_evaluate_faithfulness_on_a_real_vit(tmp_path, sample, name):
     assert result["fills"]["drop"]["all_removed_probability"] == pytest.approx(float(empty.mean()), abs=1e-5)
     assert result["wall_time_s"] > 0 and 0 <= result["original_top1"] <= 1
     assert plot_faithfulness(result, tmp_path / "faithfulness.png", "tiny ViT").stat().st_size > 10_000
+
+
+def test_a_learned_attention_pool_over_no_patch_pools_an_empty_weighted_sum(sample):
+    """Independent route: one token whose value vector is 0, so the pool's attention over it alone is exactly the
+    empty weighted sum; timm's own pool, fc_norm and head then give the all-dropped probability."""
+    images, labels = sample
+    model = tiny("vit_tiny_cifar_cls", global_pool="map")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # timm initialises biases and the head to 0, under which every empty pooling looks alike
+        for p in [*model.attn_pool.parameters(), *model.fc_norm.parameters(), *model.head.parameters()]:
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    result = evaluate_faithfulness(model, images[:2], labels[:2], model.pretrained_cfg["mean"],
+                                   model.pretrained_cfg["std"], batch_size=128, seeds=(1,))
+    pool, d = model.attn_pool, model.embed_dim
+    with torch.no_grad():
+        silent = torch.linalg.solve(pool.kv.weight[d:].double(), -pool.kv.bias[d:].double()).float()
+        assert float(pool.kv(silent)[d:].abs().max()) < 1e-5
+        pred = model(_x(model, images[:2])).argmax(dim=1)
+        empty = model.head(model.fc_norm(pool(silent[None, None]))).softmax(dim=1)[0, pred]
+        assert float((empty - model.head.bias.softmax(dim=0)[pred]).abs().max()) > 1e-3  # not the plain empty sum
+    assert result["fills"]["drop"]["all_removed_probability"] == pytest.approx(float(empty.mean()), abs=1e-5)
 
 
 def test_eval_cli_writes_faithfulness(tmp_path):
