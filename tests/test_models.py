@@ -173,10 +173,10 @@ def test_no_attention_stays_attached_after_a_pass(images, name):
     with torch.no_grad():
         model(images)
         assert attached_tensors(model) == {}  # model(x) keeps nothing
-        assert model.__dict__.get("_rollout_passes", []) == []
+        assert model.__dict__.get("_rollout_passes", {}) == {}
         tokens = model.forward_features(images)
         assert attached_tensors(model) == {}  # no attention: only the (B, P) weights, tied to these tokens
-        passes = model.__dict__.get("_rollout_passes", [])
+        passes = list(model.__dict__.get("_rollout_passes", {}).values())
         assert [(p[0]() is tokens, tuple(p[2].shape)) for p in passes] == ([(True, (3, 64))] if rollout else [])
         model.forward_head(tokens)
         model.forward_intermediates(images)
@@ -223,13 +223,46 @@ def test_forward_head_pools_only_tokens_of_a_pass_with_that_pass_weights(images)
         model.forward_head(final)
 
 
+def test_threads_sharing_a_model_pool_each_with_their_own_pass(images):
+    """A model served from several threads at once: each pass records, keeps and pools its own attention."""
+    import threading
+
+    model = make("vit_tiny_cifar_rollout", depth=2).eval()
+    inputs = [images, 4.0 * images.flip(0)]  # different attention, so a mixed pass shows
+    with torch.no_grad():
+        want = [(model.rollout_weights(model.forward_features(x)), model(x)) for x in inputs]
+    assert not torch.allclose(want[0][0], want[1][0])
+    wrong, failed = [], []
+
+    def serve(i: int) -> None:
+        try:
+            for _ in range(25):
+                with torch.no_grad():
+                    tokens = model.forward_features(inputs[i])
+                    weights, logits = model.rollout_weights(tokens), model(inputs[i])
+                if not (torch.allclose(weights, want[i][0]) and torch.allclose(logits, want[i][1], atol=1e-6)):
+                    wrong.append(i)
+        except RuntimeError as e:
+            failed.append(str(e))
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in (0, 1, 0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (wrong, failed) == ([], [])
+    assert attached_tensors(model) == {} and all(not d.__dict__.get("_attention_sinks") for d in
+                                                 (b.attn.attn_drop for b in model.blocks))
+
+
 def test_rollout_weights_of_a_pass_and_none_after_model_call(images):
     model = make("vit_tiny_cifar_rollout", depth=2).eval()
     with torch.no_grad(), capture_attention(model) as cap:
         tokens = model.forward_features(images)
         logits = model(images)
     torch.testing.assert_close(model.rollout_weights(tokens), patch_weights(rollout_cls_row(cap.attentions)))
-    assert model.__dict__["_rollout_passes"][0][0]() is tokens and len(model.__dict__["_rollout_passes"]) == 1
+    passes = list(model.__dict__["_rollout_passes"].values())
+    assert passes[0][0]() is tokens and len(passes) == 1
     assert logits.shape == (3, 100)  # model(x) pooled its own pass and kept no weights of it
 
 

@@ -12,6 +12,7 @@ forward pass and hands that pass's attention over on exit. A hook with no sink o
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -77,10 +78,25 @@ def fused_attention(model: nn.Module, fused: bool) -> Iterator[None]:
         restore_fused_attention(model, before)
 
 
+class _Sink(dict):
+    """One pass's attention (attn_drop -> tensor), recorded only by the thread that opened it: threads running
+    one model at once never record into each other's pass."""
+
+    __eq__, __hash__ = object.__eq__, object.__hash__  # one sink is itself only (list.remove finds it alone)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+
 def _record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-    """The one attention hook: hand the pre-dropout attention to every sink open on this ``attn_drop``."""
-    for sink in module.__dict__.get(SINKS, ()):
-        sink[module] = args[0]
+    """The one attention hook: hand the pre-dropout attention to every sink this thread has open on this
+    ``attn_drop``."""
+    # torch.compile cannot trace the thread check (a graph break per block): a compiled model runs one pass at a time
+    thread = None if torch.compiler.is_compiling() else threading.get_ident()
+    for sink in tuple(module.__dict__.get(SINKS, ())):  # a snapshot: other threads open and close theirs
+        if thread is None or sink.thread == thread:
+            sink[module] = args[0]
 
 
 def _has_recorder(drop: nn.Module) -> bool:
@@ -103,15 +119,16 @@ def set_attention_recorder(model: nn.Module, on: bool) -> None:
 
 @contextmanager
 def _open_sink(drops: list[nn.Module]) -> Iterator[dict[nn.Module, torch.Tensor]]:
-    """A sink open on every module of ``drops`` for the ``with`` body, closed (removed) on exit."""
-    sink: dict[nn.Module, torch.Tensor] = {}
+    """A sink open on every module of ``drops`` for the ``with`` body, closed (removed) on exit; one list
+    operation each, so passes of other threads opening and closing theirs meanwhile keep them."""
+    sink = _Sink()
     for drop in drops:
         drop.__dict__.setdefault(SINKS, []).append(sink)
     try:
         yield sink
     finally:
         for drop in drops:
-            drop.__dict__[SINKS] = [s for s in drop.__dict__[SINKS] if s is not sink]
+            drop.__dict__[SINKS].remove(sink)
 
 
 @contextmanager

@@ -47,7 +47,7 @@ ROLLOUT = "rollout"
 TIMM_POOLS = ("", "avg", "avgmax", "max", "token", "map")  # timm VisionTransformer poolings (global_pool)
 OPTIONS = {"head_fusion": ("rollout_head_fusion", "mean"), "discard_ratio": ("rollout_discard_ratio", 0.0),
            "grad": ("rollout_grad", False)}  # set_pooling option -> model attribute, default
-_PASSES = "_rollout_passes"  # [(weakref to tokens, their _version, (B, P) weights)] of live passes
+_PASSES = "_rollout_passes"  # {id(tokens): (weakref to tokens, their _version, (B, P) weights)} of live passes
 _FUSED = "_stock_fused_attn"  # each attention module's fused_attn before rollout pooling
 _STOCK_POOL = "_stock_global_pool"  # the timm pooling the model had before rollout pooling
 CONFIG_KEY = "rollout_pooling"  # config.json entry of a stock timm ViT saved while rollout-pooled
@@ -72,7 +72,7 @@ class RolloutPooling:
         try:
             return self.forward_head(tokens)
         finally:
-            self.__dict__[_PASSES] = [p for p in self.__dict__[_PASSES] if _alive_other(p, tokens)]
+            self.__dict__[_PASSES].pop(id(tokens), None)
 
     def forward_intermediates(self, x: torch.Tensor, *args, **kwargs) -> Any:
         """timm's ``forward_intermediates``; the final tokens it returns (unless ``intermediates_only``) carry
@@ -88,26 +88,29 @@ class RolloutPooling:
 
         ``forward_features`` calls it; so does code that runs the blocks itself inside
         :func:`~timm_rollout.capture.record_attention` (e.g. on a shortened token sequence). Nothing is kept
-        when some block did not run (``stop_early``): ``forward_head`` then refuses those tokens.
+        when some block did not run (``stop_early``): ``forward_head`` then refuses those tokens. Passes are
+        entries of their own (one dict operation each), so threads sharing a model never drop each other's.
         """
-        passes = [p for p in self.__dict__.get(_PASSES, []) if p[0]() is not None]
+        passes = self.__dict__.setdefault(_PASSES, {})
+        for key, (ref, _, _) in list(passes.items()):
+            if ref() is None:
+                passes.pop(key, None)
         if all(a is not None for a in attentions):
             if not self.rollout_grad:
                 attentions = [a.detach() for a in attentions]
             row = rollout_cls_row(attentions, self.rollout_head_fusion, self.rollout_discard_ratio,
                                   self.num_prefix_tokens)
-            passes.append((weakref.ref(tokens), _version(tokens), patch_weights(row, self.num_prefix_tokens)))
-        self.__dict__[_PASSES] = passes
+            passes[id(tokens)] = (weakref.ref(tokens), _version(tokens), patch_weights(row, self.num_prefix_tokens))
 
     def rollout_weights(self, tokens: torch.Tensor) -> torch.Tensor:
         """Pooling weights (B, num_patches) of the pass that returned ``tokens`` (``forward_features`` or
         ``forward_intermediates``); ``model(x)`` keeps none. A one-line RuntimeError for any other tensor."""
-        for ref, version, weights in self.__dict__.get(_PASSES, []):
-            if ref() is tokens:
-                if _version(tokens) != version:
-                    raise RuntimeError("these tokens were changed in place after forward_features; pool the "
-                                       "unchanged output of forward_features, or run it again")
-                return weights
+        ref, version, weights = self.__dict__.get(_PASSES, {}).get(id(tokens), (lambda: None, None, None))
+        if ref() is tokens:
+            if _version(tokens) != version:
+                raise RuntimeError("these tokens were changed in place after forward_features; pool the "
+                                   "unchanged output of forward_features, or run it again")
+            return weights
         raise RuntimeError(
             "forward_head on a rollout-pooled model takes the very tensor its forward_features (or "
             "forward_intermediates) returned, whose pass's attention it pools with; pass that output, not a "
@@ -143,11 +146,6 @@ def _version(tokens: torch.Tensor) -> int | None:
     """In-place changes counted by autograd; inference tensors have no counter (and no in-place use outside
     ``torch.inference_mode``)."""
     return None if tokens.is_inference() else tokens._version
-
-
-def _alive_other(entry: tuple, tokens: torch.Tensor) -> bool:
-    held = entry[0]()
-    return held is not None and held is not tokens
 
 
 _CLASSES: dict[type, type] = {}
