@@ -269,6 +269,16 @@ def test_summarise_mean_std_and_deltas():
     assert "| knn_loo | 0.6000 ± 0.1414 | 0.7000 | +0.1000 |" in table and "knn_bank" not in table
 
 
+def test_run_label_of_names_timm_does_not_register(tmp_path):
+    """A moved local-dir: folder or an uncached hf-hub: name has no default pooling: its built one is named,
+    nothing is loaded (these used to raise FileNotFoundError in compare and sweep)."""
+    for name in (f"local-dir:{tmp_path / 'moved'}", "hf-hub:timm-rollout/not-a-cached-model"):
+        assert compare.default_pool(name) is None
+        result = {"model": {"name": name, "global_pool": "token", "pool": "token"}, "data": {}}
+        assert compare.run_label(result) == f"{name} (global_pool=token) on ?/?"
+    assert compare.default_pool("vit_tiny_cifar_gap") == "avg"
+
+
 @pytest.fixture(scope="module")
 def images() -> torch.Tensor:
     return load_image_set(SAMPLE, "test").images[:4]
