@@ -75,7 +75,8 @@ POST_HOC_POOLS = tuple(k for k in READOUTS if k != "map")  # a learned attention
 
 def build_parser() -> CliParser:
     """The CLI; bad values, missing paths and unknown models are one-line errors before anything is loaded."""
-    p = CliParser(prog="python -m harness.eval", description=__doc__.split("\n")[0], checks=[_check_args])
+    p = CliParser(prog="python -m harness.eval", description=__doc__.split("\n")[0])
+    p.checks.append(lambda args: _check_args(args, p.given))
     p.add_argument("--model", required=True, help="registered timm name, hf-hub:org/name or local-dir:PATH")
     p.add_argument("--checkpoint", type=existing_path,
                    help=".safetensors file or training output folder (model.safetensors + config)")
@@ -112,7 +113,21 @@ def build_parser() -> CliParser:
     return p
 
 
-def _check_args(args: argparse.Namespace) -> None:
+# Flags that only mean something with another one: dest -> (the dest it needs, the flag that sets that one).
+_NEEDS = {
+    "bank_per_class": ("bank_split", "--bank-split train"),
+    "bank_k": ("bank_split", "--bank-split train"),
+    "temperature": ("bank_split", "--bank-split train"),
+    "faithfulness_images": ("faithfulness", "--faithfulness"),
+}
+
+
+def _check_args(args: argparse.Namespace, given: frozenset[str]) -> None:
+    """Refuse flag combinations that cannot work; ``given``: the flags the user typed (:class:`CliParser`)."""
+    for dest, (needed, fix) in _NEEDS.items():
+        if dest in given and not getattr(args, needed):
+            flag = "--" + dest.replace("_", "-")
+            raise UserError(f"{flag} only applies with {fix.split()[0]}; add {fix} or drop {flag}")
     if args.bank_split is not None and args.bank_split == args.split:
         raise UserError(f"--bank-split {args.bank_split} is the evaluated split; use another split (e.g. train)")
     check_model(args.model)

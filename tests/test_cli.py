@@ -62,6 +62,8 @@ CASES = [
     (EVAL, ["--split", "nope"], "has no split 'nope'; its splits are train, test"),
     (EVAL, ["--model"], "argument --model: expected one argument"),
     (EVAL, ["--classes", "unicorn"], "unknown class name(s) for --classes: unicorn; valid: airplane, automobile"),
+    (EVAL, ["--bank-k", "7"], "--bank-k only applies with --bank-split; add --bank-split train or drop --bank-k"),
+    (EVAL, ["--faithfulness-images", "9"], "--faithfulness-images only applies with --faithfulness; add --faithf"),
     (EXPLAIN, ["--image", "{missing}"], "does not exist; check the path"),
     (EXPLAIN, ["--dataset", "cifar10-sample", "--target-class", "-1"], "argument --target-class: must be an integer"),
     (EXPLAIN, ["--dataset", "cifar10-sample", "--image", "{file}"], "not allowed with argument"),

@@ -279,6 +279,20 @@ def test_run_label_of_names_timm_does_not_register(tmp_path):
     assert compare.default_pool("vit_tiny_cifar_gap") == "avg"
 
 
+def test_flags_without_the_flag_they_need_are_refused(tmp_path):
+    """Bank and faithfulness options are refused without --bank-split / --faithfulness, even typed at their
+    defaults; with it they parse."""
+    base = ["--model", "vit_tiny_cifar_cls", "--dataset", SAMPLE, "--output", str(tmp_path / "out")]
+    for flag, value, fix in (("--bank-per-class", "5", "--bank-split train"), ("--bank-k", "20", "--bank-split train"),
+                             ("--temperature", "0.07", "--bank-split train"),
+                             ("--faithfulness-images", "10", "--faithfulness")):
+        message = _user_error([*base, flag, value])
+        assert message == f"{flag} only applies with {fix.split()[0]}; add {fix} or drop {flag}"
+        args = harness_eval.build_parser().parse_args([*base, flag, value, *fix.split()])
+        assert vars(args)[flag[2:].replace("-", "_")] == float(value)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def images() -> torch.Tensor:
     return load_image_set(SAMPLE, "test").images[:4]
