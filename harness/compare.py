@@ -14,7 +14,6 @@ over the paired seeds, from each run's ``predictions.json.gz`` (or the ``predict
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 from collections.abc import Callable, Sequence
@@ -31,7 +30,7 @@ from harness.figures import plot_comparison
 from harness.metrics import ACCURACIES, POOLING_DIAGNOSTICS
 from harness.predictions import read_predictions
 from timm_rollout.atomic import write_text
-from timm_rollout.errors import UserError, run_cli
+from timm_rollout.errors import CliParser, UserError, output_dir, run_cli
 from timm_rollout.records import ARGS_FILE, COMPARISON_FILE, REPORT_FILE, RESULTS_FILE
 
 __all__ = [
@@ -337,10 +336,10 @@ def ci_half_widths(group: Group, metrics: Sequence[str]) -> dict[str, float | No
     return widths
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m harness.compare", description=__doc__.split("\n")[0])
+def build_parser() -> CliParser:
+    p = CliParser(prog="python -m harness.compare", description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="evaluation folders (each with results.json)")
-    p.add_argument("--output", required=True, help="folder for report.md and comparison.png")
+    p.add_argument("--output", required=True, type=output_dir, help="folder for report.md and comparison.png")
     p.add_argument("--metrics", nargs="+", default=list(METRICS),
                    choices=METRICS + POOLING_DIAGNOSTICS + ORIGINAL_METRICS,
                    help="metrics to show (the first listed group is the base; the pooling diagnostics on request)")

@@ -15,7 +15,6 @@ selection metric against the value per arm, with 95% intervals.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from collections.abc import Sequence
@@ -40,7 +39,7 @@ from harness.compare import (
 )
 from harness.figures import save_figure
 from timm_rollout.atomic import write_text
-from timm_rollout.errors import UserError, existing_path, run_cli
+from timm_rollout.errors import CliParser, UserError, existing_path, output_dir, run_cli
 from timm_rollout.records import ARGS_FILE, REPORT_FILE
 
 __all__ = ["best_values", "main", "render_sweep", "sweep_groups", "train_arg"]
@@ -178,12 +177,12 @@ def _moved(result: dict[str, Any], folders: Sequence[Path]) -> Path | None:
     return next((Path(f) for f in folders if (Path(f) / name / ARGS_FILE).exists()), None)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m harness.sweep", description=__doc__.split("\n")[0])
+def build_parser() -> CliParser:
+    p = CliParser(prog="python -m harness.sweep", description=__doc__.split("\n")[0])
     p.add_argument("evaluations", nargs="+",
                    help="evaluation folders (each with results.json): every arm at every value, one run per seed")
     p.add_argument("--param", required=True, help="the swept training argument, as in train_args.json (e.g. lr)")
-    p.add_argument("--output", required=True, help="folder for report.md and sweep.png")
+    p.add_argument("--output", required=True, type=output_dir, help="folder for report.md and sweep.png")
     p.add_argument("--metrics", nargs="+", default=list(METRICS), choices=METRICS, help="metrics to show")
     p.add_argument("--runs", nargs="+", type=existing_path, default=[],
                    help="folders holding run folders moved since their evaluation (looked up by the run folder's "

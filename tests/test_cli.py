@@ -26,6 +26,8 @@ TRAIN = ["timm_rollout.train", "--dataset", "cifar10-sample", "--output", "{out}
 EVAL = ["harness.eval", "--model", "vit_tiny_cifar_cls", "--dataset", "cifar10-sample", "--output", "{out}",
         "--device", "cpu", "--amp", "none"]
 EXPLAIN = ["harness.explain", "--model", "vit_tiny_cifar_cls", "--output", "{out}", "--device", "cpu"]
+COMPARE = ["harness.compare", "{run}", "--output", "{out}"]
+SWEEP = ["harness.sweep", "{run}", "--param", "lr", "--output", "{out}"]
 
 # (command, extra flags, text the one-line message must contain); later flags override the base command's.
 CASES = [
@@ -64,6 +66,10 @@ CASES = [
     (EVAL, ["--classes", "unicorn"], "unknown class name(s) for --classes: unicorn; valid: airplane, automobile"),
     (EVAL, ["--bank-k", "7"], "--bank-k only applies with --bank-split; add --bank-split train or drop --bank-k"),
     (EVAL, ["--faithfulness-images", "9"], "--faithfulness-images only applies with --faithfulness; add --faithf"),
+    (COMPARE, ["--output", "{file}"], "file.txt is a file; pass a folder"),
+    (COMPARE, ["--metrics", "top2"], "argument --metrics: invalid choice: 'top2'"),
+    (SWEEP, ["--output", "{file}"], "file.txt is a file; pass a folder"),
+    (SWEEP, ["--select", "top2"], "argument --select: invalid choice: 'top2'"),
     (EXPLAIN, ["--image", "{missing}"], "does not exist; check the path"),
     (EXPLAIN, ["--dataset", "cifar10-sample", "--target-class", "-1"], "argument --target-class: must be an integer"),
     (EXPLAIN, ["--dataset", "cifar10-sample", "--image", "{file}"], "not allowed with argument"),

@@ -87,3 +87,10 @@ def test_sweep_finds_moved_runs_and_refuses_what_it_cannot_pair(tmp_path: Path) 
     with pytest.raises(UserError, match=r"--shared 0\.0005: not every arm was run at lr=0\.0005"):
         sweep.main([*map(str, picked), "--param", "lr", "--runs", str(moved), "--shared", "5e-4", "--output",
                     str(tmp_path / "out")])
+
+
+def test_output_must_be_a_folder(tmp_path: Path) -> None:
+    evals = _write_runs(tmp_path)
+    (tmp_path / "report.md").write_text("a file")
+    with pytest.raises(UserError, match=r"argument --output: .*report\.md is a file; pass a folder"):
+        sweep.main([*map(str, evals), "--param", "lr", "--output", str(tmp_path / "report.md")])
