@@ -137,15 +137,22 @@ def run_label(result: dict[str, Any]) -> str:
     return f"{label} on {dataset}/{data.get('split', '?')}"
 
 
-def run_folder(result: dict[str, Any], runs: str | Path | None = None) -> Path | None:
-    """The training run folder of an evaluated checkpoint (``results["model"]["checkpoint"]``, resolved from the
-    working directory, or looked up by its folder name in ``runs`` for runs moved since); None if not recorded."""
+def run_folder(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> Path | None:
+    """The training run folder of an evaluated checkpoint: where the evaluation recorded it
+    (``results["model"]["checkpoint"]``, resolved from the working directory) when it holds ``train_args.json``,
+    else the folder of that name in the study layout beside the evaluation (``<evaluation>/../../runs/<name>``), else
+    in the first of ``runs`` (folders holding moved runs) that has it; the recorded folder when none does, None when
+    no checkpoint is recorded."""
     checkpoint = result.get("model", {}).get("checkpoint")
     if not checkpoint:
         return None
     path = Path(checkpoint)
-    folder = path.parent if path.suffix in {".safetensors", ".pth", ".pt", ".bin"} or path.is_file() else path
-    return Path(runs) / folder.name if runs is not None else folder
+    recorded = path.parent if path.suffix in {".safetensors", ".pth", ".pt", ".bin"} or path.is_file() else path
+    if (recorded / ARGS_FILE).is_file():
+        return recorded
+    beside = [Path(result["path"]).absolute().parent.parent / "runs"] if result.get("path") else []
+    found = (Path(f) / recorded.name for f in [*beside, *runs])
+    return next((f for f in found if (f / ARGS_FILE).is_file()), recorded)
 
 
 def run_seed(result: dict[str, Any]) -> int | None:

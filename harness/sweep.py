@@ -47,9 +47,9 @@ __all__ = ["best_values", "main", "render_sweep", "sweep_groups", "train_arg"]
 SWEEP_FIGURE = "sweep.png"
 
 
-def train_arg(result: dict[str, Any], key: str, runs: str | Path | None = None) -> Any:
+def train_arg(result: dict[str, Any], key: str, runs: Sequence[str | Path] = ()) -> Any:
     """The training argument ``key`` of an evaluated run, from the ``train_args.json`` of its run folder
-    (:func:`harness.compare.run_folder`)."""
+    (:func:`harness.compare.run_folder`, moved runs looked up in ``runs``)."""
     folder = run_folder(result, runs)
     try:
         saved = json.loads(((folder or Path("?")) / ARGS_FILE).read_text(encoding="utf-8"))
@@ -63,11 +63,10 @@ def train_arg(result: dict[str, Any], key: str, runs: str | Path | None = None) 
 
 
 def sweep_groups(results: Sequence[dict[str, Any]], param: str, metrics: Sequence[str] = METRICS,
-                 runs: Sequence[str | Path | None] | None = None) -> dict[str, dict[Any, Group]]:
-    """arm label -> swept value (ascending) -> its :class:`Group` of runs (one per seed); ``runs``: per result,
-    the folder holding its run folder when it moved (None: where the evaluation recorded it)."""
-    runs = runs or [None] * len(results)
-    keys = {id(r): (run_label(r), train_arg(r, param, where)) for r, where in zip(results, runs, strict=True)}
+                 runs: Sequence[str | Path] = ()) -> dict[str, dict[Any, Group]]:
+    """arm label -> swept value (ascending) -> its :class:`Group` of runs (one per seed); ``runs``: folders
+    holding run folders moved since their evaluation (:func:`harness.compare.run_folder`)."""
+    keys = {id(r): (run_label(r), train_arg(r, param, runs)) for r in results}
     cells = {repr(key): key for key in keys.values()}
     by_arm: dict[str, dict[Any, Group]] = {}
     for group in summarise(results, metrics, label=lambda r: repr(keys[id(r)])):
@@ -167,16 +166,6 @@ def plot_sweep(arms: dict[str, dict[Any, Group]], param: str, metric: str, path:
     return save_figure(fig, path)
 
 
-def _moved(result: dict[str, Any], folders: Sequence[Path]) -> Path | None:
-    """None when this evaluation's run folder is where it recorded it, else the first of ``folders`` that holds
-    a run folder of that name."""
-    recorded = run_folder(result) or Path("?")
-    if (recorded / ARGS_FILE).exists():
-        return None
-    name = recorded.name
-    return next((Path(f) for f in folders if (Path(f) / name / ARGS_FILE).exists()), None)
-
-
 def build_parser() -> CliParser:
     p = CliParser(prog="python -m harness.sweep", description=__doc__.split("\n")[0])
     p.add_argument("evaluations", nargs="+",
@@ -185,8 +174,8 @@ def build_parser() -> CliParser:
     p.add_argument("--output", required=True, type=output_dir, help="folder for report.md and sweep.png")
     p.add_argument("--metrics", nargs="+", default=list(METRICS), choices=METRICS, help="metrics to show")
     p.add_argument("--runs", nargs="+", type=existing_path, default=[],
-                   help="folders holding run folders moved since their evaluation (looked up by the run folder's "
-                        "name; a run is taken from the first of these that has it)")
+                   help="folders holding run folders moved since their evaluation, looked up by the run folder's "
+                        "name after the study layout <evaluation>/../../runs (the first that has it)")
     p.add_argument("--select", default=PRIMARY, choices=METRICS, help="metric that picks each arm's best value")
     p.add_argument("--shared", type=float, default=None,
                    help="value at which all arms are also compared (default: the best one over all arms)")
@@ -196,7 +185,7 @@ def build_parser() -> CliParser:
 def main(argv: list[str] | None = None) -> dict[str, dict[Any, Group]]:
     args = build_parser().parse_args(argv)
     results = load_results(args.evaluations)
-    arms = sweep_groups(results, args.param, args.metrics, [_moved(r, args.runs) for r in results])
+    arms = sweep_groups(results, args.param, args.metrics, args.runs)
     shared = shared_value(arms, args.select) if args.shared is None else args.shared
     if not all(shared in cells for cells in arms.values()):
         raise UserError(f"--shared {shared}: not every arm was run at {args.param}={shared}; pass a value all have")

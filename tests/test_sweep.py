@@ -89,6 +89,23 @@ def test_sweep_finds_moved_runs_and_refuses_what_it_cannot_pair(tmp_path: Path) 
                     str(tmp_path / "out")])
 
 
+def test_sweep_finds_runs_of_the_study_layout_after_the_tree_moved(tmp_path: Path) -> None:
+    """lr*/eval/cls-s0 next to lr*/runs/cls-s0, the whole tree moved: each evaluation reads its own lr's run
+    (beside it, <evaluation>/../../runs), with or without --runs naming every lr's runs folder."""
+    _write_runs(tmp_path / "before")
+    shutil.move(tmp_path / "before", tmp_path / "after")
+    evals = sorted(map(str, (tmp_path / "after").glob("lr*/eval/*-s*")))
+    every = sorted(map(str, (tmp_path / "after").glob("lr*/runs")))
+    for extra in ([], ["--runs", *every]):
+        arms = sweep.main([*evals, "--param", "lr", "--metrics", "top1", *extra, "--output", str(tmp_path / "out")])
+        for name, arm in ARMS.items():
+            cells = next(cells for label, cells in arms.items() if label.startswith(name))
+            assert list(cells) == list(LRS)
+            for lr, group in cells.items():
+                assert group.seeds == list(SEEDS)  # from each run's own train_args.json
+                assert group.mean["top1"] == pytest.approx(np.mean(TOP1[arm, lr]))
+
+
 def test_output_must_be_a_folder(tmp_path: Path) -> None:
     evals = _write_runs(tmp_path)
     (tmp_path / "report.md").write_text("a file")
