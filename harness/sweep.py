@@ -185,12 +185,13 @@ def build_parser() -> CliParser:
 def main(argv: list[str] | None = None) -> dict[str, dict[Any, Group]]:
     args = build_parser().parse_args(argv)
     results = load_results(args.evaluations)
-    arms = sweep_groups(results, args.param, args.metrics, args.runs)
+    metrics = list(dict.fromkeys([*args.metrics, args.select]))  # the selection metric is shown too
+    arms = sweep_groups(results, args.param, metrics, args.runs)
     shared = shared_value(arms, args.select) if args.shared is None else args.shared
     if not all(shared in cells for cells in arms.values()):
         raise UserError(f"--shared {shared}: not every arm was run at {args.param}={shared}; pass a value all have")
     out = Path(args.output)
-    write_text(out / REPORT_FILE, render_sweep(arms, args.param, args.metrics, args.select, shared))
+    write_text(out / REPORT_FILE, render_sweep(arms, args.param, metrics, args.select, shared))
     plot_sweep(arms, args.param, args.select, out / SWEEP_FIGURE)
     runs = sum(g.n for cells in arms.values() for g in cells.values())
     print(f"swept {args.param} over {runs} runs of {len(arms)} arms -> {out / REPORT_FILE}")

@@ -34,7 +34,7 @@ def _write_runs(root: Path) -> list[Path]:
                 ev = root / f"lr{lr}" / "eval" / f"{arm}-s{seed}"
                 ev.mkdir(parents=True)
                 (ev / "results.json").write_text(json.dumps({
-                    "model": {"name": name, "checkpoint": str(run)}, "metrics": {"top1": top1},
+                    "model": {"name": name, "checkpoint": str(run)}, "metrics": {"top1": top1, "knn_loo": 1 - top1},
                     "data": {"argument": "cifar10", "split": "test"}, "config": {"seed": seed}}))
                 evals.append(ev)
     return evals
@@ -104,6 +104,19 @@ def test_sweep_finds_runs_of_the_study_layout_after_the_tree_moved(tmp_path: Pat
             for lr, group in cells.items():
                 assert group.seeds == list(SEEDS)  # from each run's own train_args.json
                 assert group.mean["top1"] == pytest.approx(np.mean(TOP1[arm, lr]))
+
+
+def test_select_outside_metrics_is_computed_and_shown(tmp_path: Path) -> None:
+    """--select knn_loo with --metrics top1: knn_loo = 1 - top1 here, so both arms are best at the lowest lr."""
+    evals = _write_runs(tmp_path)
+    arms = sweep.main([*map(str, evals), "--param", "lr", "--metrics", "top1", "--select", "knn_loo", "--output",
+                       str(tmp_path / "out")])
+    assert set(sweep.best_values(arms, "knn_loo").values()) == {5e-4}
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "best lr by mean knn_loo in bold" in report
+    table = report.split("**knn_loo**", 1)[1].split("\n\n", 2)[1]
+    assert re.search(r"\| vit_tiny_cifar_cls[^|]*\| \*\*0\.3000 ± 0\.0100 \(n=3\)\*\* \|", table)
+    assert "**top1**" in report and "### " in report  # top1 still shown, the pairs still compared
 
 
 def test_output_must_be_a_folder(tmp_path: Path) -> None:
