@@ -60,9 +60,18 @@ from harness.figures import (
 )
 from harness.metrics import POOLING_DIAGNOSTICS
 from timm_rollout.atomic import write_json, write_text
-from timm_rollout.data import load_image_set, normalize
+from timm_rollout.data import dataset_arg, load_image_set, normalize
 from timm_rollout.device import device_arg
-from timm_rollout.errors import UserError, positive_int, run_cli
+from timm_rollout.errors import (
+    CliParser,
+    UserError,
+    as_type,
+    non_negative_int,
+    output_dir,
+    positive_int,
+    run_cli,
+    seed_arg,
+)
 from timm_rollout.explain import MAP_LABELS
 from timm_rollout.hub import write_upload_folder
 from timm_rollout.loading import load_model
@@ -139,32 +148,36 @@ IDENTITY = ("model", "dataset", "epochs", "train_args", "max_train_samples", "ev
             "faithfulness_images")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python scripts/study.py", description=__doc__.splitlines()[0])
-    p.add_argument("--dataset", required=True, help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or folder")
-    p.add_argument("--epochs", type=int, required=True)
+def build_parser() -> CliParser:
+    """The CLI; bad values are one-line errors before anything is recorded in ``study.json``."""
+    p = CliParser(prog="python scripts/study.py", description=__doc__.splitlines()[0])
+    p.add_argument("--dataset", required=True, type=as_type(dataset_arg),
+                   help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or folder")
+    p.add_argument("--epochs", type=positive_int, required=True)
     p.add_argument("--model", default=None,
                    help="base timm ViT every arm pools (default: the tiny CIFAR ViT, vit_tiny_cifar_<pooling>); size "
                         "and depth via --train-args '--model-kwargs img_size=32 ...'")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--seeds", type=seed_arg, nargs="+", default=[0])
     p.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(DEFAULT_ARMS),
                    help=f"trained arms (default: {' '.join(DEFAULT_ARMS)}); cls brings its post-hoc rollout and "
                    "patch-mean readouts")
-    p.add_argument("--output", required=True, help="study folder (runs/, eval/, report.md)")
+    p.add_argument("--output", required=True, type=output_dir, help="study folder (runs/, eval/, report.md)")
     p.add_argument("--train-args", default="", help="extra flags for timm_rollout.train, quoted, same for every arm")
-    p.add_argument("--max-train-samples", type=int, help="class-balanced training subset (quick studies)")
-    p.add_argument("--eval-per-class", type=int, help="evaluate N random test images per class (default: all)")
-    p.add_argument("--bank-per-class", type=int, help="k-NN bank: N random train images per class (default: all)")
-    p.add_argument("--faithfulness-images", type=int, default=0,
+    p.add_argument("--max-train-samples", type=positive_int, help="class-balanced training subset (quick studies)")
+    p.add_argument("--eval-per-class", type=positive_int,
+                   help="evaluate N random test images per class (default: all)")
+    p.add_argument("--bank-per-class", type=positive_int,
+                   help="k-NN bank: N random train images per class (default: all)")
+    p.add_argument("--faithfulness-images", type=non_negative_int, default=0,
                    help="deletion/insertion faithfulness on N evaluated images (0: off)")
-    p.add_argument("--heatmaps", type=int, default=6, help="test images in the side-by-side heatmap grid")
+    p.add_argument("--heatmaps", type=positive_int, default=6, help="test images in the side-by-side heatmap grid")
     p.add_argument("--pack", type=positive_int, default=1,
                    help="seeds of one arm trained in one trainer process, one after another (data loaded once); "
                         "not part of the study's identity")
     p.add_argument("--stack", action="store_true",
                    help="with --pack, a job's seeds train stacked (timm_rollout.train --stack: one vmapped pass per "
                         "step for all of them, for GPUs); not part of the study's identity")
-    p.add_argument("--jobs", type=int, default=1,
+    p.add_argument("--jobs", type=positive_int, default=1,
                    help="runs side by side, the CPU cores split between them (and the GPUs, when several are visible)")
     p.add_argument("--commit", action="store_true",
                    help="git-commit each finished run with its evaluations (--output must be in a git work tree)")
@@ -251,7 +264,7 @@ def train_runs(args: argparse.Namespace, arm: str, seeds: Sequence[int], runs: d
     cmd = [sys.executable, "-m", "timm_rollout.train", "--model", model, "--dataset", args.dataset,
            "--epochs", str(args.epochs), "--seed", *map(str, todo), "--output", output, "--resume",
            "--device", args.device, *merge_model_kwargs(shlex.split(args.train_args), kwargs), *flags]
-    if args.max_train_samples:
+    if args.max_train_samples is not None:
         cmd += ["--max-train-samples", str(args.max_train_samples)]
     if args.stack:
         cmd.append("--stack")
@@ -274,9 +287,9 @@ def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder:
            "--device", args.device]
     if pool:
         cmd += ["--pool", pool]
-    if args.eval_per_class:
+    if args.eval_per_class is not None:
         cmd += ["--per-class", str(args.eval_per_class)]
-    if args.bank_per_class:
+    if args.bank_per_class is not None:
         cmd += ["--bank-per-class", str(args.bank_per_class)]
     if args.faithfulness_images:
         cmd += ["--faithfulness", "--faithfulness-images", str(args.faithfulness_images)]
@@ -703,8 +716,6 @@ def faithfulness_metrics(result: dict[str, Any]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> Path | None:
     args = build_parser().parse_args(argv)
     args.command = shlex.join(["python", "scripts/study.py", *(sys.argv[1:] if argv is None else argv)])
-    if args.jobs < 1:
-        raise UserError(f"--jobs must be at least 1, got {args.jobs}")
     if args.stack and args.pack < 2:
         raise UserError("--stack stacks the seeds of one --pack job; add --pack N with N of at least 2")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

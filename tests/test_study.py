@@ -296,12 +296,36 @@ def test_rerun_skips_finished_work_and_redoes_only_what_is_missing(repo, finishe
 def test_rerun_with_other_study_flags_is_refused(finished, tmp_path, repo):
     with pytest.raises(UserError, match=r"--epochs 1 \(now 2\)"):
         study.main(_argv(finished, epochs=2))
-    with pytest.raises(UserError, match="--jobs must be at least 1"):
+    with pytest.raises(UserError, match="argument --jobs: must be an integer >= 1, got 0"):
         study.main([*_argv(finished), "--jobs", "0"])
     with pytest.raises(UserError, match="--commit needs --output inside a git work tree"):
         study.main(_argv(tmp_path / "outside"))
     with pytest.raises(UserError, match=r"git ignores the weights written under .*\(\.gitignore\)"):
         study.main(_argv(repo / "study" / "ignored"))
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--epochs", "-3"], "argument --epochs: must be an integer >= 1, got -3"),
+    (["--eval-per-class", "0"], "argument --eval-per-class: must be an integer >= 1, got 0"),
+    (["--bank-per-class", "0"], "argument --bank-per-class: must be an integer >= 1, got 0"),
+    (["--max-train-samples", "0"], "argument --max-train-samples: must be an integer >= 1, got 0"),
+    (["--heatmaps", "0"], "argument --heatmaps: must be an integer >= 1, got 0"),
+    (["--heatmaps", "-1"], "argument --heatmaps: must be an integer >= 1, got -1"),
+    (["--faithfulness-images", "-1"], "argument --faithfulness-images: must be an integer >= 0, got -1"),
+    (["--seeds", "0", "-1"], "argument --seeds: must be an integer in [0, 4.29497e+09], got -1"),
+    (["--dataset", "./no/such/folder"], "no data set folder at ./no/such/folder"),
+    (["--output", "{file}"], "study.json is a file; pass a folder"),
+    (["--epocs", "2"], "unrecognized arguments: --epocs 2; did you mean --epochs"),
+])
+def test_bad_values_are_refused_before_anything_is_recorded(tmp_path, flags, message):
+    (tmp_path / "study.json").write_text("{}")
+    out = tmp_path / "study"
+    argv = ["--dataset", "cifar10-sample", "--epochs", "2", "--output", str(out), "--report-only",  # never trains
+            *[f.format(file=tmp_path / "study.json") for f in flags]]
+    with pytest.raises(UserError) as e:
+        study.main(argv)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not out.exists()
 
 
 def test_each_arm_is_compared_with_cls_gap_and_rollout():
