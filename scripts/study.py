@@ -207,23 +207,27 @@ def job_devices(device: str, jobs: int) -> list[str]:
 
 
 def _check_identity(args: argparse.Namespace, out: Path) -> tuple[list[str], list[int], list[str]]:
-    """The folder remembers the flags that define the study; a re-run with other values is refused. Arms and
-    seeds are not part of it: they accumulate in ``study.json``, so a later command can add some. Returns the
-    folder's arms, seeds and every distinct command run on it."""
+    """The folder remembers the flags that define the study; once one of its runs has saved an epoch (a resumed
+    run keeps its own settings) or finished, a re-run with other values is refused; before that, the new values
+    replace the recorded ones, so a mistyped first command can be corrected. Arms and seeds are not part of it:
+    they accumulate in ``study.json``, so a later command can add some. Returns the folder's arms, seeds and every
+    distinct command run on it."""
     path = out / STUDY_FILE
     wanted = {k: getattr(args, k) for k in IDENTITY}
-    arms, seeds = set(args.arms), set(args.seeds)
+    arms, seeds, commands = set(args.arms), set(args.seeds), []
     if path.exists():
         saved = json.loads(path.read_text(encoding="utf-8"))
         diff = [f"--{k.replace('_', '-')} {saved['identity'].get(k)!r} (now {v!r})" for k, v in wanted.items()
                 if saved["identity"].get(k) != v]
-        if diff:
+        trained = any(any((out / "runs").glob(f"*/{name}")) for name in (SUMMARY_FILE, RESUME_FILE))
+        if diff and trained:
             raise UserError(f"{out} holds a study run with {', '.join(diff)}; repeat those flags or use a new --output")
-        arms |= set(saved.get("arms", ()))
-        seeds |= set(saved.get("seeds", ()))
-        commands = saved.get("commands", [saved["command"]] if "command" in saved else [])
-    else:
-        commands = []
+        if diff:
+            print(f"= {out}: no run trained with {', '.join(diff)}; the new settings replace them", flush=True)
+        else:
+            arms |= set(saved.get("arms", ()))
+            seeds |= set(saved.get("seeds", ()))
+            commands = saved.get("commands", [saved["command"]] if "command" in saved else [])
     commands += [] if args.command in commands else [args.command]
     write_json(path, {"identity": wanted, "arms": [a for a in ARMS if a in arms], "seeds": sorted(seeds),
                       "commands": commands})

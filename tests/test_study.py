@@ -328,6 +328,24 @@ def test_bad_values_are_refused_before_anything_is_recorded(tmp_path, flags, mes
     assert not out.exists()
 
 
+def test_recorded_settings_are_replaced_until_a_run_has_trained(tmp_path):
+    """A first command with a typo (a Hub id that does not exist) records it; the corrected command replaces it
+    while no run has saved an epoch, then other settings are refused."""
+    out = tmp_path / "study"
+    base = ["--epochs", "2", "--output", str(out), "--report-only"]
+    for dataset in ("cifar10-sampel", "cifar10-sample"):
+        with pytest.raises(UserError, match=r"no seed of .* is finished"):
+            study.main(["--dataset", dataset, *base])
+    saved = json.loads((out / "study.json").read_text())
+    assert saved["identity"]["dataset"] == "cifar10-sample" and saved["identity"]["epochs"] == 2
+    assert saved["commands"] == [f"python scripts/study.py --dataset cifar10-sample {' '.join(base)}"]
+    (out / "runs" / "cls-s0").mkdir(parents=True)
+    (out / "runs" / "cls-s0" / "resume.safetensors").write_bytes(b"")  # one epoch saved
+    with pytest.raises(UserError, match=r"holds a study run with --epochs 2 \(now 3\); repeat those flags"):
+        study.main(["--dataset", "cifar10-sample", "--epochs", "3", *base[2:]])
+    assert json.loads((out / "study.json").read_text())["identity"]["epochs"] == 2
+
+
 def test_each_arm_is_compared_with_cls_gap_and_rollout():
     """Four arms, three seeds: every arm against cls, the others against gap and rollout too, each pair once."""
     def result(arm, seed, top1):
