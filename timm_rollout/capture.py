@@ -86,7 +86,7 @@ class _Sink(dict):
 
     def __init__(self) -> None:
         super().__init__()
-        self.thread = threading.get_ident()
+        self.thread = None if torch.compiler.is_compiling() else threading.get_ident()  # None: any thread
 
 
 def _record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -95,7 +95,7 @@ def _record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
     # torch.compile cannot trace the thread check (a graph break per block): a compiled model runs one pass at a time
     thread = None if torch.compiler.is_compiling() else threading.get_ident()
     for sink in tuple(module.__dict__.get(SINKS, ())):  # a snapshot: other threads open and close theirs
-        if thread is None or sink.thread == thread:
+        if thread is None or sink.thread in (None, thread):
             sink[module] = args[0]
 
 
