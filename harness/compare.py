@@ -42,6 +42,7 @@ __all__ = [
     "ci_half_widths",
     "compare_groups",
     "correct_per_image",
+    "evaluated_images",
     "load_results",
     "main",
     "render_comparison",
@@ -65,6 +66,7 @@ class Group:
     label: str
     runs: list[str] = field(default_factory=list)
     seeds: list[int | None] = field(default_factory=list)
+    images: list[tuple | None] = field(default_factory=list)  # (evaluated subset, bank) fingerprints per run
     values: dict[str, list[float | None]] = field(default_factory=dict)
     mean: dict[str, float | None] = field(default_factory=dict)
     std: dict[str, float | None] = field(default_factory=dict)
@@ -168,6 +170,14 @@ def run_seed(result: dict[str, Any]) -> int | None:
     return result.get("config", {}).get("seed")
 
 
+def evaluated_images(result: dict[str, Any]) -> tuple | None:
+    """Fingerprints of the images an evaluation scored and of its k-NN bank (None for records without them)."""
+    data = result.get("data") or {}
+    if "subset_fingerprint" not in data:
+        return None
+    return data["subset_fingerprint"], (data.get("bank") or {}).get("fingerprint")
+
+
 def summarise(results: Sequence[dict[str, Any]], metrics: Sequence[str] = METRICS,
               label: Callable[[dict[str, Any]], str] = run_label) -> list[Group]:
     """Group runs by ``label`` (default :func:`run_label`; in first-seen order); per-run values, mean and
@@ -177,6 +187,7 @@ def summarise(results: Sequence[dict[str, Any]], metrics: Sequence[str] = METRIC
         group = groups.setdefault(label(result), Group(label(result)))
         group.runs.append(str(result.get("path", "?")))
         group.seeds.append(run_seed(result))
+        group.images.append(evaluated_images(result))
         for metric in metrics:
             value = result["metrics"].get(metric)
             group.values.setdefault(metric, []).append(None if value is None else float(value))
@@ -234,6 +245,12 @@ def compare_groups(base: Group, other: Group, metrics: Sequence[str] = METRICS,
     """Each metric of ``other`` against ``base``, paired by seed; Holm over the secondary metrics' p-values."""
     base_at, other_at = _by_seed(base), _by_seed(other)
     seeds = sorted(base_at.keys() & other_at.keys())
+    for s in seeds:  # a paired difference compares two runs on the same images, or it compares the images
+        a, b = base.images[base_at[s]] if base.images else None, other.images[other_at[s]] if other.images else None
+        if a is not None and b is not None and a != b:
+            raise UserError(f"seed {s} of {base.label} and of {other.label} was evaluated on different images or "
+                            f"k-NN banks ({base.runs[base_at[s]]}, {other.runs[other_at[s]]}); evaluate both with "
+                            "the same --split, --classes, --per-class, --bank-split, --bank-per-class and --seed")
     rows = []
     for metric in metrics:
         x, y = base.values.get(metric, [None] * base.n), other.values.get(metric, [None] * other.n)

@@ -157,3 +157,19 @@ def test_compare_finds_the_training_seed_and_refuses_ambiguous_pairs(tmp_path):
     base, other = compare.summarise(twice, ["top1"])
     with pytest.raises(UserError, match="two runs with seed 0"):
         compare.compare_groups(base, other, ["top1"])
+
+
+def test_compare_refuses_seeds_evaluated_on_different_images(tmp_path):
+    """A paired difference between two evaluations of different test subsets (or banks) compares the images."""
+    found = []
+    for i, (model, subset, bank) in enumerate((("a", "s1", "b1"), ("b", "s1", "b1"), ("c", "s2", "b1"),
+                                               ("d", "s1", "b2"))):
+        (tmp_path / str(i)).mkdir()
+        result = _result(tmp_path / str(i), model, 0, 0.5, 0.5, [1])
+        result["data"].update(subset_fingerprint=subset, bank={"fingerprint": bank})
+        found.append(result)
+    a, b, c, d = compare.summarise(found, ["top1"])
+    assert compare.compare_groups(a, b, ["top1"])[0].seeds == [0]
+    for other in (c, d):
+        with pytest.raises(UserError, match=r"seed 0 of .* was evaluated on different images"):
+            compare.compare_groups(a, other, ["top1"])
