@@ -364,8 +364,6 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if bank is not None:
         with clock.stage("linear_probe"):
             predicted["linear_probe"] = metrics.linear_probe_predictions(bank_feats, bank.labels, feats)
-    write_predictions(out, _predictions_record(predicted, labels, sel.index))
-
     figures, faithfulness = _figures(model, info, data, (cos, cos_names), args, device, amp_dtype, clock)
     if args.save_features:
         with clock.stage("save_features"), atomic_path(out / FEATURES_FILE) as tmp:
@@ -386,7 +384,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                     "predictions": PREDICTIONS_FILE},
         "timing": {**clock.seconds, "total": round(time.perf_counter() - start, 3)},
     }
-    write_json(out / RESULTS_FILE, results)
+    write_predictions(out, _predictions_record(predicted, labels, sel.index))  # last, beside its results.json:
+    write_json(out / RESULTS_FILE, results)  # an interrupted re-evaluation leaves the pair it had intact
     return results
 
 

@@ -64,6 +64,20 @@ def runs(checkpoint, tmp_path_factory) -> list[Path]:
     return outputs
 
 
+def test_an_interrupted_re_evaluation_leaves_the_finished_pair_intact(runs, checkpoint, monkeypatch):
+    """Predictions and results.json are written last, together: a re-evaluation (another seed, so other images)
+    that fails on its way leaves the earlier evaluation's two files as they were."""
+    before = {name: (runs[1] / name).read_bytes() for name in ("predictions.json.gz", "results.json")}
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(harness_eval, "_figures", fail)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        harness_eval.main(_args(checkpoint, runs[1], "--per-class", "10", "--seed", "4", "--device", "cpu"))
+    assert {name: (runs[1] / name).read_bytes() for name in before} == before
+
+
 def test_results_json_has_metrics_and_provenance(runs, checkpoint):
     results = json.loads((runs[0] / "results.json").read_text())
     assert set(results["metrics"]) == {"top1", "top5", "linear_probe", "knn_loo", "knn_bank", "intra", "inter", "ratio",
