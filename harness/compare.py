@@ -300,8 +300,8 @@ def render_comparison(rows: Sequence[MetricComparison], primary: str = PRIMARY) 
 
 STATISTICS_NOTE = (
     "Δ = other - base, paired by training seed: mean over paired seeds with a 95% t-interval and a two-sided "
-    "p-value (one-sample t on the per-seed differences); MDE = (t(0.975, n-1) + t(0.8, n-1)) sd(Δ) / sqrt(n), "
-    "the smallest true Δ that n seeds detect with power 0.8 at level 0.05 (none with one seed). The primary "
+    "p-value (one-sample t on the per-seed differences); MDE: the smallest true Δ that n seeds detect with power "
+    "0.8 at level 0.05, from the noncentral t distribution with the observed sd(Δ) (none with one seed). The primary "
     f"metric is {PRIMARY}; the p-values of all other metrics are Holm-adjusted together (and so are their "
     "per-image p-values). Per image: McNemar's mid-p test on the images each model alone got right, pooled over "
     "the paired seeds (each seed-image pair counts once); it measures test-image noise for these trained models, "
