@@ -25,6 +25,7 @@ from harness.faithfulness import faithfulness_curves
 from harness.features import extract, saliency_maps
 from timm_rollout.data import load_image_set, normalize
 from timm_rollout.device import inference_batch_size, resolve_amp, resolve_device
+from timm_rollout.errors import CliParser, positive_int, run_cli
 
 CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -64,12 +65,12 @@ def bench_model(name: str, images: torch.Tensor, args: argparse.Namespace, devic
           f"mean fill alone {min(times['maps (fwd+bwd)']) + min(times['mean']):.1f} s")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--images", type=int, default=1000)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--batch-size", type=int, help="default: inference_batch_size of the device")
-    args = p.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    p = CliParser(prog="python scripts/bench_faithfulness.py", description=__doc__.splitlines()[0])
+    p.add_argument("--images", type=positive_int, default=1000)
+    p.add_argument("--rounds", type=positive_int, default=2)
+    p.add_argument("--batch-size", type=positive_int, help="default: inference_batch_size of the device")
+    args = p.parse_args(argv)
     source = str(CIFAR10) if CIFAR10.is_dir() else "cifar10-sample"
     images = load_image_set(source, "test").images[: args.images]
     device = resolve_device("auto")
@@ -82,4 +83,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

@@ -10,7 +10,6 @@ random clustered features, faiss (``harness.metrics``) against scikit-learn's br
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import timm_rollout  # noqa: F401  (registers the models)
 from harness import metrics
 from harness.features import extract
 from timm_rollout.device import resolve_amp, resolve_device
+from timm_rollout.errors import CliParser, positive_int, run_cli
 
 CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -121,17 +121,17 @@ def bench_metrics(queries: int, bank: int, dim: int) -> None:
     print(f"    centroid metrics {t_centroid:.2f} s, silhouette {t_sil:.2f} s")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--images", type=int, default=2048)
-    p.add_argument("--batch-size", type=int, default=512)
-    p.add_argument("--queries", type=int, default=10_000)
-    p.add_argument("--bank", type=int, default=50_000)
-    p.add_argument("--dim", type=int, default=128)
-    args = p.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    p = CliParser(prog="python scripts/bench_harness.py", description=__doc__.split("\n")[0])
+    p.add_argument("--images", type=positive_int, default=2048)
+    p.add_argument("--batch-size", type=positive_int, default=512)
+    p.add_argument("--queries", type=positive_int, default=10_000)
+    p.add_argument("--bank", type=positive_int, default=50_000)
+    p.add_argument("--dim", type=positive_int, default=128)
+    args = p.parse_args(argv)
     bench_extraction(args.images, args.batch_size)
     bench_metrics(args.queries, args.bank, args.dim)
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

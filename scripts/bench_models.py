@@ -12,7 +12,6 @@ and its ratio to the largest batch: what ``timm_rollout.device.inference_batch_s
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 import timm_rollout  # noqa: F401  (registers the models)
 from timm_rollout.capture import set_fused_attention
 from timm_rollout.device import autocast, cpu_supports_bf16, device_arg, resolve_amp
+from timm_rollout.errors import CliParser, positive_int, run_cli
 
 NAMES = ("vit_tiny_cifar_cls", "vit_tiny_cifar_rollout")
 
@@ -97,13 +97,13 @@ def batch_sweep(batches: list[int], rounds: int, device: torch.device) -> None:
         print(f"{b:<8}" + "".join(f"{v:>30.0f}{v / ref:>14.2f}" for v, ref in cells))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per model and setting")
+def main(argv: list[str] | None = None) -> None:
+    p = CliParser(prog="python scripts/bench_models.py", description=__doc__.splitlines()[0])
+    p.add_argument("--batch-size", type=positive_int, default=128)
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps per model and setting")
     p.add_argument("--device", default="cpu", type=device_arg)
-    p.add_argument("--infer-batches", type=int, nargs="+", help="time inference at these batch sizes instead")
-    args = p.parse_args()
+    p.add_argument("--infer-batches", type=positive_int, nargs="+", help="time inference at these batch sizes instead")
+    args = p.parse_args(argv)
     device = torch.device(args.device)
     if args.infer_batches:
         print(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}")
@@ -124,4 +124,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)

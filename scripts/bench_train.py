@@ -71,7 +71,7 @@ from timm_rollout.atomic import write_json
 from timm_rollout.capture import set_fused_attention
 from timm_rollout.data import load_image_set, normalization_stats, resolve_dataset
 from timm_rollout.device import cpu_supports_bf16, device_arg, device_name, resolve_amp, resolve_device
-from timm_rollout.errors import UserError, run_cli
+from timm_rollout.errors import CliParser, UserError, non_negative_int, positive_int, run_cli
 from timm_rollout.models import _TINY_CIFAR
 from timm_rollout.packed import Stack
 from timm_rollout.progress import progress
@@ -305,24 +305,37 @@ def machine_record(device: torch.device) -> dict[str, object]:
     return record if device.type == "cuda" else {**record, "cpu_native_bf16": cpu_supports_bf16()}
 
 
+def _check_args(args: argparse.Namespace, given: frozenset[str]) -> None:
+    """Flags that only mean something with another are refused alone (never silently unused); ``given``: the
+    flags typed (:class:`CliParser`)."""
+    if args.ranks == 1 or args.pack == 1:
+        raise UserError("--ranks and --pack compare N >= 2 processes or seeds with one; pass 2 or more (0: off)")
+    if "repeats" in given and not args.ranks:
+        raise UserError("--repeats counts the alternated runs of --ranks; add --ranks N or drop it")
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = CliParser(prog="python scripts/bench_train.py", description=__doc__.split("\n\n")[0])
+    p.checks.append(lambda args: _check_args(args, p.given))
     p.add_argument("--dataset", default=str(SHARED) if SHARED.exists() else "cifar10-sample")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of each variant per round)")
-    p.add_argument("--bf16-steps", type=int, default=0, help="also time (b) and (c) in bf16 for this many rounds")
-    p.add_argument("--loader-workers", type=int, default=2, help="DataLoader workers for (c)")
+    p.add_argument("--batch-size", type=positive_int, default=128)
+    p.add_argument("--steps", type=positive_int, default=20, help="timed rounds (one step of each variant per round)")
+    p.add_argument("--bf16-steps", type=non_negative_int, default=0,
+                   help="also time (b) and (c) in bf16 for this many rounds")
+    p.add_argument("--loader-workers", type=non_negative_int, default=2, help="DataLoader workers for (c)")
     p.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
-    p.add_argument("--ranks", type=int, default=0, help="also compare the train CLI in 1 vs N processes (CPU)")
-    p.add_argument("--repeats", type=int, default=3, help="alternated CLI runs per variant with --ranks")
-    p.add_argument("--concurrent", type=int, nargs="+", default=[],
+    p.add_argument("--ranks", type=non_negative_int, default=0,
+                   help="also compare the train CLI in 1 vs N processes (CPU)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="alternated CLI runs per variant with --ranks")
+    p.add_argument("--concurrent", type=positive_int, nargs="+", default=[],
                    help="also time N train CLI runs sharing the device, for each N given (e.g. 1 4 8)")
-    p.add_argument("--pack", type=int, default=0, help="also time N seeds in one train process vs N processes")
+    p.add_argument("--pack", type=non_negative_int, default=0,
+                   help="also time N seeds in one train process vs N processes")
     p.add_argument("--json", type=Path, help="write every figure of this run, with the machine's name, to this file")
     args = p.parse_args(argv)
-    if args.pack < 0:
-        raise UserError(f"--pack is a count of seeds (0: off), got {args.pack}")
     device = resolve_device(args.device)
+    if args.ranks and device.type != "cpu":
+        raise UserError("--ranks compares CPU processes; drop it or pass --device cpu")
     dtype = resolve_amp("auto", device)
     precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     b = args.batch_size
@@ -361,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'(b) bare step, FastDropout (bf16)':<64} {rb['b']:8.1f} img/s")
         print(f"{'(c) stock timm + PIL DataLoader (bf16)':<64} {rb['c']:8.1f} img/s")
         print(f"bf16: (b)/(c) = {rb['b'] / rb['c']:.2f}; (a, {precision}) / (c, bf16) = {r['a'] / rb['c']:.2f}")
-    if args.ranks > 1 and device.type == "cpu":
+    if args.ranks:
         compare_ranks(args.dataset, b, args.steps * 3, args.ranks, args.repeats)
     if args.concurrent:
         compare_concurrent(args.dataset, b, args.steps * 3, args.concurrent, device)

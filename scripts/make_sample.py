@@ -9,14 +9,13 @@ features, as parquet files ``load_dataset`` reads::
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import datasets
 
 from timm_rollout.atomic import atomic_path, write_text
 from timm_rollout.data import SAMPLE_DIR, balanced_indices
-from timm_rollout.errors import run_cli
+from timm_rollout.errors import CliParser, existing_path, output_dir, positive_int, run_cli, seed_arg
 
 README = """---
 pretty_name: CIFAR-10 sample (timm-rollout)
@@ -37,27 +36,28 @@ drawn with seed {seed} from {source} by `scripts/make_sample.py`; columns `img` 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--source", default="../shared/data/cifar10", help="CIFAR-10 in Hub layout")
-    parser.add_argument("--output", type=Path, default=SAMPLE_DIR)
-    parser.add_argument("--train-per-class", type=int, default=200)
-    parser.add_argument("--test-per-class", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = CliParser(prog="python scripts/make_sample.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", type=existing_path, default="../shared/data/cifar10", help="CIFAR-10 in Hub layout")
+    parser.add_argument("--output", type=output_dir, default=str(SAMPLE_DIR))
+    parser.add_argument("--train-per-class", type=positive_int, default=200)
+    parser.add_argument("--test-per-class", type=positive_int, default=100)
+    parser.add_argument("--seed", type=seed_arg, default=0)
     args = parser.parse_args(argv)
+    out = Path(args.output)
 
     splits = datasets.load_dataset(args.source)
     counts = {"train": args.train_per_class, "test": args.test_per_class}
     for split, per_class in counts.items():
         ds = splits[split]
         idx = balanced_indices(ds.with_format("numpy")["label"], per_class=per_class, seed=args.seed)
-        with atomic_path(args.output / f"{split}.parquet") as tmp:
+        with atomic_path(out / f"{split}.parquet") as tmp:
             ds.select(idx.tolist()).to_parquet(str(tmp))
-    write_text(args.output / "README.md", README.format(
+    write_text(out / "README.md", README.format(
         train=10 * counts["train"], test=10 * counts["test"], train_pc=counts["train"], test_pc=counts["test"],
         seed=args.seed, source=args.source,
     ))
-    size = sum(f.stat().st_size for f in args.output.iterdir())
-    print(f"wrote {args.output} ({size / 1e6:.2f} MB)")
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"wrote {out} ({size / 1e6:.2f} MB)")
 
 
 if __name__ == "__main__":

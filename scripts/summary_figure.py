@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 
 from harness.compare import Group, compare_groups, load_results, summarise
 from harness.figures import save_figure
-from timm_rollout.errors import UserError, existing_path, run_cli
+from timm_rollout.errors import CliParser, UserError, existing_path, run_cli
 from timm_rollout.records import LOG_FILE, RESULTS_FILE
 from timm_rollout.train_log import read_log
 
@@ -110,8 +110,8 @@ def _pair(text: str) -> tuple[str, str]:
     return base, other
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python scripts/summary_figure.py", description=__doc__.split("\n")[0])
+def build_parser() -> CliParser:
+    p = CliParser(prog="python scripts/summary_figure.py", description=__doc__.split("\n")[0])
     p.add_argument("--curves", type=existing_path, required=True, help="study folder whose training curves to draw")
     p.add_argument("--studies", type=existing_path, nargs="+", required=True,
                    help="study folders whose paired differences to draw (the last in black)")

@@ -1,10 +1,10 @@
 """Strict CLIs: every bad value is one line ``error: ...`` naming the fix, exit code 2, no traceback.
 
-Each case is its own process running the real command exactly as ``python -m`` does (``runpy.run_module`` as
-``__main__``, with ``sys.argv`` set); the processes are forked from one interpreter that has already imported
-torch, timm and friends, so the cases cost one library import (5-10 s on a busy 2-core machine) instead of one
-each. Every case fails before any data or model is loaded (two load the 3,000-image sample, for its splits and
-its class names).
+Each case is its own process running the real command exactly as ``python -m`` or ``python scripts/x.py`` does
+(``runpy`` as ``__main__``, with ``sys.argv`` set); the processes are forked from one interpreter that has
+already imported torch, timm and friends, so the cases cost one library import (5-10 s on a busy 2-core machine)
+instead of one each. Every case fails before any data or model is loaded (two load the 3,000-image sample, for
+its splits and its class names).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ EVAL = ["harness.eval", "--model", "vit_tiny_cifar_cls", "--dataset", "cifar10-s
 EXPLAIN = ["harness.explain", "--model", "vit_tiny_cifar_cls", "--output", "{out}", "--device", "cpu"]
 COMPARE = ["harness.compare", "{run}", "--output", "{out}"]
 SWEEP = ["harness.sweep", "{run}", "--param", "lr", "--output", "{out}"]
+SUMMARY = ["scripts/summary_figure.py", "--curves", "{run}", "--studies", "{run}", "--output", "{out}/s.png"]
 
 # (command, extra flags, text the one-line message must contain); later flags override the base command's.
 CASES = [
@@ -73,6 +74,11 @@ CASES = [
     (EXPLAIN, ["--image", "{missing}"], "does not exist; check the path"),
     (EXPLAIN, ["--dataset", "cifar10-sample", "--target-class", "-1"], "argument --target-class: must be an integer"),
     (EXPLAIN, ["--dataset", "cifar10-sample", "--image", "{file}"], "not allowed with argument"),
+    (SUMMARY, ["--pairs", "cls:gap", "gap"], "argument --pairs: 'gap': give a pair as BASE:OTHER"),
+    (["scripts/make_sample.py", "--output", "{out}"], ["--train-per-class", "0"], "must be an integer >= 1, got 0"),
+    (["scripts/bench_train.py"], ["--repeats", "2"], "--repeats counts the alternated runs of --ranks; add --ranks"),
+    (["scripts/bench_train.py"], ["--pack", "1"], "compare N >= 2 processes or seeds with one; pass 2 or more"),
+    (["scripts/bench_models.py"], ["--steps", "0"], "argument --steps: must be an integer >= 1, got 0"),
 ]
 
 
@@ -107,7 +113,10 @@ def start(argv, err_path):
     code = 0
     try:
         sys.argv = list(argv)
-        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        if argv[0].endswith(".py"):  # a script of scripts/, as `python scripts/x.py` runs it
+            runpy.run_path(argv[0], run_name="__main__")
+        else:
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
     except BaseException:
