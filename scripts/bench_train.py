@@ -314,7 +314,8 @@ def _check_args(args: argparse.Namespace, given: frozenset[str]) -> None:
         raise UserError("--repeats counts the alternated runs of --ranks; add --ranks N or drop it")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> CliParser:
+    """The benchmark's flags; each optional comparison is off unless asked for."""
     p = CliParser(prog="python scripts/bench_train.py", description=__doc__.split("\n\n")[0])
     p.checks.append(lambda args: _check_args(args, p.given))
     p.add_argument("--dataset", default=str(SHARED) if SHARED.exists() else "cifar10-sample")
@@ -332,15 +333,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pack", type=non_negative_int, default=0,
                    help="also time N seeds in one train process vs N processes")
     p.add_argument("--json", type=Path, help="write every figure of this run, with the machine's name, to this file")
-    args = p.parse_args(argv)
-    device = resolve_device(args.device)
-    if args.ranks and device.type != "cpu":
-        raise UserError("--ranks compares CPU processes; drop it or pass --device cpu")
-    dtype = resolve_amp("auto", device)
-    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    return p
+
+
+def single_runs(args: argparse.Namespace, dtype: torch.dtype, precision: str,
+                device: torch.device) -> tuple[dict, dict]:
+    """Race the one-run variants (and the stacked step with --pack) side by side; print rates and ratios."""
     b = args.batch_size
-    print(f"{device_name(device)}, torch {torch.__version__}, batch {b}, median of {args.steps} rounds, "
-          f"--amp auto = {precision}")
     labels = {
         "a": f"(a) full loop: data + augmentation + step ({precision})",
         "a0": f"(a0) the same full loop without dropout ({precision})",
@@ -367,6 +366,21 @@ def main(argv: list[str] | None = None) -> None:
     print(f"ratios ({precision}): (a)/(b) = {r['a'] / r['b']:.2f}, (a)/(c) = {r['a'] / r['c']:.2f}, "
           f"(b)/(b0) = {r['b'] / r['b0']:.2f}, (a0)/(c) = {r['a0'] / r['c']:.2f}, "
           f"(e)/(f) = {r['e'] / r['f']:.2f}" + (f", (s)/(b) = {r['s'] / r['b']:.2f}" if "s" in r else ""))
+    return r, labels
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
+    args = p.parse_args(argv)
+    device = resolve_device(args.device)
+    if args.ranks and device.type != "cpu":
+        raise UserError("--ranks compares CPU processes; drop it or pass --device cpu")
+    dtype = resolve_amp("auto", device)
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    b = args.batch_size
+    print(f"{device_name(device)}, torch {torch.__version__}, batch {b}, median of {args.steps} rounds, "
+          f"--amp auto = {precision}")
+    r, labels = single_runs(args, dtype, precision, device)
     if args.bf16_steps:
         n = args.bf16_steps
         rb = race({"b": bare(ours(), b, torch.bfloat16, device),
@@ -385,7 +399,6 @@ def main(argv: list[str] | None = None) -> None:
             "img_per_s": {labels[k]: v for k, v in r.items()},
             "ratio_vs_stock_timm_b128": r["a"] / r["c"] if b == 128 else None,
             "packed_total_img_per_s": packed.get("packed_total_img_per_s"), **packed})
-
 
 if __name__ == "__main__":
     run_cli(main)
