@@ -24,7 +24,7 @@ from timm.data import create_transform, resolve_data_config
 from timm.utils import ParseKwargs
 
 from harness.figures import UNIFORM_SCALE_LABEL, relative_to_uniform, shared_range
-from timm_rollout.atomic import atomic_path
+from timm_rollout.atomic import save_figure
 from timm_rollout.data import dataset_arg
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import (
@@ -158,9 +158,7 @@ def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: 
         ax.axis("off")
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))  # keep the suptitle clear of the panels
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
-    return Path(path)
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

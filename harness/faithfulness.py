@@ -47,7 +47,7 @@ from scipy import stats
 from torch import nn
 
 from harness.features import saliency_maps
-from harness.figures import save_figure
+from timm_rollout.atomic import save_figure
 from timm_rollout.capture import fused_attention, record_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast, inference_batch_size

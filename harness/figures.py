@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import math
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -12,36 +11,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
-from PIL import Image
 
-from timm_rollout.atomic import atomic_path
+from timm_rollout.atomic import save_figure
 
 __all__ = ["UNIFORM_SCALE_LABEL", "plot_comparison", "plot_cosine_matrix", "plot_heatmaps", "plot_pooling_diagnostics",
-           "relative_to_uniform", "save_figure", "shared_range", "upsample_patch_map"]
+           "relative_to_uniform", "shared_range", "upsample_patch_map"]
 
 # Colour-bar label of maps drawn on the scale of relative_to_uniform.
 UNIFORM_SCALE_LABEL = "weight x number of patches (1 = uniform)"
-
-
-FIGURE_DPI = 100
-PALETTE_COLORS = 256
-
-
-def save_figure(fig: Figure, path: str | Path) -> Path:
-    """Render with matplotlib's Agg canvas (no pyplot state, no display needed) and write a palette PNG atomically.
-
-    The render is reduced to 256 colours with Pillow's max-coverage quantiser, which keeps rare colours such as a
-    map's bright peak (on an evaluation's heatmap grid no channel moves by more than 20/255): a quarter of the bytes
-    of the RGBA render, so the figures of a study stay light in git.
-    """
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=FIGURE_DPI, bbox_inches="tight", format="png")
-    buf.seek(0)
-    with Image.open(buf) as rendered:
-        image = rendered.convert("RGB").quantize(PALETTE_COLORS, method=Image.Quantize.MAXCOVERAGE)
-    with atomic_path(path) as tmp:
-        image.save(tmp, format="png", optimize=True, dpi=(FIGURE_DPI, FIGURE_DPI))
-    return Path(path)
 
 
 def plot_cosine_matrix(matrix: np.ndarray, class_names: Sequence[str], path: str | Path, title: str) -> Path:

@@ -37,8 +37,7 @@ from harness.compare import (
     run_label,
     summarise,
 )
-from harness.figures import save_figure
-from timm_rollout.atomic import write_text
+from timm_rollout.atomic import save_figure, write_text
 from timm_rollout.errors import CliParser, UserError, existing_path, output_dir, run_cli
 from timm_rollout.records import ARGS_FILE, REPORT_FILE
 

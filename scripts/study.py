@@ -53,13 +53,9 @@ from harness.compare import (
 from harness.diagnose import has_diagnostics
 from harness.eval import set_pool
 from harness.features import saliency_maps
-from harness.figures import (
-    plot_heatmaps,
-    plot_pooling_diagnostics,
-    save_figure,
-)
+from harness.figures import plot_heatmaps, plot_pooling_diagnostics
 from harness.metrics import POOLING_DIAGNOSTICS
-from timm_rollout.atomic import write_json, write_text
+from timm_rollout.atomic import save_figure, write_json, write_text
 from timm_rollout.data import dataset_arg, load_image_set, normalize
 from timm_rollout.device import device_arg
 from timm_rollout.errors import (

@@ -20,7 +20,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from harness.compare import Group, compare_groups, load_results, summarise
-from harness.figures import save_figure
+from timm_rollout.atomic import save_figure
 from timm_rollout.errors import CliParser, UserError, existing_path, run_cli
 from timm_rollout.records import LOG_FILE, RESULTS_FILE
 from timm_rollout.train_log import read_log

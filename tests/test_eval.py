@@ -20,9 +20,10 @@ from timm.models import save_for_hf
 from harness import compare, metrics
 from harness import eval as harness_eval
 from harness.features import saliency_maps
-from harness.figures import FIGURE_DPI, save_figure, upsample_patch_map
+from harness.figures import upsample_patch_map
 from harness.predictions import read_predictions, write_predictions
 from timm_rollout import attention_rollout, patch_weights, rollout_cls_row
+from timm_rollout.atomic import FIGURE_DPI, save_figure
 from timm_rollout.data import balanced_indices, load_image_set, normalize
 from timm_rollout.errors import UserError
 from timm_rollout.loading import load_model

@@ -6,10 +6,9 @@ import csv
 import io
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from .atomic import atomic_path, write_text
+from .atomic import save_figure, write_text
 
 __all__ = ["LOG_COLUMNS", "OPTIONAL_COLUMNS", "plot_curves", "read_log", "write_log"]
 
@@ -39,13 +38,11 @@ def read_log(path: str | os.PathLike) -> list[dict[str, float]]:
 
 def plot_curves(path: str | os.PathLike, rows: Sequence[dict[str, Any]], title: str) -> None:
     """Two panels per epoch: train and eval loss; eval top-1 and top-5 accuracy (%)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     epochs = [r["epoch"] for r in rows]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    ax_loss, ax_acc = fig.subplots(1, 2)
     ax_loss.plot(epochs, [r["train_loss"] for r in rows], marker=".", label="train")
     ax_loss.plot(epochs, [r["eval_loss"] for r in rows], marker=".", label="eval")
     ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="Loss")
@@ -58,6 +55,4 @@ def plot_curves(path: str | os.PathLike, rows: Sequence[dict[str, Any]], title: 
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    with atomic_path(Path(path)) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
