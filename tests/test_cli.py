@@ -38,6 +38,7 @@ CASES = [
     (TRAIN, ["--lr", "fast"], "argument --lr: expected a number > 0, got 'fast'"),
     (TRAIN, ["--dataset", "{notdata}"], "is not a data set folder: it must hold a datasets save_to_disk folder"),
     (TRAIN, ["--workers", "0"], "argument --workers: must be an integer >= 1, got 0"),
+    (TRAIN, ["--save-every", "0"], "argument --save-every: must be an integer >= 1, got 0"),
     (TRAIN, ["--warmup-epochs", "-1"], "argument --warmup-epochs: must be a number >= 0, got -1"),
     (TRAIN, ["--smoothing", "1"], "argument --smoothing: must be a number in [0, 1), got 1"),
     (TRAIN, ["--mixup", "-0.2"], "argument --mixup: must be a number >= 0, got -0.2"),

@@ -103,7 +103,15 @@ def build_parser() -> CliParser:
     """The CLI; names follow timm's ``train.py`` where it has them. Bad values are one-line errors at parse time."""
     p = CliParser(prog="python -m timm_rollout.train", description=__doc__.split("\n\n")[0],
                   checks=[_check_model_args])
-    g = p.add_argument_group("data")
+    _data_args(p.add_argument_group("data"))
+    _model_args(p.add_argument_group("model"))
+    _optimisation_args(p.add_argument_group("optimisation"))
+    _run_args(p.add_argument_group("run"))
+    return p
+
+
+def _data_args(g: argparse._ArgumentGroup) -> None:
+    """Data set, subsets and augmentation."""
     g.add_argument("--dataset", type=as_type(dataset_arg),
                    help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or local folder")
     g.add_argument("--train-split", default="train")
@@ -119,7 +127,10 @@ def build_parser() -> CliParser:
     g.add_argument("--mixup", type=non_negative, default=0.0, help="mixup alpha (timm Mixup), 0 = off")
     g.add_argument("--cutmix", type=non_negative, default=0.0, help="cutmix alpha (timm Mixup), 0 = off")
     g.add_argument("--smoothing", type=fraction, default=0.0, help="label smoothing, in [0, 1)")
-    g = p.add_argument_group("model")
+
+
+def _model_args(g: argparse._ArgumentGroup) -> None:
+    """The timm model, its pooling, starting weights and EMA."""
     g.add_argument("--model", default="vit_tiny_cifar_rollout", help="any timm model name")
     g.add_argument("--num-classes", type=positive_int, default=None, help="default: the data set's class count")
     g.add_argument("--drop-path", type=fraction, default=None, help="stochastic depth rate (model default if unset)")
@@ -134,7 +145,10 @@ def build_parser() -> CliParser:
                         "new when the class count differs, the data are normalised with the model's mean/std")
     g.add_argument("--model-ema", action="store_true", help="keep a timm ModelEmaV3; evaluate and export it")
     g.add_argument("--model-ema-decay", type=number(float, 0, 1, low_open=True, high_open=True), default=0.9998)
-    g = p.add_argument_group("optimisation")
+
+
+def _optimisation_args(g: argparse._ArgumentGroup) -> None:
+    """Optimizer and schedule (timm factories)."""
     g.add_argument("--epochs", type=positive_int, default=200)
     g.add_argument("--batch-size", type=positive_int, default=128, help="per process")
     g.add_argument("--opt", default="adamw", type=as_type(_optimizer_arg), help="any timm optimizer name")
@@ -146,7 +160,10 @@ def build_parser() -> CliParser:
     g.add_argument("--warmup-epochs", type=non_negative, default=5, help="linear warmup, clipped to the run length")
     g.add_argument("--warmup-lr", type=non_negative, default=1e-5)
     g.add_argument("--min-lr", type=non_negative, default=5e-6)
-    g = p.add_argument_group("run")
+
+
+def _run_args(g: argparse._ArgumentGroup) -> None:
+    """Output, seeds, device, precision and resume."""
     g.add_argument("--output", required=True, type=output_dir, help="output folder")
     g.add_argument("--seed", type=seed_arg, nargs="+", default=[0],
                    help="one seed, or several: their runs train one after another in this process (or together "
@@ -161,7 +178,7 @@ def build_parser() -> CliParser:
     g.add_argument("--workers", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is far faster on a busy machine)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g.add_argument("--save-every", type=int, default=1,
+    g.add_argument("--save-every", type=positive_int, default=1,
                    help="epochs between checkpoint, export, log and plot writes (the last epoch is always saved)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model for training and evaluation (with --stack: the stacked pass)")
@@ -170,7 +187,6 @@ def build_parser() -> CliParser:
                       help="continue the run in --output; a larger --epochs trains a finished run further, on a "
                            "schedule rebuilt for the new total")
     mode.add_argument("--overwrite", action="store_true", help="replace a run already in --output")
-    return p
 
 
 def _optimizer_arg(name: str) -> str:
@@ -484,8 +500,6 @@ def _open(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, lo
         torch.set_num_threads(args.workers)
     if (args.mixup > 0 or args.cutmix > 0) and args.batch_size % 2:
         raise UserError(f"mixup/cutmix need an even --batch-size, got {args.batch_size}")
-    if args.save_every < 1:
-        raise UserError(f"--save-every must be at least 1 (epochs between checkpoints), got {args.save_every}")
 
     data = _prepare_data(args, d, loaded)
     t = _build(args, data, d)
