@@ -125,11 +125,13 @@ def test_compile_gives_the_eager_results_on_cuda(tmp_path: Path) -> None:
         assert compiled[0][key] == pytest.approx(eager[0][key], abs=tol), key
 
 
-@pytest.mark.parametrize("model", ["vit_tiny_cifar_gap", "vit_tiny_cifar_rollout"])  # fused / explicit attention
+@pytest.mark.parametrize("model", ["vit_tiny_cifar_gap", "vit_tiny_cifar_cls global_pool=map",
+                                   "vit_tiny_cifar_rollout rollout_head_fusion=max rollout_discard_ratio=0.9"])
 def test_stacked_runs_on_cuda_equal_separate_runs(model: str, tmp_path: Path) -> None:
-    """--stack on CUDA (vmap over fused attention for gap, over the attention-recording hooks for rollout): each run
-    equals its separate run in fp32, and bf16 stacked runs learn."""
-    run = [a for a in SAMPLE if a not in ("--seed", "0")] + [*NO_DROPOUT, "--model", model, "--epochs", "2"]
+    """--stack on CUDA (vmap over fused attention for gap and timm's attention pooling, over the attention-recording
+    hooks for rollout): each run equals its separate run in fp32, and bf16 stacked runs learn."""
+    name, *kwargs = model.split()
+    run = [a for a in SAMPLE if a not in ("--seed", "0")] + [*NO_DROPOUT, *kwargs, "--model", name, "--epochs", "2"]
     fp32 = [*run, "--amp", "none"]
     train([*fp32, "--seed", "0", "1", "--stack", "--output", str(tmp_path / "stacked-s{seed}")])
     for seed in (0, 1):
