@@ -26,7 +26,7 @@ from timm_rollout.records import LOG_FILE, RESULTS_FILE
 from timm_rollout.train_log import read_log
 
 ARM_NAMES = {"cls": "[CLS] token (cls)", "gap": "patch mean (gap)", "rollout": "rollout-weighted patches (rollout)",
-             "map": "learned attention pooling (map)"}
+             "map": "learned attention pooling (map)", "rollout-max-discard0.9": "sharpened rollout (max, discard 0.9)"}
 
 
 def arm_of(folder: Path) -> str:
