@@ -27,7 +27,7 @@ import torch
 
 from harness import stats
 from harness.figures import plot_comparison
-from harness.metrics import ACCURACIES, POOLING_DIAGNOSTICS
+from harness.metrics import ACCURACIES, LOCALISATION, POOLING_DIAGNOSTICS
 from harness.predictions import read_predictions
 from timm_rollout.atomic import write_text
 from timm_rollout.errors import CliParser, UserError, output_dir, run_cli
@@ -365,8 +365,8 @@ def build_parser() -> CliParser:
     p.add_argument("runs", nargs="+", help="evaluation folders (each with results.json)")
     p.add_argument("--output", required=True, type=output_dir, help="folder for report.md and comparison.png")
     p.add_argument("--metrics", nargs="+", default=list(METRICS),
-                   choices=METRICS + POOLING_DIAGNOSTICS + ORIGINAL_METRICS,
-                   help="metrics to show (the first listed group is the base; the pooling diagnostics on request)")
+                   choices=METRICS + POOLING_DIAGNOSTICS + LOCALISATION + ORIGINAL_METRICS,
+                   help="metrics to show (the first listed group is the base; diagnostics, localisation on request)")
     return p
 
 

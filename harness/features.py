@@ -27,10 +27,14 @@ from timm_rollout.diagnostics import (
     rollout_options,
     variant_name,
 )
-from timm_rollout.explain import gradient_pass, readout_maps
+from timm_rollout.explain import READOUTS, AttentionPass, gradient_pass, readout_maps
 from timm_rollout.progress import progress
+from timm_rollout.rollout import patch_weights
 
-__all__ = ["PoolingDiagnostics", "SaliencyMaps", "extract", "pooling_diagnostics", "saliency_maps"]
+from .localisation import localisation_metrics
+
+__all__ = ["PoolingDiagnostics", "SaliencyMaps", "box_localisation", "extract", "patch_pooling_weights",
+           "pooling_diagnostics", "saliency_maps"]
 
 
 def _forward(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,12 +82,24 @@ def extract(
 
 @dataclass
 class SaliencyMaps:
-    """The harness's maps (keys of :data:`timm_rollout.explain.MAP_LABELS`) and the logits of the same passes."""
+    """The harness's maps (keys of :data:`timm_rollout.explain.MAP_LABELS`), the logits of the same passes and the
+    weights with which the model pools its patch tokens in them (:func:`patch_pooling_weights`)."""
 
     maps: dict[str, torch.Tensor]  # name -> (B, P), float32 on CPU
     logits: torch.Tensor  # (B, C), float32 on CPU
     grid: tuple[int, int]
     readout: str
+    pooling: torch.Tensor  # (B, P), float32 on CPU, rows sum to 1
+
+
+def patch_pooling_weights(model: nn.Module, p: AttentionPass) -> torch.Tensor:
+    """(B, P) weights with which ``model`` pools its patch tokens in the pass ``p``, summing to 1: the readout over
+    the patches, renormalised (rollout: its own rollout weights; avg: uniform; map: its pool's attention, mean over
+    heads); for [CLS] pooling, which reads no patch, the weights rollout pooling would use post hoc, as the pooling
+    diagnostics define them (:func:`~timm_rollout.diagnostics.pooling_weights` with the model's rollout options)."""
+    if p.readout_name == READOUTS["token"]:
+        return pooling_weights(p.attentions, p.num_prefix_tokens, *rollout_options(model))
+    return patch_weights(p.readout, p.num_prefix_tokens)
 
 
 def saliency_maps(
@@ -98,16 +114,42 @@ def saliency_maps(
     per batch: every map explains the model's own readout (its current ``global_pool``)."""
     model.eval()
     maps: dict[str, list[torch.Tensor]] = {}
-    logits, p = [], None
+    logits, pooling, p = [], [], None
     for start in progress(range(0, len(x), batch_size), desc="maps (forward + backward)", leave=False):
         with autocast(device, amp_dtype):
             p = gradient_pass(model, x[start:start + batch_size].to(device))
         logits.append(p.logits.cpu())
+        pooling.append(patch_pooling_weights(model, p).float().cpu())
         for name, values in readout_maps(p).items():
             maps.setdefault(name, []).append(values.float().cpu())
     if p is None:
         raise ValueError("no images to explain")
-    return SaliencyMaps({k: torch.cat(v) for k, v in maps.items()}, torch.cat(logits), p.grid, p.readout_name)
+    return SaliencyMaps({k: torch.cat(v) for k, v in maps.items()}, torch.cat(logits), p.grid, p.readout_name,
+                        torch.cat(pooling))
+
+
+def box_localisation(
+    model: nn.Module,
+    images: torch.Tensor,
+    boxes: torch.Tensor,
+    mean: Sequence[float],
+    std: Sequence[float],
+    *,
+    device: torch.device,
+    amp_dtype: torch.dtype | None = None,
+    batch_size: int = 128,
+) -> dict[str, float | None]:
+    """:func:`harness.localisation.localisation_metrics` of uint8 (N, 3, H, W) ``images`` with their (N, 4)
+    ``boxes``: the model's patch pooling weights and saliency maps from one forward + backward per batch, images
+    normalised 8 batches at a time (the float copy of the whole set never exists)."""
+    chunk = 8 * batch_size
+    found = [saliency_maps(model, normalize(images[start:start + chunk], mean, std), device=device,
+                           amp_dtype=amp_dtype, batch_size=batch_size)
+             for start in range(0, len(images), chunk)]
+    if not found:
+        raise ValueError("no images to localise")
+    maps = {name: torch.cat([f.maps[name] for f in found]) for name in found[0].maps}
+    return localisation_metrics(torch.cat([f.pooling for f in found]), maps, boxes, images.shape[-2:], found[0].grid)
 
 
 @dataclass

@@ -19,11 +19,13 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import silhouette_score
 from threadpoolctl import threadpool_limits
 
+from harness.localisation import LOCALISATION
 from timm_rollout.accuracy import topk_hits as _topk_hits
 
 __all__ = [
     "ACCURACIES",
     "LINEAR_PROBE",
+    "LOCALISATION",
     "POOLING_DIAGNOSTICS",
     "SILHOUETTE_SAMPLE_SIZE",
     "accuracy",
@@ -53,6 +55,8 @@ SILHOUETTE_SAMPLE_SIZE = 10_000
 ACCURACIES = ("top1", "top5", "linear_probe", "knn_loo", "knn_bank")
 # How uniform the rollout pooling weights of a backbone are (timm_rollout.diagnostics), means over the images.
 POOLING_DIAGNOSTICS = ("rollout_effective_patches", "rollout_cosine_to_mean")
+# LOCALISATION (harness.localisation): where the pooling weights and saliency maps fall against the object's box,
+# means over the images; only for splits with boxes.
 # scikit-learn LogisticRegression settings of the linear probe (fixed, no search: deterministic and fast).
 LINEAR_PROBE = {"C": 1.0, "solver": "lbfgs", "max_iter": 1000, "tol": 1e-4}
 

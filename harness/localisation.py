@@ -1,0 +1,130 @@
+"""Does a pooling find the object? Patch weights and saliency maps scored against each image's object box.
+
+Pure functions of boxes and (N, P) patch maps. A box is ``[x, y, w, h]`` in pixels of the image (COCO order) and
+covers the region [x, x + w) x [y, y + h), pixel i spanning [i, i + 1), so an integer box covers w x h pixels.
+Patches are row-major over the (rows, cols) grid, as timm orders patch tokens.
+
+- coverage c_p (:func:`box_coverage`): the fraction of patch p's area inside the box;
+- object mass of weights w summing to 1 (:func:`object_mass`): sum_p w_p c_p, the share of the pooled feature
+  drawn from the object; uniform weights give the box's share of the image area (chance level);
+- inside / outside (:func:`weight_inside_outside`): the mean of P w_p over the covered and the uncovered area,
+  on the weight x P scale of the heatmaps (1 = uniform);
+- box mass of a saliency map (:func:`box_mass`): the object mass of the map's shares (:func:`map_shares`);
+- pointing game (:func:`pointing_hits`, after Zhang et al. 2016 at patch resolution and without tolerance): a
+  hit when the map's maximal patch has its centre inside the box; ties count as the fraction of tied patches
+  whose centres are inside (the expected hit under a random tie break, never decided by patch index).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from timm_rollout.diagnostics import effective_patches
+from timm_rollout.explain import MAP_LABELS
+
+__all__ = ["LOCALISATION", "box_coverage", "box_mass", "centres_inside", "localisation_metrics", "map_shares",
+           "object_mass", "pointing_hits", "weight_inside_outside"]
+
+# results.json["metrics"] keys of localisation_metrics, in report order: means over the images.
+LOCALISATION = (
+    "pooling_object_mass", "object_area_fraction", "pooling_weight_inside", "pooling_weight_outside",
+    "pooling_effective_patches", "pointing_chance",
+    *(f"{name}_{what}" for name in MAP_LABELS for what in ("box_mass", "pointing")),
+)
+
+
+def _patch_edges(image_size: Sequence[int], grid: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """Top and left pixel edges of the patch rows and columns (float64) and the patch height and width."""
+    (h, w), (rows, cols) = image_size, grid
+    if h % rows or w % cols:
+        raise ValueError(f"a {h}x{w} image does not split into a {rows}x{cols} grid of equal patches")
+    ph, pw = h // rows, w // cols
+    return (torch.arange(rows, dtype=torch.float64) * ph, torch.arange(cols, dtype=torch.float64) * pw,
+            float(ph), float(pw))
+
+
+def box_coverage(boxes: torch.Tensor, image_size: Sequence[int], grid: Sequence[int]) -> torch.Tensor:
+    """(N, P) fraction of each patch's area covered by the image's box; ``boxes`` (N, 4) ``[x, y, w, h]`` pixels,
+    ``image_size`` (H, W), ``grid`` (rows, cols). Float64; parts of a box outside the image count for nothing."""
+    tops, lefts, ph, pw = _patch_edges(image_size, grid)
+    b = boxes.double()
+    x0, y0, x1, y1 = b[:, 0:1], b[:, 1:2], b[:, 0:1] + b[:, 2:3], b[:, 1:2] + b[:, 3:4]
+    over_y = (torch.minimum(y1, tops + ph) - torch.maximum(y0, tops)).clamp(min=0) / ph  # (N, rows)
+    over_x = (torch.minimum(x1, lefts + pw) - torch.maximum(x0, lefts)).clamp(min=0) / pw  # (N, cols)
+    return (over_y[:, :, None] * over_x[:, None, :]).flatten(1)
+
+
+def centres_inside(boxes: torch.Tensor, image_size: Sequence[int], grid: Sequence[int]) -> torch.Tensor:
+    """(N, P) bool: whether each patch's centre lies in the image's box [x, x + w) x [y, y + h)."""
+    tops, lefts, ph, pw = _patch_edges(image_size, grid)
+    b = boxes.double()
+    cy, cx = tops + ph / 2, lefts + pw / 2
+    in_y = (cy >= b[:, 1:2]) & (cy < b[:, 1:2] + b[:, 3:4])
+    in_x = (cx >= b[:, 0:1]) & (cx < b[:, 0:1] + b[:, 2:3])
+    return (in_y[:, :, None] & in_x[:, None, :]).flatten(1)
+
+
+def object_mass(weights: torch.Tensor, coverage: torch.Tensor) -> torch.Tensor:
+    """Per image sum_p w_p c_p of (N, P) ``weights`` and ``coverage`` (float64): the weight on the object."""
+    return (weights.double() * coverage.double()).sum(dim=-1)
+
+
+def map_shares(maps: torch.Tensor) -> torch.Tensor:
+    """(N, P) saliency maps as shares summing to 1 per image: negative values clamped to 0 (the harness's maps
+    are non-negative by construction, so this only guards), a map without positive mass taken as uniform."""
+    m = maps.double().clamp(min=0)
+    total = m.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, m / total.clamp(min=torch.finfo(torch.float64).tiny), 1.0 / m.shape[-1])
+
+
+def box_mass(maps: torch.Tensor, coverage: torch.Tensor) -> torch.Tensor:
+    """Per image the share of the (N, P) map's mass inside the box: :func:`object_mass` of :func:`map_shares`."""
+    return object_mass(map_shares(maps), coverage)
+
+
+def pointing_hits(maps: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """Per image the pointing-game hit (float64, 0 or 1 without ties): the fraction of the map's maximal patches
+    (after clamping at 0, as :func:`map_shares`) whose centres are ``inside`` the box (:func:`centres_inside`)."""
+    m = maps.double().clamp(min=0)
+    top = m == m.max(dim=-1, keepdim=True).values
+    return (top & inside).sum(dim=-1).double() / top.sum(dim=-1)
+
+
+def weight_inside_outside(weights: torch.Tensor, coverage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per image the mean of P w_p over the covered area, P sum_p w_p c_p / sum_p c_p, and over the uncovered
+    area, P sum_p w_p (1 - c_p) / sum_p (1 - c_p): 1 and 1 for uniform weights; NaN where an area is empty."""
+    w, c = weights.double(), coverage.double()
+    p = c.shape[-1]
+    covered, uncovered = c.sum(dim=-1), (1 - c).sum(dim=-1)
+    inside = p * (w * c).sum(dim=-1) / covered
+    outside = p * (w * (1 - c)).sum(dim=-1) / uncovered
+    return torch.where(covered > 0, inside, torch.nan), torch.where(uncovered > 0, outside, torch.nan)
+
+
+def _mean(values: torch.Tensor) -> float | None:
+    """Mean over the images where the value is defined; None where it is nowhere."""
+    finite = values[~values.isnan()]
+    return float(finite.mean()) if finite.numel() else None
+
+
+def localisation_metrics(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor], boxes: torch.Tensor,
+                         image_size: Sequence[int], grid: Sequence[int]) -> dict[str, float | None]:
+    """The :data:`LOCALISATION` metrics, means over the images: ``pooling`` (N, P) the weights with which the model
+    pools its patch tokens (rows sum to 1), ``maps`` the saliency maps by name (keys of
+    :data:`~timm_rollout.explain.MAP_LABELS`, (N, P) each), ``boxes`` (N, 4) of images of ``image_size``."""
+    coverage = box_coverage(boxes, image_size, grid)
+    inside = centres_inside(boxes, image_size, grid)
+    uniform = torch.full_like(coverage, 1.0 / coverage.shape[-1])
+    w_in, w_out = weight_inside_outside(pooling, coverage)
+    values = {
+        "pooling_object_mass": object_mass(pooling, coverage), "object_area_fraction": object_mass(uniform, coverage),
+        "pooling_weight_inside": w_in, "pooling_weight_outside": w_out,
+        "pooling_effective_patches": effective_patches(pooling.double()).double(),
+        "pointing_chance": inside.double().mean(dim=-1),
+    }
+    for name, m in maps.items():
+        values[f"{name}_box_mass"] = box_mass(m, coverage)
+        values[f"{name}_pointing"] = pointing_hits(m, inside)
+    return {key: _mean(values[key]) if key in values else None for key in LOCALISATION}
