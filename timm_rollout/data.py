@@ -66,6 +66,7 @@ KNOWN_STATS: dict[str, tuple[tuple[float, float, float], tuple[float, float, flo
 _HUB_TO_STATS = {spec.path: spec.stats_key for spec in ALIASES.values() if spec.stats_key}
 
 IMAGE_COLUMNS = ("img", "image")
+BOX_COLUMN = "bbox"  # one object box per image, [x, y, w, h] in pixels (COCO order): kept for the harness
 LABEL_COLUMNS = ("label", "fine_label", "labels")
 CACHE_VERSION = 1
 # What makes a folder a data set: datasets' save_to_disk markers, or data files load_dataset reads as images.
@@ -83,6 +84,7 @@ class ImageSet:
     dataset: str  # resolved Hub id or local path (provenance)
     split: str
     fingerprint: str  # datasets' fingerprint of the split (provenance)
+    boxes: torch.Tensor | None = None  # float32 (N, 4) object box [x, y, w, h] in pixels (COCO order), if any
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -96,6 +98,7 @@ class ImageSet:
         return ImageSet(
             self.images[indices], self.labels[indices], list(self.class_names), self.dataset, self.split,
             f"{self.fingerprint}[{len(indices)}]" if len(indices) != len(self) else self.fingerprint,
+            None if self.boxes is None else self.boxes[indices],
         )
 
 
@@ -252,6 +255,20 @@ def _decoded_tensors(
     return images, labels
 
 
+def _boxes(split_ds, name: str) -> torch.Tensor | None:
+    """float32 (N, 4) boxes of a split with a ``bbox`` column of one ``[x, y, w, h]`` per image (or ``[[x, y, w,
+    h]]``); None without one. Several boxes per image, or none, are refused: the harness scores one object."""
+    if BOX_COLUMN not in split_ds.features:
+        return None
+    cells = split_ds.select_columns([BOX_COLUMN]).with_format("arrow")[:].column(BOX_COLUMN).to_pylist()
+    boxes = [c[0] if c and len(c) == 1 and isinstance(c[0], list) else c for c in cells]
+    bad = next((i for i, b in enumerate(boxes) if b is None or len(b) != 4 or min(b[2:]) <= 0), None)
+    if bad is not None:
+        raise UserError(f"data set {name!r}: row {bad} of column {BOX_COLUMN!r} is {cells[bad]!r}, not one box "
+                        "[x, y, w, h] with w, h > 0; keep one box per image or drop the column")
+    return torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4)
+
+
 def split_names(dataset: str) -> list[str]:
     """The splits of ``dataset`` (alias, Hub id or local folder)."""
     return list(_load_splits(resolve_dataset(dataset), dataset))
@@ -268,7 +285,8 @@ def load_image_set(
 
     ``dataset`` is an alias (``cifar10``, ``cifar100`` with fine labels, ``svhn`` cropped digits,
     ``cifar10-sample`` shipped in the package), a Hub id, or a local folder that ``load_dataset`` or
-    ``load_from_disk`` reads. Columns are detected (``img``/``image``, ``label``/``fine_label``) unless named.
+    ``load_from_disk`` reads. Columns are detected (``img``/``image``, ``label``/``fine_label``) unless named;
+    a ``bbox`` column (one object box per image) comes along as ``boxes``.
     """
     import datasets
 
@@ -290,7 +308,7 @@ def load_image_set(
         class_names = list(feature.names)
     else:
         class_names = [str(i) for i in range(int(labels.max()) + 1 if len(labels) else 0)]
-    return ImageSet(images, labels, class_names, spec.path, split, ds._fingerprint)
+    return ImageSet(images, labels, class_names, spec.path, split, ds._fingerprint, _boxes(ds, dataset))
 
 
 def balanced_indices(

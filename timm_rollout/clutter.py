@@ -1,0 +1,214 @@
+"""Cluttered canvases: each source image at a random position on a larger canvas, among fragments of others.
+
+The construction of cluttered translated MNIST (Mnih et al. 2014, "Recurrent Models of Visual Attention";
+google-deepmind/mnist-cluttered) for any image classification set: a canvas filled with one colour, ``fragments``
+square crops of images of *other* classes of the same split pasted at random positions, then the whole source
+image (the object) pasted last at a random position, so it is never occluded and its pixels equal the source's.
+The object's box is known, so "does the pooling find the object" becomes a number (``harness.eval``).
+
+Randomness comes from two streams per split, both keyed by the seed and the split name: one places the objects,
+one draws the clutter. So the same seed gives the same objects in the same places at any number of fragments,
+and test clutter never comes from training images.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import UserError
+from .progress import progress
+
+__all__ = ["ClutterRecipe", "clutter_split", "content_hash", "fill_colour", "make_cluttered", "object_positions"]
+
+_OBJECTS, _CLUTTER = 0, 1  # the two random streams of a split
+
+
+@dataclass(frozen=True)
+class ClutterRecipe:
+    """What a cluttered set is made of: canvas side, fragment count and side (pixels), and the seed."""
+
+    canvas: int = 64
+    fragments: int = 16
+    fragment_size: int = 8
+    seed: int = 0
+
+    def check(self, image_size: tuple[int, int]) -> None:
+        """Refuse a recipe that cannot be built for source images of ``(height, width)``."""
+        h, w = image_size
+        if max(h, w) > self.canvas:
+            raise UserError(f"the {h}x{w} source images do not fit on a {self.canvas}x{self.canvas} canvas; pass "
+                            f"--canvas {max(h, w)} or more")
+        if self.fragment_size > self.canvas:
+            raise UserError(f"--fragment-size {self.fragment_size} is larger than the {self.canvas}-pixel canvas; "
+                            f"pass at most {self.canvas}")
+        if self.fragments and self.fragment_size > min(h, w):
+            raise UserError(f"--fragment-size {self.fragment_size} is larger than the {h}x{w} source images it is "
+                            f"cut from; pass at most {min(h, w)}")
+
+
+def _rng(seed: int, split: str, stream: int) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(split.encode()), stream])
+
+
+def object_positions(count: int, image_size: tuple[int, int], recipe: ClutterRecipe, split: str) -> np.ndarray:
+    """int64 (count, 2) top-left ``(x, y)`` of each object: uniform integers, from the seed and split only."""
+    h, w = image_size
+    rng = _rng(recipe.seed, split, _OBJECTS)
+    return np.stack([rng.integers(0, recipe.canvas - w + 1, count), rng.integers(0, recipe.canvas - h + 1, count)],
+                    axis=1)
+
+
+def _fragment_sources(labels: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """Image index of each fragment: ``draws`` (N, k) uniform in [0, number of images of other classes) mapped to
+    the images whose class differs from that of the row's image, in class order."""
+    order = np.argsort(labels, kind="stable")
+    classes, starts, counts = np.unique(labels[order], return_index=True, return_counts=True)
+    row = np.searchsorted(classes, labels)
+    start, count = starts[row][:, None], counts[row][:, None]
+    return order[np.where(draws < start, draws, draws + count)]
+
+
+def clutter_split(images: torch.Tensor, labels: torch.Tensor, fill: tuple[int, int, int], recipe: ClutterRecipe,
+                  split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 (N, 3, H, W) ``images`` of one split -> uint8 (N, 3, canvas, canvas) canvases and int64 (N, 4)
+    object boxes ``[x, y, w, h]`` (COCO order). Fragments are cut from images of another class of this split."""
+    n, _, h, w = images.shape
+    recipe.check((h, w))
+    lab = labels.numpy()
+    k, f, c = recipe.fragments, recipe.fragment_size, recipe.canvas
+    if k and len(np.unique(lab)) < 2:
+        raise UserError(f"split {split!r} has one class only, so there is no other class to cut clutter from; pass "
+                        "--fragments 0 or a data set with several classes")
+    pos = object_positions(n, (h, w), recipe, split)
+    rng = _rng(recipe.seed, split, _CLUTTER)
+    others = n - np.bincount(lab)[lab]
+    src = _fragment_sources(lab, rng.integers(0, others[:, None], (n, k)))
+    crop = np.stack([rng.integers(0, h - f + 1, (n, k)), rng.integers(0, w - f + 1, (n, k))], axis=-1)
+    at = rng.integers(0, c - f + 1, (n, k, 2))  # (y, x) on the canvas
+    source = images.numpy()
+    out = np.empty((n, 3, c, c), dtype=np.uint8)
+    out[:] = np.asarray(fill, dtype=np.uint8)[:, None, None]
+    for i in progress(range(n), desc=f"clutter {split}", leave=False):
+        canvas = out[i]
+        for (sy, sx), (cy, cx), j in zip(at[i], crop[i], src[i], strict=True):
+            canvas[:, sy:sy + f, sx:sx + f] = source[j, :, cy:cy + f, cx:cx + f]
+        x, y = pos[i]
+        canvas[:, y:y + h, x:x + w] = source[i]
+    boxes = np.concatenate([pos, np.broadcast_to([w, h], (n, 2))], axis=1)
+    return torch.from_numpy(out), torch.from_numpy(boxes.astype(np.int64))
+
+
+def fill_colour(images: torch.Tensor) -> tuple[int, int, int]:
+    """The mean colour of uint8 (N, 3, H, W) images, rounded to uint8 (the canvas background)."""
+    from .data import compute_stats
+
+    mean, _ = compute_stats(images)
+    return tuple(round(m * 255) for m in mean)
+
+
+def content_hash(images: torch.Tensor, labels: torch.Tensor) -> str:
+    """sha256 of a split's decoded pixels and labels: a fingerprint of the source that any machine reproduces."""
+    digest = hashlib.sha256(images.contiguous().numpy().tobytes())
+    digest.update(labels.to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()
+
+
+CARD = """---
+pretty_name: {name}
+configs:
+- config_name: default
+  data_files:
+{files}
+---
+# {name}
+
+Cluttered canvases made by `timm_rollout.clutter` (the construction of cluttered translated MNIST, Mnih et al.
+2014) from `{source}`:
+
+    {command}
+
+Recipe: a {canvas}x{canvas} canvas filled with the source's mean colour RGB {fill} (of its `{fill_split}` split);
+{fragments} crops of {fragment_size}x{fragment_size} pixels, each from a random spot of a random image of another
+class of the same split, pasted at uniform random positions; then the whole {height}x{width} source image (the
+object) pasted last at a uniform random integer position, never occluded, its pixels equal to the source's. Seed
+{seed}: the objects and their positions depend on the seed and split only, so the same seed at any `--fragments`
+gives the same objects in the same places.
+
+Columns: `image` (PNG), `label` (ClassLabel: {classes}) and `bbox` (the object's box `[x, y, w, h]` in pixels,
+COCO order).
+
+| split | images | source fingerprint (datasets) | source content sha256 (decoded pixels and labels) |
+|---|---:|---|---|
+{rows}
+"""
+
+
+def _png(canvas: np.ndarray) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(canvas.transpose(1, 2, 0))).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _write_parquet(path, canvases: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor,
+                   class_names: list[str]) -> None:
+    import datasets
+
+    from .atomic import atomic_path
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=class_names),
+                                  "bbox": datasets.List(datasets.Value("int32"), length=4)})
+    images = [{"bytes": _png(c), "path": None} for c in progress(canvases.numpy(), desc="png", leave=False)]
+    table = datasets.Dataset.from_dict({"image": images, "label": labels.tolist(), "bbox": boxes.tolist()},
+                                       features=features)
+    with atomic_path(path) as tmp:
+        table.to_parquet(str(tmp))
+
+
+def _check_output(source: str, output: Path) -> None:
+    src = Path(source).expanduser()
+    if src.is_dir() and output.resolve().is_relative_to(src.resolve()):
+        raise UserError(f"--output {output} is inside the source data set {source}; write the canvases elsewhere")
+
+
+def make_cluttered(source: str, output: str | Path, recipe: ClutterRecipe, *, per_class: int | None = None,
+                   command: str = "") -> dict[str, int]:
+    """Write a cluttered copy of every split of ``source`` (alias, Hub id or folder) into ``output``: one parquet
+    file per split and a README data card that ``datasets.load_dataset(output)`` reads offline. ``per_class``: a
+    seeded class-balanced subset of each split (tests, quick looks). Returns the image count per split."""
+    from .atomic import write_text
+    from .data import balanced_indices, load_image_set, split_names
+
+    output = Path(output)
+    _check_output(source, output)
+    sets = {}
+    for split in split_names(source):
+        data = load_image_set(source, split)
+        if per_class is not None:
+            data = data.subset(balanced_indices(data.labels, per_class=per_class, seed=recipe.seed))
+        recipe.check(tuple(data.images.shape[2:]))
+        sets[split] = data
+    fill_split = "train" if "train" in sets else next(iter(sets))
+    fill = fill_colour(sets[fill_split].images)
+    rows = []
+    for split, data in sets.items():
+        canvases, boxes = clutter_split(data.images, data.labels, fill, recipe, split)
+        _write_parquet(output / f"{split}.parquet", canvases, data.labels, boxes, data.class_names)
+        rows.append(f"| {split} | {len(data)} | {data.fingerprint} | {content_hash(data.images, data.labels)} |")
+    first = next(iter(sets.values()))
+    write_text(output / "README.md", CARD.format(
+        name=f"{Path(source).name or source} cluttered ({recipe.fragments} fragments, seed {recipe.seed})",
+        files="\n".join(f"  - split: {s}\n    path: {s}.parquet" for s in sets), source=source, command=command,
+        canvas=recipe.canvas, fill=fill, fill_split=fill_split, fragments=recipe.fragments,
+        fragment_size=recipe.fragment_size, height=first.images.shape[2], width=first.images.shape[3],
+        seed=recipe.seed, classes=", ".join(first.class_names), rows="\n".join(rows)))
+    return {split: len(data) for split, data in sets.items()}
