@@ -1,0 +1,222 @@
+"""Localisation metrics (harness.localisation) against a pixel-counting loop and hand-made cases, the patch pooling
+weights of every readout against the model's own computation, harness.eval end to end with boxes, and the figure."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+from timm.models import save_for_hf
+
+from harness import compare
+from harness import eval as harness_eval
+from harness.features import saliency_maps
+from harness.figures import plot_object_weights
+from harness.localisation import (
+    LOCALISATION,
+    box_coverage,
+    box_mass,
+    centres_inside,
+    localisation_metrics,
+    object_mass,
+    pointing_hits,
+    weight_inside_outside,
+)
+from harness.predictions import read_predictions
+from timm_rollout import attention_rollout, capture_attention
+from timm_rollout.data import load_image_set
+
+SAMPLE = "cifar10-sample"
+MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
+BOX = torch.tensor([[16.0, 24.0, 16.0, 16.0]])  # exactly patches (rows 3-4, cols 2-3) of an 8x8 grid on 64x64
+BOX_PATCHES = [26, 27, 34, 35]
+
+
+def _random_boxes(n: int, size: tuple[int, int], seed: int) -> torch.Tensor:
+    """Integer boxes [x, y, w, h] anywhere from a little outside the image to inside it, some partly outside."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = size
+    xy = torch.randint(-6, max(h, w), (n, 2), generator=g)
+    wh = torch.randint(1, max(h, w) // 2 + 8, (n, 2), generator=g)
+    return torch.cat([xy, wh], dim=1).float()
+
+
+@pytest.mark.parametrize(("size", "grid"), [((64, 64), (8, 8)), ((16, 24), (2, 3)), ((32, 32), (8, 8))])
+def test_box_coverage_and_centres_against_pixel_counting(size, grid):
+    boxes = _random_boxes(40, size, seed=sum(size))
+    coverage, inside = box_coverage(boxes, size, grid), centres_inside(boxes, size, grid)
+    (h, w), (rows, cols) = size, grid
+    ph, pw = h // rows, w // cols
+    for n, (x, y, bw, bh) in enumerate(boxes.int().tolist()):
+        for r in range(rows):
+            for c in range(cols):
+                pixels = sum(x <= j < x + bw and y <= i < y + bh
+                             for i in range(r * ph, (r + 1) * ph) for j in range(c * pw, (c + 1) * pw))
+                assert coverage[n, r * cols + c] == pytest.approx(pixels / (ph * pw), abs=1e-12)
+                cy, cx = r * ph + ph / 2, c * pw + pw / 2
+                assert bool(inside[n, r * cols + c]) == (x <= cx < x + bw and y <= cy < y + bh)
+    assert coverage.sum() > 0 and (coverage < 1).any() and ((coverage > 0) & (coverage < 1)).any()
+
+
+def test_coverage_by_hand():
+    coverage = box_coverage(BOX, (64, 64), (8, 8))[0]
+    assert coverage[BOX_PATCHES].tolist() == [1.0] * 4 and coverage.sum() == 4.0
+    assert centres_inside(BOX, (64, 64), (8, 8))[0].nonzero().flatten().tolist() == BOX_PATCHES
+    half = box_coverage(torch.tensor([[4.0, 0.0, 8.0, 8.0], [2.5, 0.0, 4.0, 8.0]]), (8, 16), (1, 2))
+    assert half.tolist() == [[0.5, 0.5], [0.5, 0.0]]
+    assert centres_inside(torch.tensor([[4.0, 0.0, 8.0, 8.0]]), (8, 16), (1, 2)).tolist() == [[True, False]]
+    with pytest.raises(ValueError, match="does not split"):
+        box_coverage(BOX, (64, 60), (8, 8))
+
+
+def test_pooling_mass_and_inside_outside_by_hand():
+    coverage = box_coverage(BOX, (64, 64), (8, 8))
+    on_box = torch.zeros(1, 64)
+    on_box[0, BOX_PATCHES] = 0.25
+    uniform = torch.full((1, 64), 1 / 64)
+    assert object_mass(on_box, coverage).item() == pytest.approx(1.0)
+    assert object_mass(uniform, coverage).item() == pytest.approx(4 / 64)  # a 16x16 box on 64x64
+    inside, outside = weight_inside_outside(on_box, coverage)
+    assert (inside.item(), outside.item()) == pytest.approx((16.0, 0.0))  # 0.25 x 64 on each box patch
+    assert [v.item() for v in weight_inside_outside(uniform, coverage)] == pytest.approx([1.0, 1.0])
+    whole = box_coverage(torch.tensor([[0.0, 0.0, 64.0, 64.0]]), (64, 64), (8, 8))
+    assert weight_inside_outside(uniform, whole)[1].isnan().all()  # no outside area: undefined
+    big = torch.tensor([[5.0, 9.0, 32.0, 32.0]])  # the clutter set's 32x32 object anywhere on 64x64
+    values = localisation_metrics(uniform, {}, big, (64, 64), (8, 8))
+    assert values["object_area_fraction"] == pytest.approx(0.25) and values["pointing_chance"] == 0.25
+    assert values["pooling_object_mass"] == pytest.approx(0.25) and values["pooling_effective_patches"] == \
+        pytest.approx(64.0)
+
+
+def test_map_box_mass_and_pointing_by_hand():
+    coverage, inside = box_coverage(BOX, (64, 64), (8, 8)), centres_inside(BOX, (64, 64), (8, 8))
+    maps = torch.zeros(6, 64)
+    maps[0, 26] = 3.0  # peak on the object: hit, all mass inside
+    maps[1, 0] = 3.0  # peak off the object: miss, no mass inside
+    maps[2, [0, 26]] = 3.0  # tied peaks, one inside: half a hit, half the mass
+    # maps[3] all zero: every patch ties, 4 of 64 centres inside; mass uniform
+    maps[4] = -1.0  # negative values count as 0: the only positive mass sits off the object
+    maps[4, 0], maps[4, 26] = 0.5, -7.0
+    maps[5, BOX_PATCHES], maps[5, 63] = 1.0, 4.0  # more mass inside, peak outside
+    assert pointing_hits(maps, inside.expand(6, -1)).tolist() == [1.0, 0.0, 0.5, 4 / 64, 0.0, 0.0]
+    expected = [1.0, 0.0, 0.5, 4 / 64, 0.0, 0.5]
+    assert box_mass(maps, coverage.expand(6, -1)).tolist() == pytest.approx(expected)
+    values = localisation_metrics(torch.full((6, 64), 1 / 64), {"rollout": maps}, BOX.expand(6, -1), (64, 64),
+                                  (8, 8))
+    assert tuple(values) == LOCALISATION
+    assert values["rollout_box_mass"] == pytest.approx(np.mean(expected))
+    assert values["rollout_pointing"] == pytest.approx((1 + 0.5 + 4 / 64) / 6)
+    assert values["gradient_rollout_box_mass"] is None  # a map not given
+
+
+def _sharpened(name: str, **kwargs) -> torch.nn.Module:
+    """An untrained depth-2 model whose attention is sharpened (q, k weights x10), so weights are far from uniform."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=10, depth=2, **kwargs).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.qkv.weight[:256].mul_(10.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def images() -> torch.Tensor:
+    return torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+
+def _pooled(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.inference_mode():
+        tokens = model.forward_features(x)
+        return tokens, model.forward_head(tokens, pre_logits=True)
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_cifar_rollout", "vit_tiny_cifar_gap"])
+def test_pooling_weights_reproduce_the_pooled_features(name, images):
+    model = _sharpened(name)
+    weights = saliency_maps(model, images, device=torch.device("cpu")).pooling
+    tokens, pooled = _pooled(model, images)
+    torch.testing.assert_close((weights[:, :, None] * tokens[:, 1:]).sum(dim=1), pooled, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(weights.sum(dim=1), torch.ones(3))
+    perplexity = torch.exp(-(weights * weights.log()).sum(dim=1))
+    assert (perplexity < 60).all() if name.endswith("rollout") else torch.equal(weights, torch.full((3, 64), 1 / 64))
+
+
+def test_cls_pooling_weights_are_its_post_hoc_rollout_row(images):
+    model = _sharpened("vit_tiny_cifar_cls")
+    weights = saliency_maps(model, images, device=torch.device("cpu")).pooling
+    with torch.inference_mode(), capture_attention(model) as cap:
+        model(images)
+    row = attention_rollout(cap.attentions)[:, 0, 1:]
+    torch.testing.assert_close(weights, row / row.sum(dim=1, keepdim=True), atol=1e-6, rtol=1e-5)
+
+
+def test_map_pooling_weights_are_its_pool_attention_recomputed_by_hand(images):
+    model = _sharpened("vit_tiny_cifar_cls", global_pool="map")
+    pool = model.attn_pool
+    with torch.no_grad():  # sharpen the pool's attention too: far from uniform
+        pool.latent.mul_(30.0)
+        pool.kv.weight[:pool.num_heads * pool.head_dim].mul_(10.0)
+    assert pool.pos_embed is None and isinstance(pool.q_norm, torch.nn.Identity) and not model.pool_include_prefix
+    tokens, pooled = _pooled(model, images)
+    t = tokens[:, 1:]  # the pool reads the patch tokens
+    heads, d = pool.num_heads, pool.head_dim
+    with torch.no_grad():
+        q = (pool.latent[0, 0] @ pool.q.weight.T + pool.q.bias).view(heads, d)
+        kv = t @ pool.kv.weight.T + pool.kv.bias
+        k, v = kv[..., :heads * d].view(3, 64, heads, d), kv[..., heads * d:].view(3, 64, heads, d)
+        attn = (torch.einsum("hd,bthd->bht", q, k) / math.sqrt(d)).softmax(dim=-1)  # (B, heads, T)
+        mixed = pool.proj(torch.einsum("bht,bthd->bhd", attn, v).reshape(3, heads * d))
+        out = mixed + pool.mlp(pool.norm(mixed))
+    torch.testing.assert_close(out, pooled, atol=1e-5, rtol=1e-4)  # these are the weights the pool mixes with
+    weights = saliency_maps(model, images, device=torch.device("cpu")).pooling
+    torch.testing.assert_close(weights, attn.mean(dim=1), atol=1e-6, rtol=1e-5)
+    assert torch.exp(-(weights * weights.log()).sum(dim=1)).min() < 60  # the check has teeth
+
+
+def _box_of(index: int) -> list[float]:
+    """A box per split index, some reaching past the 32x32 image's bottom edge."""
+    return [float(index % 9), float(2 * index % 11), float(8 + index % 17), float(12 + index % 13)]
+
+
+def test_eval_with_boxes_end_to_end(tmp_path, tmp_path_factory, monkeypatch):
+    torch.manual_seed(0)
+    run = tmp_path_factory.mktemp("runs") / "gap"
+    save_for_hf(timm.create_model("vit_tiny_cifar_gap", num_classes=10, depth=1), run, safe_serialization=True,
+                data_config=dict(mean=MEAN, std=STD))
+
+    def with_boxes(*args, **kwargs):
+        data = load_image_set(*args, **kwargs)
+        return dataclasses.replace(data, boxes=torch.tensor([_box_of(i) for i in range(len(data))]))
+
+    monkeypatch.setattr(harness_eval, "load_image_set", with_boxes)
+    results = harness_eval.main(["--model", "vit_tiny_cifar_gap", "--checkpoint", str(run), "--dataset", SAMPLE,
+                                 "--per-class", "2", "--heatmaps", "0", "--device", "cpu", "--amp", "none",
+                                 "--output", str(tmp_path)])
+    found = results["metrics"]
+    assert set(LOCALISATION) <= set(found) and all(found[k] is not None for k in LOCALISATION)
+    areas = []
+    for i in read_predictions(tmp_path)["index"]:  # the box's pixels inside the 32x32 image, counted
+        x, y, w, h = (int(v) for v in _box_of(i))
+        areas.append(sum(x <= c < x + w and y <= r < y + h for r in range(32) for c in range(32)) / 1024)
+    assert found["object_area_fraction"] == pytest.approx(np.mean(areas), abs=1e-9)
+    assert found["pooling_object_mass"] == pytest.approx(np.mean(areas), abs=1e-6)  # patch mean: uniform weights
+    assert (found["pooling_weight_inside"], found["pooling_weight_outside"]) == pytest.approx((1.0, 1.0), abs=1e-5)
+    assert found["pooling_effective_patches"] == pytest.approx(64.0, abs=1e-3)
+    assert all(0 <= found[k] <= 1 for k in LOCALISATION if k.endswith(("_box_mass", "_pointing")))
+    assert "localisation" in results["timing"]
+    summary = compare.summarise(compare.load_results([tmp_path]), LOCALISATION)
+    assert summary[0].mean["object_area_fraction"] == found["object_area_fraction"]
+    assert compare.build_parser().parse_args([str(tmp_path), "--output", str(tmp_path / "cmp"), "--metrics",
+                                              *LOCALISATION]).metrics == list(LOCALISATION)
+
+
+def test_object_weights_figure(tmp_path):
+    values = {"cls": [(1.3, 0.9), (1.2, 0.93)], "gap": [(1.0, 1.0)] * 3, "rollout": [(1.1, 0.97), (1.05, 0.98)]}
+    path = plot_object_weights(values, tmp_path / "object_weights.png", "Pooling weight on the object")
+    with Image.open(path) as img:
+        assert img.format == "PNG" and img.width > 300
