@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from harness import metrics
 from harness.faithfulness import evaluate_faithfulness, plot_faithfulness
-from harness.features import PoolingDiagnostics, extract, pooling_diagnostics, saliency_maps
+from harness.features import PoolingDiagnostics, box_localisation, extract, pooling_diagnostics, saliency_maps
 from harness.figures import plot_cosine_matrix, plot_heatmaps
 from harness.predictions import write_predictions
 from timm_rollout.atomic import atomic_path, write_json
@@ -348,6 +348,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     with clock.stage("pooling_diagnostics"):
         diagnostics = pooling_diagnostics(model, data.images, info["mean"], info["std"], device=device,
                                           amp_dtype=amp_dtype, batch_size=args.batch_size)
+    localisation = {}  # harness.localisation's metrics, where the split has object boxes
+    if data.boxes is not None:
+        with clock.stage("localisation"):
+            localisation = box_localisation(model, data.images, data.boxes, info["mean"], info["std"], device=device,
+                                            amp_dtype=amp_dtype, batch_size=args.batch_size)
     bank = bank_feats = None
     if args.bank_split:
         with clock.stage("load_bank"):
@@ -371,7 +376,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                       metadata={"model": info["name"], "dataset": data.dataset, "split": data.split})
 
     results = {
-        "metrics": {**_metric_values(predicted, labels, geometry, sil), **diagnostic_metrics(diagnostics)},
+        "metrics": {**_metric_values(predicted, labels, geometry, sil), **diagnostic_metrics(diagnostics),
+                    **localisation},
         "pooling_diagnostics": None if diagnostics is None else diagnostics.record(),
         "cosine_matrix": {"classes": cos_names, "matrix": cos.round(6).tolist()},
         "faithfulness": faithfulness,

@@ -14,8 +14,8 @@ from matplotlib.figure import Figure
 
 from timm_rollout.atomic import save_figure
 
-__all__ = ["UNIFORM_SCALE_LABEL", "plot_comparison", "plot_cosine_matrix", "plot_heatmaps", "plot_pooling_diagnostics",
-           "relative_to_uniform", "shared_range", "upsample_patch_map"]
+__all__ = ["UNIFORM_SCALE_LABEL", "plot_comparison", "plot_cosine_matrix", "plot_heatmaps", "plot_object_weights",
+           "plot_pooling_diagnostics", "relative_to_uniform", "shared_range", "upsample_patch_map"]
 
 # Colour-bar label of maps drawn on the scale of relative_to_uniform.
 UNIFORM_SCALE_LABEL = "weight x number of patches (1 = uniform)"
@@ -181,5 +181,34 @@ def plot_pooling_diagnostics(records: Mapping[str, Sequence[dict]], path: str | 
         ax.set(xlabel="patch column", ylabel="patch row")
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label(UNIFORM_SCALE_LABEL, fontsize=7)
     fig.suptitle(title)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def plot_object_weights(values: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, title: str) -> Path:
+    """Where each arm's pooling weights go: per arm (``values``: arm -> per seed (inside, outside), the metrics
+    ``pooling_weight_inside`` and ``pooling_weight_outside``) a bar of the mean over seeds of the mean pooling
+    weight x P over the object's box and one over the rest of the image, each seed a dot; 1 = uniform (dashed)."""
+    arms = list(values)
+    x = np.arange(len(arms))
+    width = 0.36
+    fig = Figure(figsize=(max(5.0, 1.4 * len(arms) + 2.0), 4.5))
+    ax = fig.subplots()
+    for j, (where, colour) in enumerate((("inside the box", "C3"), ("outside the box", "C0"))):
+        offset = (j - 0.5) * width
+        seeds = [np.asarray([v[j] for v in values[arm]], dtype=float) for arm in arms]
+        ax.bar(x + offset, [s.mean() if len(s) else np.nan for s in seeds], width, color=colour, alpha=0.55,
+               label=f"{where} (mean over seeds)")
+        for i, s in enumerate(seeds):
+            ax.plot(np.full(len(s), x[i] + offset), s, "o", color="black", ms=4, label="one seed" if i == j == 0
+                    and len(s) else None)
+    ax.axhline(1.0, color="grey", ls="--", lw=1, label="uniform weights (the patch mean)")
+    ax.set_xticks(x, arms)
+    ax.set_xlabel("arm (pooling)")
+    ax.set_ylabel("mean pooling weight x number of patches")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return save_figure(fig, path)
