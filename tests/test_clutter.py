@@ -1,0 +1,177 @@
+"""The clutter generator (timm_rollout.clutter, scripts/make_cluttered.py) and boxes through the loader.
+
+The pasting is checked with images whose pixels name where they come from (class, image, row, column), so every
+canvas pixel can be traced back to its source by hand; the written folder on the shipped CIFAR-10 sample.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from timm_rollout.clutter import ClutterRecipe, clutter_split, make_cluttered
+from timm_rollout.data import SAMPLE_DIR, load_image_set
+from timm_rollout.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("make_cluttered", ROOT / "scripts" / "make_cluttered.py")
+make_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_cli)
+
+FILL = (0, 0, 0)  # no source pixel is black: red is 100 + class
+
+
+def traceable(labels: list[int], size: int = 8, first_index: int = 0) -> torch.Tensor:
+    """uint8 (N, 3, size, size) images: red = 100 + class, green = row * size + column, blue = image index."""
+    n = len(labels)
+    out = torch.empty(n, 3, size, size, dtype=torch.uint8)
+    out[:, 0] = (100 + torch.tensor(labels)).view(n, 1, 1)
+    out[:, 1] = torch.arange(size * size).view(1, size, size)
+    out[:, 2] = (first_index + torch.arange(n)).view(n, 1, 1)
+    return out
+
+
+def test_object_is_pasted_last_at_its_box_and_clutter_comes_from_other_classes_of_the_split() -> None:
+    labels = [0, 1, 2] * 30
+    images = traceable(labels, first_index=100)  # blue 100..189: this split's images only
+    recipe = ClutterRecipe(canvas=24, fragments=6, fragment_size=3, seed=5)
+    canvases, boxes = clutter_split(images, torch.tensor(labels), FILL, recipe, "test")
+    assert canvases.shape == (90, 3, 24, 24) and boxes.shape == (90, 4)
+    for i in range(90):
+        x, y, w, h = boxes[i].tolist()
+        assert (w, h) == (8, 8) and 0 <= x <= 16 and 0 <= y <= 16
+        assert torch.equal(canvases[i, :, y:y + h, x:x + w], images[i])  # never occluded, pixels equal
+        outside = torch.ones(24, 24, dtype=torch.bool)
+        outside[y:y + h, x:x + w] = False
+        pixels = canvases[i][:, outside]  # (3, M)
+        clutter = pixels[:, pixels[0] != 0]
+        assert len(clutter[0]) > 0
+        source_class = clutter[0].long() - 100
+        source_index = clutter[2].long() - 100
+        assert ((source_class >= 0) & (source_class <= 2)).all() and (source_class != labels[i]).all()
+        assert ((source_index >= 0) & (source_index < 90)).all()
+        assert torch.equal(torch.tensor(labels)[source_index], source_class)  # the pixel is that image's
+        assert (pixels[:, pixels[0] == 0] == 0).all()  # the rest is the fill colour
+        assert len(clutter[0]) <= 6 * 9  # at most k crops of f x f
+
+
+def test_one_fragment_is_one_crop_of_fragment_size_from_a_random_spot() -> None:
+    labels = [0, 1] * 100
+    images = traceable(labels)
+    recipe = ClutterRecipe(canvas=40, fragments=1, fragment_size=4, seed=0)
+    canvases, boxes = clutter_split(images, torch.tensor(labels), FILL, recipe, "train")
+    spots = set()
+    for i in range(200):
+        x, y, w, h = boxes[i].tolist()
+        mask = canvases[i, 0] != 0
+        mask[y:y + h, x:x + w] = False
+        ys, xs = torch.nonzero(mask, as_tuple=True)
+        if len(ys) < 16:
+            continue  # the object covers part of the crop
+        assert len(ys) == 16 and ys.max() - ys.min() == 3 and xs.max() - xs.min() == 3  # one 4x4 square
+        top, left = int(ys.min()), int(xs.min())
+        crop = canvases[i, :, top:top + 4, left:left + 4]
+        j = int(crop[2, 0, 0])
+        pos = int(crop[1, 0, 0])
+        sy, sx = divmod(pos, 8)
+        assert torch.equal(crop, images[j, :, sy:sy + 4, sx:sx + 4])  # a crop of image j at (sy, sx)
+        spots.add((sy, sx))
+    assert len(spots) > 10  # crops come from many spots, not a fixed one
+
+
+def test_objects_and_places_depend_on_the_seed_not_on_the_fragments() -> None:
+    labels = torch.tensor([0, 1, 2, 3] * 50)
+    images = traceable(labels.tolist())
+    clean, boxes0 = clutter_split(images, labels, FILL, ClutterRecipe(32, 0, 4, seed=3), "test")
+    busy, boxes16 = clutter_split(images, labels, FILL, ClutterRecipe(32, 16, 4, seed=3), "test")
+    _, other_seed = clutter_split(images, labels, FILL, ClutterRecipe(32, 16, 4, seed=4), "test")
+    _, other_split = clutter_split(images, labels, FILL, ClutterRecipe(32, 16, 4, seed=3), "train")
+    assert torch.equal(boxes0, boxes16) and not torch.equal(boxes0, other_seed) and not torch.equal(boxes0, other_split)
+    assert (clean != 0).any(dim=1).flatten(1).sum(1).tolist() == [64] * 200  # no clutter: the object alone on the fill
+    assert not torch.equal(clean, busy)
+    # Uniform integer positions over [0, canvas - 8]: every value reached, mean near the middle (12).
+    xy = boxes0[:, :2].double()
+    assert set(boxes0[:, 0].tolist()) == set(range(25)) and abs(xy.mean().item() - 12) < 1.0
+
+
+def test_bad_recipes_and_sources_are_one_line_errors(tmp_path: Path, capsys) -> None:
+    labels = torch.tensor([0, 1])
+    images = traceable([0, 1], size=8)
+    with pytest.raises(UserError, match="do not fit on a 6x6 canvas"):
+        clutter_split(images, labels, FILL, ClutterRecipe(canvas=6, fragments=0), "train")
+    with pytest.raises(UserError, match="larger than the 16-pixel canvas"):
+        ClutterRecipe(canvas=16, fragment_size=20).check((8, 8))
+    with pytest.raises(UserError, match="one class only"):
+        clutter_split(images, torch.tensor([1, 1]), FILL, ClutterRecipe(16, 2, 4), "train")
+    for cls, side in (("a", 8), ("b", 9)):  # two classes, two image sizes
+        (tmp_path / "mixed" / "train" / cls).mkdir(parents=True)
+        Image.new("RGB", (side, side)).save(tmp_path / "mixed" / "train" / cls / "0.png")
+    cases = [
+        (["--dataset", "cifar10-sample", "--fragment-size", "65"], "larger than the 64-pixel canvas"),
+        (["--dataset", "cifar10-sample", "--canvas", "31", "--fragments", "0"], "do not fit on a 31x31 canvas"),
+        (["--dataset", str(tmp_path / "mixed")], "images have different sizes"),
+        (["--dataset", str(SAMPLE_DIR), "--output", str(SAMPLE_DIR / "clutter")], "inside the source data set"),
+    ]
+    for argv, message in cases:
+        out = [] if "--output" in argv else ["--output", str(tmp_path / "out")]
+        with pytest.raises(SystemExit) as exit_info:
+            make_cli.run_cli(make_cli.main, [*argv, *out])
+        lines = capsys.readouterr().err.strip().splitlines()  # datasets' own progress bars may come first
+        assert exit_info.value.code == 2 and lines[-1].startswith("error: ") and message in lines[-1]
+        assert not any("Traceback" in line for line in lines)
+    assert not (SAMPLE_DIR / "clutter").exists()
+
+
+def test_written_folder_is_byte_deterministic_and_loads_offline_with_boxes(tmp_path: Path) -> None:
+    recipe = ClutterRecipe(canvas=48, fragments=4, fragment_size=6, seed=1)
+    counts = make_cluttered("cifar10-sample", tmp_path / "a", recipe, per_class=3)
+    make_cluttered("cifar10-sample", tmp_path / "b", recipe, per_class=3)
+    assert counts == {"train": 30, "test": 30}
+    for name in ("train.parquet", "test.parquet", "README.md"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    ds = datasets.load_dataset(str(tmp_path / "a"))  # offline: the card's configs name the files
+    assert set(ds) == {"train", "test"} and ds["test"].features["label"].names[:2] == ["airplane", "automobile"]
+    source = load_image_set("cifar10-sample", "test")
+    loaded = load_image_set(str(tmp_path / "a"), "test")
+    assert loaded.images.shape == (30, 3, 48, 48) and loaded.boxes.dtype == torch.float32
+    assert loaded.boxes.tolist() == ds["test"]["bbox"]
+    card = (tmp_path / "a" / "README.md").read_text()
+    assert source.fingerprint in card and "4 crops of 6x6 pixels" in card
+    # Each object is a source image of its label, at its box, byte for byte.
+    from timm_rollout.data import balanced_indices
+
+    picked = source.subset(balanced_indices(source.labels, per_class=3, seed=1))
+    assert torch.equal(loaded.labels, picked.labels)
+    for i, (x, y, w, h) in enumerate(loaded.boxes.long().tolist()):
+        assert torch.equal(loaded.images[i, :, y:y + h, x:x + w], picked.images[i])
+    assert torch.equal(loaded.subset(torch.tensor([2, 0])).boxes, loaded.boxes[[2, 0]])
+
+
+def test_loader_keeps_one_box_per_image_and_refuses_others(tmp_path: Path) -> None:
+    img = Image.new("RGB", (8, 8))
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    cell = {"bytes": buf.getvalue(), "path": None}
+
+    def write(name: str, boxes: list) -> str:
+        feats = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"]),
+                                   "bbox": datasets.List(datasets.List(datasets.Value("float32")))})
+        folder = tmp_path / name
+        folder.mkdir()
+        datasets.Dataset.from_dict({"image": [cell] * len(boxes), "label": [0, 1][: len(boxes)], "bbox": boxes},
+                                   features=feats).to_parquet(str(folder / "train.parquet"))
+        return str(folder)
+
+    nested = load_image_set(write("nested", [[[1, 2, 3, 4]], [[0, 0, 8, 8]]]), "train")
+    assert nested.boxes.tolist() == [[1, 2, 3, 4], [0, 0, 8, 8]]
+    with pytest.raises(UserError, match="row 1 of column 'bbox'"):
+        load_image_set(write("two", [[[1, 2, 3, 4]], [[0, 0, 8, 8], [1, 1, 2, 2]]]), "train")
+    assert load_image_set("cifar10-sample", "test").boxes is None
