@@ -10,7 +10,6 @@ import importlib.util
 from pathlib import Path
 
 import datasets
-import numpy as np
 import pytest
 import torch
 from PIL import Image
