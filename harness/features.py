@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from harness.localisation import localisation_metrics
 from timm_rollout.capture import capture_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast, inference_batch_size
@@ -30,8 +31,6 @@ from timm_rollout.diagnostics import (
 from timm_rollout.explain import READOUTS, AttentionPass, gradient_pass, readout_maps
 from timm_rollout.progress import progress
 from timm_rollout.rollout import patch_weights
-
-from .localisation import localisation_metrics
 
 __all__ = ["PoolingDiagnostics", "SaliencyMaps", "box_localisation", "extract", "patch_pooling_weights",
            "pooling_diagnostics", "saliency_maps"]
