@@ -39,6 +39,7 @@ __all__ = [
     "PRIMARY",
     "Group",
     "MetricComparison",
+    "check_distinct",
     "ci_half_widths",
     "compare_groups",
     "correct_per_image",
@@ -56,6 +57,7 @@ __all__ = [
 METRICS = ("top1", "top5", "linear_probe", "knn_loo", "knn_bank", "intra", "inter", "ratio", "silhouette")
 ORIGINAL_METRICS = ("intra_original", "inter_original", "ratio_original")  # the original study's definitions
 PRIMARY = "top1"
+SHOWABLE = METRICS + POOLING_DIAGNOSTICS + LOCALISATION + ORIGINAL_METRICS  # what --metrics may name
 
 
 @dataclass
@@ -176,6 +178,29 @@ def evaluated_images(result: dict[str, Any]) -> tuple | None:
     if "subset_fingerprint" not in data:
         return None
     return data["subset_fingerprint"], (data.get("bank") or {}).get("fingerprint")
+
+
+def check_distinct(results: Sequence[dict[str, Any]]) -> None:
+    """Refuse an evaluation counted twice: the same folder passed twice, or two folders of one group (same
+    :func:`run_label`) with the same training seed (a copied or repeated evaluation, or two runs that cannot be
+    told apart by seed), or, for records without a seed, the same weights (sha256) on the same images."""
+    seen: dict[tuple, str] = {}
+    for result in results:
+        path = str(result.get("path", "?"))
+        seed, sha = run_seed(result), result["model"].get("sha256")
+        keys = [("folder", Path(path).resolve())]
+        if seed is not None:
+            keys.append(("seed", run_label(result), seed))
+        elif sha is not None:
+            keys.append(("weights", run_label(result), sha, evaluated_images(result)))
+        for key in keys:
+            if key in seen and key[0] == "folder":
+                raise UserError(f"{path} is passed twice; pass each evaluation folder once")
+            if key in seen:
+                what = f"seed {seed}" if key[0] == "seed" else "the same weights on the same images"
+                raise UserError(f"{seen[key]} and {path} are both {what} of {key[1]}, so one seed would count twice; "
+                                "pass one evaluation per seed")
+            seen[key] = path
 
 
 def summarise(results: Sequence[dict[str, Any]], metrics: Sequence[str] = METRICS,
@@ -365,14 +390,28 @@ def build_parser() -> CliParser:
     p.add_argument("runs", nargs="+", help="evaluation folders (each with results.json)")
     p.add_argument("--output", required=True, type=output_dir, help="folder for report.md and comparison.png")
     p.add_argument("--metrics", nargs="+", default=list(METRICS),
-                   choices=METRICS + POOLING_DIAGNOSTICS + LOCALISATION + ORIGINAL_METRICS,
+                   choices=SHOWABLE,
                    help="metrics to show (the first listed group is the base; diagnostics, localisation on request)")
     return p
 
 
+def _check_metrics(results: Sequence[dict[str, Any]], asked: Sequence[str]) -> None:
+    """Refuse ``--metrics`` that none of the evaluations holds (a value other than null), naming those they hold."""
+    held = [m for m in SHOWABLE if any(r["metrics"].get(m) is not None for r in results)]
+    lacking = [m for m in asked if m not in held]
+    if lacking:
+        raise UserError(f"--metrics {' '.join(lacking)}: none of the evaluations has a value for "
+                        f"{'it' if len(lacking) == 1 else 'them'}; they have {', '.join(held) or 'none'}")
+
+
 def main(argv: list[str] | None = None) -> list[Group]:
-    args = build_parser().parse_args(argv)
-    groups = summarise(load_results(args.runs), args.metrics)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    results = load_results(args.runs)
+    check_distinct(results)
+    if "metrics" in parser.given:
+        _check_metrics(results, args.metrics)
+    groups = summarise(results, args.metrics)
     out = Path(args.output)
     write_text(out / REPORT_FILE, render_markdown(groups, args.metrics))
     shown = [m for m in args.metrics if any(g.mean.get(m) is not None for g in groups)]

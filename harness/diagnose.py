@@ -8,8 +8,9 @@ same way; the diagnostics are computed exactly as ``harness.eval`` computes them
 ``results.json`` (metrics, ``pooling_diagnostics``, their timing), atomically. Refused, nothing written, when
 the weights' sha256 or the evaluated images' fingerprint differ from what the evaluation recorded. Run it from
 the directory the evaluations ran in: their paths are relative to it, or, for evaluations made on another
-machine, name the folder that now holds their checkpoints with ``--runs`` (a checkpoint is looked up there by its
-folder name; the sha256 check still applies). Folders that have the diagnostics are skipped.
+machine, name the folder that now holds their checkpoints with ``--runs`` (a checkpoint, or the folder of a
+``--model local-dir:PATH``, is looked up there by its folder name; the sha256 check still applies; evaluations
+without local weights are refused with it). Folders that have the diagnostics are skipped.
 """
 
 from __future__ import annotations
@@ -40,6 +41,19 @@ def has_diagnostics(results: dict[str, Any]) -> bool:
     return record is None or ("layer_effective_patches" in record and "rollout_variants" in record)
 
 
+def _relocate(args: argparse.Namespace, runs: Path, folder: str | Path) -> None:
+    """Point an evaluation's local weights (``--checkpoint``, a ``local-dir:`` model, or both) at the folders of
+    the same names in ``runs``; an evaluation without local weights (a Hub or untrained model) is refused."""
+    found = False
+    if args.checkpoint:
+        args.checkpoint, found = str(runs / Path(args.checkpoint).name), True
+    if args.model.startswith("local-dir:"):
+        args.model, found = f"local-dir:{runs / Path(args.model.removeprefix('local-dir:')).name}", True
+    if not found:
+        raise UserError(f"{folder} evaluated {args.model} without local weights, so --runs has nothing to find for "
+                        "it; drop --runs or run it on its own")
+
+
 def add_pooling_diagnostics(folder: str | Path, device: str | None = None, runs: str | Path | None = None) -> bool:
     """Compute the missing pooling diagnostics of the evaluation in ``folder`` and rewrite its results.json;
     False when it already has them. ``device`` overrides the evaluation's ``--device``; ``runs`` is the folder
@@ -51,11 +65,13 @@ def add_pooling_diagnostics(folder: str | Path, device: str | None = None, runs:
     if has_diagnostics(results):
         return False
     args = argparse.Namespace(**results["args"])
-    if args.checkpoint and runs is not None:
-        args.checkpoint = str(Path(runs) / Path(args.checkpoint).name)
-    if args.checkpoint and not Path(args.checkpoint).exists():
-        raise UserError(f"{folder} evaluated {args.checkpoint}, which is not there from {Path.cwd()}; run this "
-                        "command from the directory the evaluation ran in, or pass --runs FOLDER holding it")
+    if runs is not None:
+        _relocate(args, Path(runs), folder)
+    local_dir = args.model.removeprefix("local-dir:") if args.model.startswith("local-dir:") else None
+    for where in (p for p in (args.checkpoint, local_dir) if p):
+        if not Path(where).exists():
+            raise UserError(f"{folder} evaluated {where}, which is not there from {Path.cwd()}; run this command "
+                            "from the directory the evaluation ran in, or pass --runs FOLDER holding it")
     start = time.perf_counter()
     dev = resolve_device(device or args.device)
     sel = harness_eval._select(args)
@@ -80,7 +96,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     p.add_argument("folders", nargs="+", type=existing_path, help="evaluation folders (results.json of harness.eval)")
     p.add_argument("--device", type=device_arg, help="override the evaluations' --device (e.g. cpu)")
     p.add_argument("--runs", type=existing_path,
-                   help="folder now holding the evaluated checkpoints, found by name (evaluations made elsewhere)")
+                   help="folder now holding the evaluated checkpoints or local-dir: models, found by name "
+                        "(evaluations made elsewhere)")
     args = p.parse_args(argv)
     added = []
     for folder in args.folders:

@@ -88,7 +88,9 @@ def build_parser() -> CliParser:
     sel = p.add_mutually_exclusive_group()
     sel.add_argument("--classes", nargs="+", metavar="NAME", help="evaluate only these classes")
     sel.add_argument("--num-classes", type=number(int, 2), metavar="K", help="evaluate only the first K classes")
-    p.add_argument("--per-class", type=positive_int, metavar="N", help="N random images per class (default: all)")
+    p.add_argument("--per-class", type=number(int, 2), metavar="N",
+                   help="N random images per class, at least 2: intra-class angles and silhouette need two (default: "
+                        "all)")
     p.add_argument("--seed", type=seed_arg, default=0,
                    help="seed of the per-class draws, heatmap picks, silhouette sample")
     p.add_argument("--pool", choices=POST_HOC_POOLS, help="read the features out with this pooling instead of the "

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+from timm.utils import ParseKwargs
 
 from harness.compare import (
     METRICS,
@@ -63,6 +64,7 @@ from timm_rollout.errors import (
     UserError,
     as_type,
     non_negative_int,
+    number,
     output_dir,
     positive_int,
     run_cli,
@@ -86,6 +88,7 @@ from timm_rollout.records import (
     WEIGHTS_FILE,
     sha256_file,
 )
+from timm_rollout.train import build_parser as train_parser
 from timm_rollout.train_log import read_log
 
 # Trained arms: the pooling (any timm pooling, or rollout) and its rollout options. On the tiny CIFAR ViT (no
@@ -146,7 +149,7 @@ IDENTITY = ("model", "dataset", "epochs", "train_args", "max_train_samples", "ev
 
 def build_parser() -> CliParser:
     """The CLI; bad values are one-line errors before anything is recorded in ``study.json``."""
-    p = CliParser(prog="python scripts/study.py", description=__doc__.splitlines()[0])
+    p = CliParser(prog="python scripts/study.py", description=__doc__.splitlines()[0], checks=[check_train_args])
     p.add_argument("--dataset", required=True, type=as_type(dataset_arg),
                    help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or folder")
     p.add_argument("--epochs", type=positive_int, required=True)
@@ -160,13 +163,14 @@ def build_parser() -> CliParser:
     p.add_argument("--output", required=True, type=output_dir, help="study folder (runs/, eval/, report.md)")
     p.add_argument("--train-args", default="", help="extra flags for timm_rollout.train, quoted, same for every arm")
     p.add_argument("--max-train-samples", type=positive_int, help="class-balanced training subset (quick studies)")
-    p.add_argument("--eval-per-class", type=positive_int,
-                   help="evaluate N random test images per class (default: all)")
+    p.add_argument("--eval-per-class", type=number(int, 2),
+                   help="evaluate N random test images per class, at least 2 (default: all)")
     p.add_argument("--bank-per-class", type=positive_int,
                    help="k-NN bank: N random train images per class (default: all)")
     p.add_argument("--faithfulness-images", type=non_negative_int, default=0,
                    help="deletion/insertion faithfulness on N evaluated images (0: off)")
-    p.add_argument("--heatmaps", type=positive_int, default=6, help="test images in the side-by-side heatmap grid")
+    p.add_argument("--heatmaps", type=non_negative_int, default=6,
+                   help="test images in the side-by-side heatmap grid (0: no grid)")
     p.add_argument("--pack", type=positive_int, default=1,
                    help="seeds of one arm trained in one trainer process, one after another (data loaded once); "
                         "not part of the study's identity")
@@ -183,6 +187,77 @@ def build_parser() -> CliParser:
                    help="train nothing: report (and export) over the seeds every arm of --arms has finished")
     p.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
     return p
+
+
+# Trainer flags (argparse destinations of timm_rollout.train) that the study's own train command sets for every
+# run (train_command), with the study flag that sets them: --train-args may not contradict them.
+STUDY_SETS = {
+    "model": "use the study's --model", "dataset": "use the study's --dataset",
+    "epochs": "use the study's --epochs", "seed": "use the study's --seeds", "output": "use the study's --output",
+    "device": "use the study's --device", "max_train_samples": "use the study's --max-train-samples",
+    "stack": "use the study's --pack N --stack", "pool": "choose the pooling with --arms",
+    "pool_kwargs": "choose the pooling with --arms",
+    "resume": "drop it: re-running the study command resumes interrupted runs",
+    "overwrite": "drop it: the study never overwrites a run; use a new --output to start again",
+}
+# --model-kwargs keys that define an arm's pooling (arm_model): set by --arms, never by --train-args.
+ARM_KWARGS = ("global_pool", "rollout_")
+
+
+def _train_flags(tokens: list[str]) -> tuple[frozenset[str], dict[str, Any]]:
+    """The trainer flags ``tokens`` set (destinations, abbreviations and ``--flag=value`` resolved as the trainer
+    resolves them) and their ``--model-kwargs``; values are checked later, with the whole command."""
+    probe = train_parser()
+    for action in probe._actions:
+        action.required = False
+        if not isinstance(action, ParseKwargs):
+            action.type = action.choices = None
+    try:
+        parsed, extras = probe.parse_known_args(tokens)
+    except UserError as e:
+        raise UserError(f"--train-args: {e}") from None
+    if extras:
+        raise UserError(f"--train-args: unrecognized training flags {' '.join(extras)}; see python -m "
+                        "timm_rollout.train --help")
+    return probe.given, dict(parsed.model_kwargs)
+
+
+def check_train_args(args: argparse.Namespace) -> None:
+    """Parse-time checks of ``--train-args``: it must split as a shell would, set none of the flags the study sets
+    for every run (:data:`STUDY_SETS`, the arms' pooling keys of ``--model-kwargs``), and give every arm's training
+    command values the trainer accepts."""
+    try:
+        tokens = shlex.split(args.train_args)
+    except ValueError as e:
+        raise UserError(f"--train-args {args.train_args!r} does not split as shell words ({e}); balance its "
+                        "quotes") from None
+    given, model_kwargs = _train_flags(tokens)
+    for dest, fix in STUDY_SETS.items():
+        if dest in given:
+            raise UserError(f"--train-args sets --{dest.replace('_', '-')}, which the study sets itself; {fix}")
+    for key in model_kwargs:
+        if key.startswith(ARM_KWARGS):
+            raise UserError(f"--train-args sets --model-kwargs {key}, which defines an arm's pooling; choose the "
+                            "pooling with --arms")
+    for arm in args.arms:
+        output = str(Path(args.output) / "runs" / f"{arm}-s{{seed}}")
+        try:
+            train_parser().parse_args(train_command(args, arm, args.seeds, output))
+        except UserError as e:
+            raise UserError(f"arm {arm} would not train: {e} (check --train-args)") from None
+
+
+def train_command(args: argparse.Namespace, arm: str, seeds: Sequence[int], output: str) -> list[str]:
+    """The ``timm_rollout.train`` flags that train (or resume) ``arm``'s runs of ``seeds`` into ``output``."""
+    model, kwargs, flags = arm_model(args.model, arm)
+    cmd = ["--model", model, "--dataset", args.dataset, "--epochs", str(args.epochs), "--seed", *map(str, seeds),
+           "--output", output, "--resume", "--device", args.device,
+           *merge_model_kwargs(shlex.split(args.train_args), kwargs), *flags]
+    if args.max_train_samples is not None:
+        cmd += ["--max-train-samples", str(args.max_train_samples)]
+    if args.stack:
+        cmd.append("--stack")
+    return cmd
 
 
 def _run(cmd: list[str], threads: int | None) -> None:
@@ -259,16 +334,8 @@ def train_runs(args: argparse.Namespace, arm: str, seeds: Sequence[int], runs: d
         print(f"= {runs[arm, seed]} finished, skipped")
     if not todo:
         return
-    model, kwargs, flags = arm_model(args.model, arm)
     output = str(runs[arm, todo[0]].parent / f"{arm}-s{{seed}}")
-    cmd = [sys.executable, "-m", "timm_rollout.train", "--model", model, "--dataset", args.dataset,
-           "--epochs", str(args.epochs), "--seed", *map(str, todo), "--output", output, "--resume",
-           "--device", args.device, *merge_model_kwargs(shlex.split(args.train_args), kwargs), *flags]
-    if args.max_train_samples is not None:
-        cmd += ["--max-train-samples", str(args.max_train_samples)]
-    if args.stack:
-        cmd.append("--stack")
-    _run(cmd, args.threads)
+    _run([sys.executable, "-m", "timm_rollout.train", *train_command(args, arm, todo, output)], args.threads)
 
 
 def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder: Path, pool: str | None = None) -> None:
@@ -580,8 +647,11 @@ def _figures(args: argparse.Namespace, out: Path, arms: list[str], seeds: list[i
                                  f"({args.dataset} test split; for non-rollout arms, the weights rollout would pool "
                                  "with post hoc)")
     first = seeds[0]
-    panels = {a: (arm_model(args.model, backbone(a))[0], runs[backbone(a), first], POSTHOC.get(a)) for a in arms}
-    plot_side_by_side(args, panels, first, out / HEATMAPS_FILE)
+    if args.heatmaps:
+        panels = {a: (arm_model(args.model, backbone(a))[0], runs[backbone(a), first], POSTHOC.get(a)) for a in arms}
+        plot_side_by_side(args, panels, first, out / HEATMAPS_FILE)
+    else:  # --heatmaps 0: no grid, and none left from an earlier render
+        (out / HEATMAPS_FILE).unlink(missing_ok=True)
     return bool(records)
 
 
@@ -647,7 +717,7 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
           if pooling else []),
         f"## Cosine similarity of class centroids (seed {seeds[0]})", "",
         *[f"![{a}]({evals[a, seeds[0]].relative_to(out)}/cosine_matrix.png)" for a in arms], "",
-        "## The same test images under every arm", "", "![heatmaps](heatmaps.png)", "",
+        *(["## The same test images under every arm", "", "![heatmaps](heatmaps.png)", ""] if args.heatmaps else []),
         "## Shareable checkpoints", "",
         f"One seed of each trained arm, the one with {PICK_RULE}, as a Hub upload folder with its model card "
         "(`scripts/push_to_hub.py --dry-run`); `timm.create_model(\"local-dir:<folder>\", pretrained=True)` "

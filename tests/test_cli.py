@@ -70,6 +70,15 @@ CASES = [
     (EVAL, ["--faithfulness-images", "9"], "--faithfulness-images only applies with --faithfulness; add --faithf"),
     (COMPARE, ["--output", "{file}"], "file.txt is a file; pass a folder"),
     (COMPARE, ["--metrics", "top2"], "argument --metrics: invalid choice: 'top2'"),
+    (EVAL, ["--per-class", "1"], "argument --per-class: must be an integer >= 2, got 1"),
+    (["harness.compare", "{ev}", "--output", "{out}"], ["--metrics", "top1", "knn_bank", "silhouette"],
+     "--metrics knn_bank silhouette: none of the evaluations has a value for them; they have top1, linear_probe"),
+    (["harness.compare", "{ev}", "{ev}/results.json", "--output", "{out}"], [],
+     "ev is passed twice; pass each evaluation folder once"),
+    (["harness.compare", "{ev}", "{ev_copy}", "--output", "{out}"], [],
+     "ev_copy are both seed 0 of vit_tiny_cifar_cls on cifar10-sample/test, so one seed would count twice"),
+    (["harness.diagnose", "{ev}"], ["--runs", "{run}"],
+     "ev evaluated hf-hub:org/vit without local weights, so --runs has nothing to find for it; drop --runs"),
     (SWEEP, ["--output", "{file}"], "file.txt is a file; pass a folder"),
     (SWEEP, ["--select", "top2"], "argument --select: invalid choice: 'top2'"),
     (EXPLAIN, ["--image", "{missing}"], "does not exist; check the path"),
@@ -91,8 +100,15 @@ def _paths(tmp_path: Path) -> dict[str, str]:
     run.mkdir()
     (run / "train_args.json").write_text(json.dumps({"lr": 1e-3, "epochs": 1, "dataset": "cifar10-sample"}))
     (run / "resume.safetensors").write_bytes(b"")
+    evaluation = {"metrics": {"top1": 0.5, "linear_probe": 0.25, "knn_bank": None}, "config": {"seed": 0},
+                  "model": {"name": "vit_tiny_cifar_cls"}, "data": {"argument": "cifar10-sample", "split": "test"},
+                  "args": {"model": "hf-hub:org/vit", "checkpoint": None}}  # no pooling diagnostics yet
+    for name in ("ev", "ev_copy"):  # one evaluation and a copy of it
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(evaluation))
     return {"out": str(tmp_path / "out"), "notdata": str(tmp_path / "notdata"), "file": str(tmp_path / "file.txt"),
-            "run": str(run), "missing": str(tmp_path / "missing.png")}
+            "run": str(run), "missing": str(tmp_path / "missing.png"), "ev": str(tmp_path / "ev"),
+            "ev_copy": str(tmp_path / "ev_copy")}
 
 
 # Reads [[argv, stderr_file], ...] on stdin; runs each argv as `python -m` would, in a forked child whose stderr

@@ -195,6 +195,36 @@ def test_diagnose_adds_the_missing_diagnostics_as_eval_computes_them(peaked, run
     assert back["pooling_diagnostics"] == full["pooling_diagnostics"]
 
 
+def test_diagnose_finds_a_moved_local_dir_model_with_runs(peaked, tmp_path):
+    """An evaluation of ``--model local-dir:PATH`` made elsewhere: --runs finds PATH's folder by name (it used to
+    be ignored), the sha256 check still applies, and without --runs the error names it."""
+    from harness import diagnose
+
+    run, out = peaked
+    full = json.loads((out / "results.json").read_text())
+    old = {**full, "metrics": {k: v for k, v in full["metrics"].items() if not k.startswith("rollout_")},
+           "args": {**full["args"], "model": f"local-dir:{tmp_path / 'gone' / run.name}", "checkpoint": None}}
+    del old["pooling_diagnostics"]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "results.json").write_text(json.dumps(old))
+    with pytest.raises(UserError, match=r"evaluated .*gone/peaked, which is not there .* pass --runs FOLDER"):
+        diagnose.add_pooling_diagnostics(tmp_path / "old")
+    moved = tmp_path / "elsewhere" / run.name
+    moved.mkdir(parents=True)
+    for f in run.iterdir():
+        (moved / f.name).write_bytes(f.read_bytes())
+    assert diagnose.add_pooling_diagnostics(tmp_path / "old", runs=tmp_path / "elsewhere")
+    back = json.loads((tmp_path / "old" / "results.json").read_text())
+    assert back["pooling_diagnostics"] == full["pooling_diagnostics"] and back["metrics"] == full["metrics"]
+
+
+def test_heatmaps_0_writes_no_heatmap_figure(peaked):
+    _, out = peaked
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["heatmaps"] == 0 and "heatmaps.png" not in results["outputs"]["figures"]
+    assert not (out / "heatmaps.png").exists() and (out / "cosine_matrix.png").is_file()
+
+
 def test_features_file_reproduces_the_metrics(runs):
     results = json.loads((runs[0] / "results.json").read_text())
     saved = load_file(str(runs[0] / "features.safetensors"))
@@ -259,12 +289,60 @@ def test_same_seed_gives_identical_results(runs):
     assert torch.equal(a["features"], b["features"]) and torch.equal(a["labels"], b["labels"])
 
 
+def _as_seed(folder: Path, out: Path, seed: int, knn_loo: float) -> Path:
+    """A copy of an evaluation recorded as another seed with another knn_loo (a second run of its group)."""
+    record = json.loads((folder / "results.json").read_text())
+    record["config"]["seed"], record["metrics"]["knn_loo"] = seed, knn_loo
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps(record))
+    return out
+
+
 def test_compare_groups_runs_and_writes_report(runs, tmp_path):
-    groups = compare.main([str(r) for r in runs] + ["--output", str(tmp_path)])
-    assert len(groups) == 1 and groups[0].n == 2 and groups[0].std["knn_loo"] == 0.0
-    report = (tmp_path / "report.md").read_text()
+    first = json.loads((runs[0] / "results.json").read_text())["metrics"]["knn_loo"]
+    other = _as_seed(runs[1], tmp_path / "seed4", 4, first + 0.1)
+    groups = compare.main([str(runs[0]), str(other), "--output", str(tmp_path / "report")])
+    assert len(groups) == 1 and groups[0].n == 2 and groups[0].seeds == [3, 4]
+    assert groups[0].std["knn_loo"] == pytest.approx(np.std([first, first + 0.1], ddof=1))
+    report = (tmp_path / "report" / "report.md").read_text()
     assert "vit_tiny_cifar_rollout (vit_tiny_cifar_cls weights) on cifar10-sample/test (n=2)" in report
-    assert "| knn_loo |" in report and (tmp_path / "comparison.png").is_file()
+    assert "| knn_loo |" in report and (tmp_path / "report" / "comparison.png").is_file()
+
+
+def test_compare_refuses_an_evaluation_counted_twice(runs, tmp_path):
+    """One folder twice, or two folders holding one seed's evaluation (``runs``: the same evaluation repeated), would
+    count one seed as two; so would two records without a seed of the same weights on the same images."""
+    out = tmp_path / "report"
+    with pytest.raises(UserError, match=r"is passed twice; pass each evaluation folder once"):
+        compare.main([str(runs[0]), str(runs[0] / "results.json"), "--output", str(out)])
+    with pytest.raises(UserError, match=r"are both seed 3 of vit_tiny_cifar_rollout \(vit_tiny_cifar_cls weights\) "
+                                        r"on cifar10-sample/test, so one seed would count twice"):
+        compare.main([str(runs[0]), str(runs[1]), "--output", str(out)])
+    unseeded = []
+    for i, folder in enumerate(runs):
+        record = json.loads((folder / "results.json").read_text())
+        del record["config"]["seed"]
+        (tmp_path / f"unseeded{i}").mkdir()
+        (tmp_path / f"unseeded{i}" / "results.json").write_text(json.dumps(record))
+        unseeded.append(str(tmp_path / f"unseeded{i}"))
+    with pytest.raises(UserError, match=r"are both the same weights on the same images of vit_tiny_cifar_rollout"):
+        compare.main([*unseeded, "--output", str(out)])
+    assert not out.exists()
+
+
+def test_compare_refuses_metrics_no_evaluation_has(runs, tmp_path):
+    """--metrics naming only metrics the evaluations lack used to print an empty table and exit 0."""
+    record = json.loads((runs[0] / "results.json").read_text())
+    held = [m for m in compare.SHOWABLE if record["metrics"].get(m) is not None]
+    lacking = [m for m in compare.SHOWABLE if m not in held]
+    assert "top1" in held and lacking  # the sample evaluation has no localisation metrics
+    with pytest.raises(UserError) as e:
+        compare.main([str(runs[0]), "--metrics", lacking[0], "--output", str(tmp_path / "report")])
+    assert str(e.value) == (f"--metrics {lacking[0]}: none of the evaluations has a value for it; they have "
+                            f"{', '.join(held)}")
+    assert not (tmp_path / "report").exists()
+    groups = compare.main([str(runs[0]), "--metrics", "top1", "knn_loo", "--output", str(tmp_path / "report")])
+    assert groups[0].mean["top1"] == record["metrics"]["top1"]
 
 
 def test_summarise_mean_std_and_deltas():
@@ -428,6 +506,10 @@ def test_user_errors(checkpoint, tmp_path, tmp_path_factory):
     assert "is the evaluated split" in _user_error(_args(checkpoint, out, "--bank-split", "test"))
     c100 = _save(tmp_path_factory, "vit_tiny_cifar_cls", 100)
     assert "checkpoint has 100 classes" in _user_error(_args(c100, out))
+    rollout = _save(tmp_path_factory, "vit_tiny_cifar_rollout", 10)  # local-dir:A with B of another architecture
+    assert f"local-dir:{rollout} is vit_tiny_cifar_rollout but --checkpoint {checkpoint} was trained as " \
+           "vit_tiny_cifar_cls" in _user_error(["--model", f"local-dir:{rollout}", *_args(checkpoint, out)[2:]])
+    assert "must be an integer >= 2, got 1" in _user_error(_args(checkpoint, out, "--per-class", "1"))
     base = ["--model", "vit_tiny_cifar_rollout", "--split", "train", "--output", out]
     labelled = str(_synthetic_folder(tmp_path, True))
     assert "selection is empty" in _user_error([*base, "--dataset", labelled, "--classes", "c", "d"])

@@ -69,6 +69,39 @@ def test_cls_checkpoint_loads_into_rollout_model(cls_folder):
     assert not torch.allclose(pooled, tokens[:, 0])
 
 
+def _saved(folder, name: str, seed: int, **kwargs):
+    torch.manual_seed(seed)
+    model = timm.create_model(name, num_classes=10, depth=2, **kwargs).eval()
+    save_for_hf(model, folder, safe_serialization=True)
+    return model
+
+
+def test_local_dir_with_a_checkpoint_of_another_architecture_is_refused(cls_folder, tmp_path):
+    """``local-dir:A`` with ``--checkpoint B``: B's weights in A's architecture when both were built alike (B's
+    outputs exactly), refused by name when B's architecture, model arguments or pooling differ (it used to build
+    A's class with B's weights and name the result after A)."""
+    model, folder = cls_folder
+    other = _saved(tmp_path / "cls-seed1", "vit_tiny_cifar_cls", 1)  # same build, other weights
+    loaded, info = load_model(f"local-dir:{folder}", tmp_path / "cls-seed1")
+    x = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        assert torch.equal(loaded(x), other(x)) and not torch.equal(loaded(x), model(x))
+    assert info["weights"] == str(tmp_path / "cls-seed1" / "model.safetensors")
+    _saved(tmp_path / "rollout", "vit_tiny_cifar_rollout", 0)
+    _saved(tmp_path / "map", "vit_tiny_cifar_cls", 0, global_pool="map")
+    _saved(tmp_path / "sharp", "vit_tiny_cifar_rollout", 0, rollout_head_fusion="max")
+    for a, b, trained_as in ((folder, tmp_path / "rollout", "vit_tiny_cifar_rollout"),
+                             (tmp_path / "rollout", folder, "vit_tiny_cifar_cls"),
+                             (folder, tmp_path / "map", "vit_tiny_cifar_cls"),
+                             (tmp_path / "rollout", tmp_path / "sharp", "vit_tiny_cifar_rollout")):
+        built = "vit_tiny_cifar_rollout" if "rollout" in a.name else "vit_tiny_cifar_cls"
+        assert _error(f"local-dir:{a}", b) == (
+            f"local-dir:{a} is {built} but --checkpoint {b} was trained as {trained_as} (architecture, model "
+            f"arguments or pooling differ); evaluate it as local-dir:{b}, or as --model {built} --checkpoint {b} "
+            f"for a readout with {built}'s own pooling")
+    assert load_model("vit_tiny_cifar_rollout", folder)[1]["global_pool"] == "rollout"  # the readout it names
+
+
 def test_untrained_registered_model():
     model, info = load_model("vit_tiny_cifar_rollout", num_classes=7, depth=1)
     assert model.num_classes == 7 and info["sha256"] is None and info["weights"] is None

@@ -306,16 +306,38 @@ def test_rerun_with_other_study_flags_is_refused(finished, tmp_path, repo):
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--epochs", "-3"], "argument --epochs: must be an integer >= 1, got -3"),
-    (["--eval-per-class", "0"], "argument --eval-per-class: must be an integer >= 1, got 0"),
+    (["--eval-per-class", "1"], "argument --eval-per-class: must be an integer >= 2, got 1"),
     (["--bank-per-class", "0"], "argument --bank-per-class: must be an integer >= 1, got 0"),
     (["--max-train-samples", "0"], "argument --max-train-samples: must be an integer >= 1, got 0"),
-    (["--heatmaps", "0"], "argument --heatmaps: must be an integer >= 1, got 0"),
-    (["--heatmaps", "-1"], "argument --heatmaps: must be an integer >= 1, got -1"),
+    (["--heatmaps", "-1"], "argument --heatmaps: must be an integer >= 0, got -1"),
     (["--faithfulness-images", "-1"], "argument --faithfulness-images: must be an integer >= 0, got -1"),
     (["--seeds", "0", "-1"], "argument --seeds: must be an integer in [0, 4.29497e+09], got -1"),
     (["--dataset", "./no/such/folder"], "no data set folder at ./no/such/folder"),
     (["--output", "{file}"], "study.json is a file; pass a folder"),
     (["--epocs", "2"], "unrecognized arguments: --epocs 2; did you mean --epochs"),
+    # --train-args may not contradict a flag the study sets itself, in any spelling argparse accepts
+    (["--train-args", "--epochs 2"], "--train-args sets --epochs, which the study sets itself; use the study's --epo"),
+    (["--train-args", "--lr 1e-3 --epoch 2"], "sets --epochs, which the study sets itself; use the study's --epochs"),
+    (["--train-args=--epochs=2"], "sets --epochs, which the study sets itself; use the study's --epochs"),
+    (["--train-args", "--seed 7"], "sets --seed, which the study sets itself; use the study's --seeds"),
+    (["--train-args", "--output runs/x"], "sets --output, which the study sets itself; use the study's --output"),
+    (["--train-args", "--dataset cifar10"], "sets --dataset, which the study sets itself; use the study's --dataset"),
+    (["--train-args", "--model vit_tiny_cifar_gap"], "sets --model, which the study sets itself; use the study's --mo"),
+    (["--train-args", "--device cpu"], "sets --device, which the study sets itself; use the study's --device"),
+    (["--train-args", "--max-train-samples 9"], "sets --max-train-samples, which the study sets itself; use the stu"),
+    (["--train-args=--stack"], "sets --stack, which the study sets itself; use the study's --pack N --stack"),
+    (["--train-args=--resume"], "sets --resume, which the study sets itself; drop it: re-running the study command"),
+    (["--train-args=--overwrite"], "sets --overwrite, which the study sets itself; drop it: the study never overwri"),
+    (["--train-args", "--pool avg"], "sets --pool, which the study sets itself; choose the pooling with --arms"),
+    (["--train-args", "--pool-kwargs grad=True"], "sets --pool-kwargs, which the study sets itself; choose the pooli"),
+    (["--train-args", "--model-kwargs depth=1 global_pool=avg"],
+     "--train-args sets --model-kwargs global_pool, which defines an arm's pooling; choose the pooling with --arms"),
+    (["--train-args", "--model-kwargs rollout_head_fusion=max"], "sets --model-kwargs rollout_head_fusion, which def"),
+    # and must be shell words the trainer accepts, for every arm
+    (["--train-args", "--lr '1e-3"], "does not split as shell words (No closing quotation); balance its quotes"),
+    (["--train-args", "--lr -1"], "arm cls would not train: argument --lr: must be a number > 0, got -1 (check --tr"),
+    (["--train-args", "--frobnicate 3"], "--train-args: unrecognized training flags --frobnicate 3; see python -m t"),
+    (["--arms", "map", "--train-args", "--model-kwargs dpeth=2"], "arm map would not train: vit_tiny_cifar_cls cann"),
 ])
 def test_bad_values_are_refused_before_anything_is_recorded(tmp_path, flags, message):
     (tmp_path / "study.json").write_text("{}")
@@ -326,6 +348,26 @@ def test_bad_values_are_refused_before_anything_is_recorded(tmp_path, flags, mes
         study.main(argv)
     assert message in str(e.value) and "\n" not in str(e.value)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("base", [None, "vit_small_patch16_224"])
+def test_every_trainer_flag_the_study_sets_is_guarded(base):
+    """Every flag of the training command the study builds (each arm, on the tiny ViT and on a --model, with every
+    study flag that adds one), read by the trainer's own parser, is one --train-args may not set."""
+    args = study.build_parser().parse_args(["--dataset", "cifar10-sample", "--epochs", "2", "--output", "out",
+                                            "--max-train-samples", "50", "--pack", "2", "--stack", "--seeds", "0", "1",
+                                            *(["--model", base] if base else []), "--train-args",
+                                            "--model-kwargs img_size=32 patch_size=4 depth=1 --lr 1e-3"])
+    for arm in study.ARMS:
+        command = study.train_command(args, arm, [0, 1], "runs/{arm}-s{seed}")
+        given, kwargs = study._train_flags(command)
+        assert given - {"model_kwargs", "lr"} <= study.STUDY_SETS.keys(), arm
+        assert {"model", "dataset", "epochs", "seed", "output", "resume", "device", "max_train_samples",
+                "stack"} <= given, arm
+        own = {k for k in kwargs if k not in ("img_size", "patch_size", "depth")}
+        assert all(k.startswith(study.ARM_KWARGS) for k in own), arm
+    trainer = {a.dest for a in study.train_parser()._actions}
+    assert study.STUDY_SETS.keys() <= trainer
 
 
 def test_recorded_settings_are_replaced_until_a_run_has_trained(tmp_path):
@@ -448,6 +490,22 @@ def test_report_includes_the_folders_notes(finished, tmp_path):
     (copy / "notes.md").unlink()
     study.main(argv)
     assert "## Notes" not in (copy / "report.md").read_text(encoding="utf-8")
+
+
+def test_heatmaps_0_renders_the_report_without_the_grid(finished, tmp_path):
+    """--heatmaps 0 asks for no side-by-side grid: no figure (an earlier render's is removed), no section, and the
+    rest of the report as with the grid."""
+    copy = tmp_path / "copy"
+    shutil.copytree(finished, copy)
+    assert (copy / "heatmaps.png").is_file()
+    argv = [a for a in _argv(copy) if a != "--commit"] + ["--report-only"]
+    argv[argv.index("--heatmaps") + 1] = "0"
+    study.main(argv)
+    report = (copy / "report.md").read_text(encoding="utf-8")
+    assert not (copy / "heatmaps.png").exists()
+    assert "heatmaps.png" not in report and "## The same test images under every arm" not in report
+    with_grid = (finished / "report.md").read_text(encoding="utf-8")
+    assert _table_row(report, "top1") == _table_row(with_grid, "top1")
 
 
 def test_learning_curve_metrics_come_from_the_training_log(finished, tmp_path):

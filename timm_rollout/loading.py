@@ -260,8 +260,20 @@ def _resolve_source(model: str, checkpoint: str | Path | None) -> tuple[str, dic
             weights = _weights_in(folder)
     _check_registered(arch)
     if checkpoint is not None:
-        weights, config = _resolve_checkpoint(checkpoint)
+        own, (weights, config) = config, _resolve_checkpoint(checkpoint)
+        if own is not None and config is not None and _built_as(config) != _built_as(own):
+            raise UserError(f"{model} is {_built_as(own)[0]} but --checkpoint {checkpoint} was trained as "
+                            f"{_built_as(config)[0]} (architecture, model arguments or pooling differ); evaluate "
+                            f"it as local-dir:{checkpoint}, or as --model {arch} --checkpoint {checkpoint} for "
+                            f"a readout with {arch}'s own pooling")
     return arch, config, weights
+
+
+def _built_as(config: dict[str, Any]) -> tuple[str, dict[str, Any], Any, Any]:
+    """What a timm config builds: architecture, model arguments other than the class count, pooling, and the
+    rollout pooling a stock ViT was trained with."""
+    args = {k: v for k, v in (config.get("model_args") or {}).items() if k != "num_classes"}
+    return str(config.get("architecture")), args, config.get("global_pool"), config.get(CONFIG_KEY)
 
 
 def load_model(
