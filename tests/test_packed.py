@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from timm.layers import DropPath
 from torch import nn
 
 from timm_rollout.dropout import FastDropout, effective_p, use_fast_dropout
 from timm_rollout.errors import UserError
-from timm_rollout.packed import Stack
+from timm_rollout.packed import Stack, seed_everything
 from timm_rollout.train import train
 from timm_rollout.train_log import read_log
 
@@ -22,6 +23,15 @@ TINY = ["--dataset", "cifar10-sample", "--max-train-samples", "128", "--max-eval
         "--weight-decay", "0.5", "--clip-grad", "0.1", "--model-ema", "--model-ema-decay", "0.9",
         "--model-kwargs", "depth=1", "embed_dim=64", "pos_drop_rate=0", "attn_drop_rate=0", "proj_drop_rate=0"]
 KEYS = ("train_loss", "eval_loss", "eval_top1", "eval_top5", "lr")
+# Every augmentation the trainer offers, on at once, each drawing its own random numbers: random crop
+# (--crop-padding) and flip (--hflip) from the run's augmentation generator; mixup and CutMix, switching between
+# them (timm's Mixup, from numpy's global state), with label smoothing in their targets; dropout at every site of
+# the ViT (position, attention, projection and MLP, head) and stochastic depth (--drop-path; depth 2, so block 2
+# has rate 0.2), from torch's global state. EMA and clipping as in TINY.
+AUGMENTED = [*TINY[:TINY.index("--model-kwargs")], "--model", "vit_tiny_cifar_rollout", "--crop-padding", "2",
+             "--hflip", "0.3", "--mixup", "0.8", "--cutmix", "1.0", "--smoothing", "0.1", "--drop-path", "0.2",
+             "--model-kwargs", "depth=2", "embed_dim=32", "pos_drop_rate=0.1", "attn_drop_rate=0.1",
+             "proj_drop_rate=0.1", "drop_rate=0.1", "--max-train-samples", "64", "--batch-size", "16"]
 
 
 def _close(a: Path, b: Path, name: str, tol: float = 1e-5) -> bool:
@@ -96,14 +106,92 @@ def test_a_killed_stacked_command_resumes_every_run_from_its_last_epoch(tmp_path
                                                                    .read_text())["machines"])
 
 
-def test_stacked_dropout_draws_an_independent_mask_per_run_at_the_separate_runs_rate() -> None:
-    """Two runs with identical weights and inputs: each drops elements at the rate its separate run's
-    FastDropout realises, and their masks are independent (both drop together at rate p**2)."""
-    p, n = 0.25, 200_000
-    torch.manual_seed(0)
+class Died(Exception):
+    """A kill, raised just before a run would evaluate (and then save) an epoch."""
+
+
+def _die_at_evaluation(monkeypatch, n: int) -> None:
+    """Every later command dies at its ``n``-th evaluation: after the saves before it, before the saves after it."""
+    import timm_rollout.train as train_module
+
+    evaluate, calls = train_module.evaluate, []
+
+    def evaluate_or_die(*args, **kwargs):
+        calls.append(1)
+        if len(calls) % n == 0:
+            raise Died
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "evaluate", evaluate_or_die)
+
+
+def _equal_to_separate(runs: Path, separate: dict[int, Path]) -> None:
+    """Weights, EMA export, resume state (optimizer moments included) and log of each run equal its separate run's,
+    up to float rounding: batched products round otherwise than plain ones (the differences are ~1e-7, a single
+    different random draw moves the weights by ~1e-3)."""
+    for seed, alone in separate.items():
+        run = runs.parent / runs.name.replace("{seed}", str(seed))
+        assert _close(run, alone, "model.safetensors") and _close(run, alone, "resume.safetensors"), seed
+        _same_logs(run, alone)
+
+
+def _epochs_saved(run: Path) -> int:
+    return len(read_log(run / "log.csv")) if (run / "log.csv").exists() else 0
+
+
+@pytest.fixture(scope="module")
+def separate(tmp_path_factory) -> dict[int, Path]:
+    """Seeds 0 and 1 of the AUGMENTED recipe, each trained by its own command: the reference of stacked runs."""
+    out = tmp_path_factory.mktemp("separate")
+    return {seed: train([*AUGMENTED, "--seed", str(seed), "--output", str(out / f"s{seed}")]) for seed in (0, 1)}
+
+
+def test_stacked_runs_equal_separate_runs_under_every_augmentation(separate: dict[int, Path], tmp_path: Path) -> None:
+    """Each run of a stacked command draws its crops, flips, mixup/CutMix, dropout and drop-path masks from its own
+    streams, exactly as its separate command does; the two runs differ from each other."""
+    train([*AUGMENTED, "--seed", "0", "1", "--stack", "--output", str(tmp_path / "s{seed}")])
+    _equal_to_separate(tmp_path / "s{seed}", separate)
+    assert not _close(separate[0], separate[1], "model.safetensors")
+
+
+def test_a_stacked_command_killed_at_every_save_resumes_to_the_separate_runs(separate: dict[int, Path],
+                                                                             tmp_path: Path, monkeypatch) -> None:
+    """Every command dies at its second evaluation until the runs are done: between the two runs' saves of epoch 1,
+    between epochs (after run 1 caught up alone), between the runs' saves of epoch 2; each --resume stacks
+    whichever runs are behind. Both runs end equal to their separate runs."""
+    flags = [*AUGMENTED, "--seed", "0", "1", "--stack", "--output", str(tmp_path / "s{seed}")]
+    _die_at_evaluation(monkeypatch, 2)
+    saved = []
+    for resume in ([], ["--resume"], ["--resume"]):
+        with pytest.raises(Died):
+            train([*flags, *resume])
+        saved.append([_epochs_saved(tmp_path / f"s{seed}") for seed in (0, 1)])
+    assert saved == [[1, 0], [1, 1], [2, 1]]  # killed between runs, between epochs, between runs
+    train([*flags, "--resume"])  # run 1's epoch 2 alone: one evaluation
+    _equal_to_separate(tmp_path / "s{seed}", separate)
+
+
+def test_separate_runs_resumed_with_stack_equal_uninterrupted_separate_runs(separate: dict[int, Path],
+                                                                             tmp_path: Path, monkeypatch) -> None:
+    """--stack is free on resume (how the runs train, not what they compute): a several-seed command killed in
+    run 0's epoch 2, before run 1 began, resumes stacked and ends with the separate runs' results."""
+    flags = [*AUGMENTED, "--seed", "0", "1", "--output", str(tmp_path / "s{seed}")]
+    _die_at_evaluation(monkeypatch, 2)
+    with pytest.raises(Died):
+        train(flags)
+    assert (tmp_path / "s0" / "resume.safetensors").exists() and not (tmp_path / "s1").exists()
+    monkeypatch.undo()
+    train([*flags, "--stack", "--resume"])
+    _equal_to_separate(tmp_path / "s{seed}", separate)
+
+
+def test_stacked_dropout_and_drop_path_draw_each_runs_masks_from_its_own_stream() -> None:
+    """Two runs with identical weights and inputs: each stacked pass drops exactly what the run's separate pass
+    drops after seed_everything(its seed), pass after pass (FastDropout's masks, timm's drop-path draws)."""
+    seeds, x = (5, 9), torch.ones(2, 50_000, 4)
     models = []
-    for _ in range(2):
-        m = nn.Sequential(nn.Linear(4, 4), nn.Dropout(p))
+    for _ in seeds:
+        m = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.25), DropPath(0.5))
         with torch.no_grad():
             m[0].weight.copy_(torch.eye(4))
             m[0].bias.zero_()
@@ -111,20 +199,26 @@ def test_stacked_dropout_draws_an_independent_mask_per_run_at_the_separate_runs_
         models.append(m)
     assert type(models[0][1]) is FastDropout
     stack = Stack(models, [torch.optim.AdamW(m.parameters()) for m in models], None, nn.MSELoss(), torch.optim.AdamW)
-    x = torch.ones(2, n // 4, 4)
+    stack.seed(seeds)
     with torch.no_grad():
-        out = stack.forward(x).reshape(2, -1)
-        separate = models[0](x[0]).reshape(-1)
-    dropped = out == 0
-    assert torch.allclose(out[~dropped], torch.full_like(out[~dropped], 1 / (1 - p)))
-    sigma = (p * (1 - p) / n) ** 0.5
-    for rate in (*dropped.float().mean(1).tolist(), (separate == 0).float().mean().item()):
-        assert abs(rate - effective_p(p)) < 5 * sigma
-    both = (dropped[0] & dropped[1]).float().mean().item()
-    assert abs(both - p * p) < 5 * (p * p * (1 - p * p) / n) ** 0.5
+        stacked = [stack.forward(x) for _ in range(2)]
+        for i, (seed, model) in enumerate(zip(seeds, models, strict=True)):
+            seed_everything(seed)
+            alone = [model(x[i]) for _ in range(2)]
+            assert all(torch.equal(s[i], a) for s, a in zip(stacked, alone, strict=True))
+    assert not torch.equal(stacked[0][0], stacked[0][1]) and not torch.equal(stacked[0][0], stacked[1][0])
+    dropped = (stacked[0] == 0).float().mean().item()  # dropout's rate plus whole samples dropped by drop path
+    assert abs(dropped - (1 - (1 - effective_p(0.25)) * 0.5)) < 0.01
     models[0].eval()
     with torch.no_grad():
         assert torch.equal(stack.forward(x), x)  # eval mode: no dropout
+
+
+def test_stack_refuses_randomness_it_cannot_draw_per_run(tmp_path: Path) -> None:
+    """timm's PatchDropout draws inside the pass with no per-run stream: refused at the first step, one line."""
+    with pytest.raises(UserError, match="--stack cannot draw per run as its separate run does"):
+        train([*TINY, "--model", "vit_tiny_cifar_gap", "--model-kwargs", "depth=1", "patch_drop_rate=0.5",
+               "--epochs", "1", "--seed", "0", "1", "--stack", "--output", str(tmp_path / "s{seed}")])
 
 
 @pytest.mark.slow  # torch.compile: a minute or more on a 2-core CPU

@@ -4,8 +4,13 @@ A tiny ViT's training step on a GPU is bound by the host launching kernels, not 
 parameters of N runs along a new first dimension (``torch.func.stack_module_state``) and running the model
 once under ``torch.func.vmap`` makes every kernel do N runs' work for one launch. Each run keeps its own
 parameters, optimizer state, gradient-norm clipping and EMA: all of them act element by element or per run,
-so a stacked step equals N separate steps up to float rounding. Dropout draws an independent mask per run
-(``randomness="different"``), with PyTorch's dropout, which ``vmap`` batches.
+so a stacked step equals N separate steps up to float rounding. Random draws are each run's own: every run has
+the global random states its separate run has (:class:`Streams`: torch's on the CPU and on the device, numpy's,
+Python's), in place while its batch is built (:func:`own_streams`: timm's Mixup draws from numpy) and while the
+stacked pass draws its dropout and drop-path masks (:class:`_PerRun`: under ``vmap``, each run's mask is drawn
+from its own stream by the code its separate run calls). Any other random operation inside the pass is refused
+(``randomness="error"``), so a stacked run equals its separate run or does not train. Compiled passes keep
+PyTorch's dropout with an independent mask per run (inductor draws its own masks, as it does for separate runs).
 
 :class:`Stack` is built from the runs' own models, optimizers and EMAs, steps them, and writes the result
 back (:meth:`Stack.unstack`), so everything else (evaluation, checkpoints, resume) stays per run. A stack lives
@@ -15,17 +20,149 @@ as long as its runs train together (its tensors keep their state between unstack
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
-from collections.abc import Callable, Sequence
+import random
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import partial
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from timm.layers import DropPath
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
 from .device import autocast
-from .dropout import FastDropout
+from .dropout import FastDropout, _keep_mask, _keep_threshold
+from .errors import UserError
 
-__all__ = ["Stack"]
+__all__ = ["Stack", "Streams", "own_streams", "seed_everything"]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and every GPU), numpy and Python's ``random``, as a run does at the start of each epoch."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """The default generator of ``device``, the one a separate run's random operations there draw from."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+@dataclass
+class Streams:
+    """One run's global random states: torch's (on the CPU and the training device), numpy's and Python's."""
+
+    torch: dict[str, torch.Tensor]
+    numpy: dict
+    python: tuple
+
+    @classmethod
+    def seeded(cls, seed: int, devices: Iterable[str]) -> Streams:
+        """The states :func:`seed_everything` leaves; the global states stay as they were."""
+        before = cls.current(devices)
+        try:
+            seed_everything(seed)
+            return cls.current(devices)
+        finally:
+            before.install()
+
+    @classmethod
+    def current(cls, devices: Iterable[str]) -> Streams:
+        """The global states now, e.g. a separate run's right after it seeded its epoch."""
+        return cls({d: _generator(torch.device(d)).get_state() for d in devices}, np.random.get_state(legacy=False),
+                   random.getstate())
+
+    def install(self) -> None:
+        """Make these the global states."""
+        for device, state in self.torch.items():
+            _generator(torch.device(device)).set_state(state)
+        np.random.set_state(self.numpy)
+        random.setstate(self.python)
+
+
+@contextlib.contextmanager
+def own_streams(streams: Streams) -> Iterator[None]:
+    """Draw from one run's global random states for the duration: they advance, and the states before come back."""
+    before = Streams.current(streams.torch)
+    streams.install()
+    try:
+        yield
+    finally:
+        now = Streams.current(streams.torch)
+        streams.torch, streams.numpy, streams.python = now.torch, now.numpy, now.python
+        before.install()
+
+
+_ACTIVE: contextvars.ContextVar[list[Streams] | None] = contextvars.ContextVar("stacked_streams", default=None)
+
+
+class _PerRun(torch.autograd.Function):
+    """A random draw inside the vmapped pass, each run's from its own stream: under ``vmap``, ``draw`` runs on every
+    run's slice of ``x`` in turn, with that run's torch state in the default generator's place, so it draws what
+    the same call draws in the run's separate pass. The result (a mask or noise) carries no gradient."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, draw: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return draw(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.mark_non_differentiable(output)
+
+    @staticmethod
+    def vmap(info, in_dims, x: torch.Tensor, draw: Callable[[torch.Tensor], torch.Tensor]):
+        streams = _ACTIVE.get()
+        x = x.movedim(in_dims[0], 0) if in_dims[0] is not None else x.expand(info.batch_size, *x.shape)
+        generator, device = _generator(x.device), str(x.device)
+        before, draws = generator.get_state(), []
+        for run, streams_of_run in zip(x, streams, strict=True):
+            generator.set_state(streams_of_run.torch[device])
+            draws.append(draw(run))
+            streams_of_run.torch[device] = generator.get_state()
+        generator.set_state(before)
+        return torch.stack(draws), 0
+
+
+class _RunDropout(FastDropout):
+    """``FastDropout`` (on CUDA ``F.dropout``) with each run's mask drawn from its own stream."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p <= 0.0 or self.p >= 1.0 or self.inplace:
+            return F.dropout(x, self.p, self.training, self.inplace)
+        if x.device.type != "cpu":  # F.dropout's own kernel and mask, scaled as it scales
+            mask = _PerRun.apply(x, partial(_native_mask, p=self.p))
+            return torch.where(mask, x, 0.0).mul_(1.0 / (1.0 - self.p))
+        keep = _keep_threshold(self.p)
+        if keep == 65536:
+            return x
+        return torch.where(_PerRun.apply(x, partial(_keep_mask, keep=keep)), x, 0.0).mul_(65536 / keep)
+
+
+def _native_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.native_dropout(x, p, True)[1]
+
+
+class _RunDropPath(DropPath):
+    """timm's ``DropPath`` with each run's draw from its own stream."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        return x * _PerRun.apply(x, partial(_drop_path_noise, keep=1 - self.drop_prob, scale=self.scale_by_keep))
+
+
+def _drop_path_noise(x: torch.Tensor, keep: float, scale: bool) -> torch.Tensor:
+    """timm's ``drop_path`` noise for ``x``: one Bernoulli draw per sample, scaled by the keep rate."""
+    noise = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(keep)
+    return noise.div_(keep) if keep > 0.0 and scale else noise
 
 
 class Stack:
@@ -43,9 +180,9 @@ class Stack:
         self._pass = torch.compile(self._vmapped) if compile else self._vmapped
         self.params, self.buffers = stack_module_state(self.models)
         self.base = copy.deepcopy(self.models[0]).to("meta")
-        for module in self.base.modules():  # vmap batches PyTorch's dropout; FastDropout draws raw bits
-            if type(module) is FastDropout:
-                module.__class__ = nn.Dropout
+        self.randomness = _draw_per_run(self.base, compiled=compile)
+        self.devices = sorted({"cpu", str(next(iter(self.params.values())).device)})
+        self.seed(range(len(self.models)))
         names = {id(p): n for n, p in self.models[0].named_parameters()}
         own_groups = self.optimizers[0].param_groups
         self.groups = [[names[id(p)] for p in g["params"]] for g in own_groups]
@@ -63,14 +200,29 @@ class Stack:
     def _forward(self, params: dict, buffers: dict, x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.base, (params, buffers), (x,))
 
+    def seed(self, seeds: Iterable[int]) -> None:
+        """Give each run the random states :func:`seed_everything` gives its separate run (default: 0, 1, ...)."""
+        self.streams = [Streams.seeded(seed, self.devices) for seed in seeds]
+
     def _vmapped(self, params: dict, buffers: dict, x: torch.Tensor) -> torch.Tensor:
-        return vmap(self._forward, randomness="different")(params, buffers, x)
+        return vmap(self._forward, randomness=self.randomness)(params, buffers, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every run's model on its own inputs: ``x`` (N, B, ...) -> (N, B, ...), in the models' train/eval mode,
-        dropout masks drawn independently per run (compiled once when the stack was built with ``compile``)."""
+        each run's dropout and drop-path masks drawn from its own :attr:`streams` (compiled once when the stack
+        was built with ``compile``, masks then independent per run)."""
         self.base.train(self.models[0].training)
-        return self._pass(self.params, self.buffers, x)
+        token = _ACTIVE.set(self.streams)
+        try:
+            return self._pass(self.params, self.buffers, x)
+        except RuntimeError as e:
+            if "randomness error mode" not in str(e):
+                raise
+            raise UserError("the model draws random numbers that --stack cannot draw per run as its separate run "
+                            "does (only dropout and drop path can be); turn that randomness off or drop --stack") \
+                from None
+        finally:
+            _ACTIVE.reset(token)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, *, device: torch.device, amp_dtype: torch.dtype | None,
              clip_grad: float | None = None) -> torch.Tensor:
@@ -127,6 +279,18 @@ class Stack:
             if self.ema is not None:
                 for k, v in self.emas[i].state_dict().items():
                     v.copy_(self.ema[k][i])
+
+
+def _draw_per_run(base: nn.Module, compiled: bool) -> str:
+    """Make ``base``'s dropout and drop path draw each run's masks from its own stream; returns the ``vmap``
+    randomness for the rest: ``"error"``. A compiled pass keeps PyTorch's dropout instead (``vmap`` batches it,
+    FastDropout draws raw bits), with independent masks per run (``"different"``)."""
+    for module in base.modules():
+        if type(module) is FastDropout:
+            module.__class__ = nn.Dropout if compiled else _RunDropout
+        elif type(module) is DropPath and not compiled:
+            module.__class__ = _RunDropPath
+    return "different" if compiled else "error"
 
 
 def _hyper(group: dict) -> dict:

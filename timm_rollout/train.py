@@ -25,7 +25,6 @@ import difflib
 import json
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -78,7 +77,7 @@ from .errors import (
     seed_arg,
 )
 from .loading import check_input_size, check_model, create_model, pretrained_overlay
-from .packed import Stack
+from .packed import Stack, Streams, own_streams, seed_everything
 from .pooling import ROLLOUT, TIMM_POOLS, set_pooling
 from .progress import progress, tqdm
 from .records import ARGS_FILE, CURVES_FILE, LOG_FILE, MODEL_FILES, RESUME_FILE, SUMMARY_FILE, versions
@@ -103,6 +102,7 @@ def build_parser() -> CliParser:
     """The CLI; names follow timm's ``train.py`` where it has them. Bad values are one-line errors at parse time."""
     p = CliParser(prog="python -m timm_rollout.train", description=__doc__.split("\n\n")[0],
                   checks=[_check_model_args])
+    p.checks.append(lambda args: _check_ema_args(args, p.given))
     _data_args(p.add_argument_group("data"))
     _model_args(p.add_argument_group("model"))
     _optimisation_args(p.add_argument_group("optimisation"))
@@ -221,6 +221,13 @@ def _check_model_args(args: argparse.Namespace) -> None:
             raise UserError(f"--pool {args.pool} {_shown(args.pool_kwargs)}: {e}") from None
 
 
+def _check_ema_args(args: argparse.Namespace, given: frozenset[str]) -> None:
+    """A typed ``--model-ema-decay`` is used or refused: it sets the decay of ``--model-ema`` only."""
+    if "model_ema_decay" in given and not args.model_ema:
+        raise UserError("--model-ema-decay sets the decay of the EMA that --model-ema keeps; add --model-ema or drop "
+                        "--model-ema-decay")
+
+
 class NonFiniteLossError(UserError):
     """The training loss became NaN or infinite."""
 
@@ -260,12 +267,6 @@ def _init_distributed(device: str) -> Dist:
 def _seed(*parts: int) -> int:
     """A 63-bit seed derived from ``parts`` (numpy SeedSequence): independent streams per epoch and rank."""
     return int(np.random.SeedSequence([p & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
-
-
-def _seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
 
 
 def _reduce(values: torch.Tensor, d: Dist) -> torch.Tensor:
@@ -594,19 +595,27 @@ def _check_stackable(runs: list[Run], d: Dist) -> None:
         if run.data.amp_dtype == torch.float16:
             raise UserError("--stack needs one loss scale per run, which fp16's GradScaler does not keep; "
                             "use --amp bf16 or fp32")
-        same = {k: v for k, v in vars(run.args).items() if k not in ("seed", "output", *RESUME_FREE)}
-        first = {k: v for k, v in vars(runs[0].args).items() if k not in ("seed", "output", *RESUME_FREE)}
+        same, first = _recipe(run), _recipe(runs[0])
         if same != first:
             diff = sorted(k for k in same if same[k] != first.get(k))
             raise UserError(f"--stack trains runs of one recipe, but {run.out} was trained with other "
                             f"{', '.join(diff)}; resume it on its own")
 
 
+def _recipe(run: Run) -> dict[str, Any]:
+    """What a run computes: its arguments but seed, folder and the free ones, with the splits and class count as
+    resolved (a resumed run's saved arguments hold them resolved, a fresh run's as typed)."""
+    resolved = {"train_split": run.data.train.split, "eval_split": run.data.eval.split,
+                "num_classes": run.data.num_classes}
+    return {k: resolved.get(k, v) for k, v in vars(run.args).items() if k not in ("seed", "output", *RESUME_FREE)}
+
+
 def _stacked_epoch(group: list[Run], stack: Stack, d: Dist, epoch: int) -> tuple[list[float], float]:
     """One epoch of stacked updates: each run's own data order, augmentation and schedule; returns each run's
     mean training loss and the last learning rate. The runs' own objects get the state at the end."""
     first = group[0]
-    _seed_everything(_seed(*(run.args.seed for run in group), epoch, d.rank))
+    seed_everything(_seed(*(run.args.seed for run in group), epoch, d.rank))  # a compiled pass's dropout draws
+    stack.seed([_seed(run.args.seed, epoch, d.rank) for run in group])  # each run's streams, as _train_epoch's
     orders = [_epoch_order(run.args, run.data, d, epoch) for run in group]
     for run in group:
         run.t.model.train()
@@ -615,8 +624,8 @@ def _stacked_epoch(group: list[Run], stack: Stack, d: Dist, epoch: int) -> tuple
     bar = progress(range(steps), desc=f"epoch {epoch + 1}/{first.args.epochs} ({len(group)} runs stacked)",
                    disable=first.args.no_progress, leave=False, file=sys.stderr)
     for step in bar:
-        x, y = zip(*(run.batches(order[step * batch:(step + 1) * batch], gen)
-                     for run, (order, gen) in zip(group, orders, strict=True)), strict=True)
+        x, y = zip(*(_batch(run, streams, order[step * batch:(step + 1) * batch], gen)
+                     for run, streams, (order, gen) in zip(group, stack.streams, orders, strict=True)), strict=True)
         lr = first.t.optimizer.param_groups[0]["lr"]
         losses[step] = stack.step(torch.stack(x), torch.stack(y), device=d.device, amp_dtype=first.data.amp_dtype,
                                   clip_grad=first.args.clip_grad)
@@ -629,6 +638,12 @@ def _stacked_epoch(group: list[Run], stack: Stack, d: Dist, epoch: int) -> tuple
             stack.update_ema(first.t.ema.get_decay(first.t.num_updates))
     stack.unstack()
     return [_epoch_loss(losses[:, i], run, d, epoch) for i, run in enumerate(group)], lr
+
+
+def _batch(run: Run, streams: Streams, idx: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """One stacked run's batch, drawn from its own global random states (timm's Mixup draws from numpy's)."""
+    with own_streams(streams):
+        return run.batches(idx, generator)
 
 
 def _prepare_data(args: argparse.Namespace, d: Dist, loaded: dict[tuple, tuple]) -> RunData:
@@ -654,7 +669,7 @@ def _create_model(args: argparse.Namespace, data: RunData, device: torch.device)
     On CPU its attention runs timm's explicit path: the fused (flash) kernel's backward is the slowest op of a
     training step there (``scripts/bench_train.py``); on GPUs fused attention stays.
     """
-    _seed_everything(args.seed)
+    seed_everything(args.seed)
     kwargs = dict(args.model_kwargs)
     if args.drop_path is not None:
         kwargs["drop_path_rate"] = args.drop_path
@@ -766,7 +781,7 @@ def _train_epoch(run: Run, d: Dist, epoch: int) -> tuple[float, float]:
     Per-step losses stay on the device and are fetched once at the end (no host sync per step).
     """
     t, args, data = run.t, run.args, run.data
-    _seed_everything(_seed(args.seed, epoch, d.rank))
+    seed_everything(_seed(args.seed, epoch, d.rank))
     order, aug_gen = _epoch_order(args, data, d, epoch)
     losses = torch.zeros(data.steps, device=d.device)
     t.net.train()
