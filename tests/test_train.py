@@ -23,9 +23,9 @@ from safetensors.torch import load_file
 
 import timm_rollout
 from timm_rollout.data import balanced_indices, load_image_set, normalization_stats, normalize
-from timm_rollout.errors import UserError
+from timm_rollout.errors import UserError, run_cli
 from timm_rollout.records import RESUME_FILE
-from timm_rollout.train import train
+from timm_rollout.train import build_parser, main, train
 from timm_rollout.train_log import LOG_COLUMNS, OPTIONAL_COLUMNS, read_log
 
 SAMPLE = "cifar10-sample"  # 2,000 train and 1,000 test images, shipped in the package
@@ -329,6 +329,18 @@ def test_mixup_smoothing_and_ema_export_the_ema_weights(tmp_path: Path) -> None:
     state = load_file(out / RESUME_FILE)
     assert all(torch.equal(exported[k], state[f"ema.{k}"]) for k in exported)
     assert not torch.equal(exported["head.weight"], state["model.head.weight"])
+
+
+def test_model_ema_decay_without_model_ema_is_refused_at_parse_time(tmp_path: Path, capsys) -> None:
+    """A typed flag is used or refused, never ignored: the decay of an EMA that is not kept is a one-line error,
+    exit 2, before anything is loaded or written."""
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(main, [*TINY, "--model-ema-decay", "0.99", "--output", str(tmp_path / "run")])
+    assert exit_.value.code == 2 and not (tmp_path / "run").exists()
+    assert capsys.readouterr().err.splitlines() == ["error: --model-ema-decay sets the decay of the EMA that "
+                                                    "--model-ema keeps; add --model-ema or drop --model-ema-decay"]
+    assert build_parser().parse_args(["--model-ema", "--model-ema-decay", "0.99", "--output", "x"]).model_ema_decay \
+        == 0.99
 
 
 def test_ddp_two_cpu_processes(tmp_path: Path) -> None:
