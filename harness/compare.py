@@ -7,8 +7,9 @@ group. Runs of two groups are paired by training seed: ``seed`` in the ``train_a
 evaluated checkpoint (``results["model"]["checkpoint"]``, resolved from the working directory) when it can be
 read, else the evaluation's ``results["config"]["seed"]`` (the study evaluates each run with its training seed).
 For each metric, the mean paired difference (group - first group) gets a 95% t-interval, a p-value and the
-minimum detectable effect (:mod:`harness.stats`); the primary metric is test top-1, every other metric is
-secondary and its p-values are Holm-adjusted together. Accuracies also get McNemar's per-image test, pooled
+minimum detectable effect (:mod:`harness.stats`); the primary metric is test top-1 (uncorrected), every other
+metric is secondary and its p-values are Holm-adjusted together within that comparison of two groups (there is no
+correction across comparisons). Accuracies also get McNemar's per-image test, pooled
 over the paired seeds, from each run's ``predictions.json.gz`` (or the ``predictions.json`` of older evaluations).
 """
 
@@ -327,8 +328,10 @@ STATISTICS_NOTE = (
     "Δ = other - base, paired by training seed: mean over paired seeds with a 95% t-interval and a two-sided "
     "p-value (one-sample t on the per-seed differences); MDE: the smallest true Δ that n seeds detect with power "
     "0.8 at level 0.05, from the noncentral t distribution with the observed sd(Δ) (none with one seed). The primary "
-    f"metric is {PRIMARY}; the p-values of all other metrics are Holm-adjusted together (and so are their "
-    "per-image p-values). Per image: McNemar's mid-p test on the images each model alone got right, pooled over "
+    f"metric is {PRIMARY}: its p-value is not corrected, neither within a comparison nor across the comparisons. "
+    "Within each comparison (one table: one group against one base), the p-values of all other metrics are "
+    "Holm-adjusted together (and so are their per-image p-values); there is no correction across comparisons. Per "
+    "image: McNemar's mid-p test on the images each model alone got right, pooled over "
     "the paired seeds (each seed-image pair counts once); it measures test-image noise for these trained models, "
     "not seed-to-seed variation."
 )

@@ -14,10 +14,10 @@ with ``study.json`` to the git repository holding ``--output``. One seed of each
 (lowest final training loss), is exported as a Hub upload folder ``hub/<arm>`` with its model card
 (``scripts/push_to_hub.py --dry-run``). ``report.md`` holds every metric per arm (mean +- std over seeds, the
 pooling diagnostics included), the paired-by-seed difference of each arm against ``cls`` and
-against ``gap`` (95% CI, p-value, Holm-adjusted p for the secondary metrics, minimum detectable effect,
-McNemar's per-image test for accuracies; see :mod:`harness.compare`), overlaid training curves, the
-distribution of effective patches and the mean rollout weight map per arm, the cosine-similarity matrices and
-a heatmap grid of the same test images under every arm.
+against ``gap`` (95% CI, p-value, Holm-adjusted p for the secondary metrics within each comparison, minimum
+detectable effect, McNemar's per-image test for accuracies; see :mod:`harness.compare`), overlaid training
+curves, the distribution of effective patches and the mean rollout weight map per arm, the cosine-similarity
+matrices and a heatmap grid of the same test images under every arm.
 """
 
 from __future__ import annotations
@@ -182,7 +182,8 @@ def build_parser() -> CliParser:
     p.add_argument("--commit", action="store_true",
                    help="git-commit each finished run with its evaluations (--output must be in a git work tree)")
     p.add_argument("--hub-org", default="timm-rollout",
-                   help="owner in the repo ids of the Hub exports (hub/<arm>: the best seed of each arm, dry run)")
+                   help="owner in the repo ids of the Hub exports (hub/<arm>: the seed of each arm with the lowest "
+                        "final training loss, dry run)")
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: report (and export) over the seeds every arm of --arms has finished")
     p.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")

@@ -389,6 +389,22 @@ def test_errors_are_one_line(tmp_path, run, eval_dir, fake_hub, monkeypatch, cap
     assert not [c for c in fake_hub if c[0] == "upload_folder"]
 
 
+def test_card_labels_what_each_training_figure_measures(tmp_path):
+    """summary.json's eval figures are on the split training evaluated (the test split here), and best_eval_top1
+    is the best of them over the epochs: the card says so instead of a bare "eval"."""
+    save_run(tmp_path / "run", "vit_tiny_cifar_cls")
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({"epochs": 3, "train_loss": 1.5, "eval_top1": 81.25,
+                                                               "best_eval_top1": 82.5}))
+    (tmp_path / "run" / "train_args.json").write_text(json.dumps({**TRAIN_ARGS, "eval_split": "test"}))
+    hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/tiny")
+    card = (tmp_path / "up" / "README.md").read_text()
+    section = card.split("- **Training summary (summary.json):**\n")[1].split("\n- **")[0].splitlines()
+    assert section == ["  - epochs: 3", "  - train_loss (last epoch): 1.5",
+                       "  - eval_top1 (test split, last epoch, %): 81.25",
+                       "  - best_eval_top1 (the highest test-split top-1 of any epoch, %; picked on the test split, so "
+                       "optimistic, not a held-out figure): 82.5"]
+
+
 def test_card_states_how_the_run_was_picked(tmp_path):
     save_run(tmp_path / "run", "vit_tiny_cifar_cls")
     hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/tiny", selection="seed 2 of seeds 0, 1, 2")

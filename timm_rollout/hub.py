@@ -242,6 +242,22 @@ def _recipe(train_args: dict[str, Any]) -> dict[str, str]:
     return {k: v for k, v in rows.items() if v}
 
 
+def _training_summary(summary: dict[str, Any] | None, train_args: dict[str, Any]) -> dict[str, str]:
+    """summary.json's figures, each labelled with what it measures: the ``eval_*`` figures are on the split
+    training evaluated after every epoch (the test split unless training named another), and ``best_eval_top1``
+    is the highest of them over the epochs, so it was picked on that split."""
+    split = train_args.get("eval_split") or "evaluation"
+    labels = {
+        "train_loss": "train_loss (last epoch)",
+        "eval_loss": f"eval_loss ({split} split, last epoch)",
+        "eval_top1": f"eval_top1 ({split} split, last epoch, %)",
+        "eval_top5": f"eval_top5 ({split} split, last epoch, %)",
+        "best_eval_top1": f"best_eval_top1 (the highest {split}-split top-1 of any epoch, %; picked on the {split} "
+                          "split, so optimistic, not a held-out figure)",
+    }
+    return {labels.get(k, k): _fmt(v) for k, v in (summary or {}).items() if isinstance(v, (int, float, str))}
+
+
 def normalisation_mismatch(config: dict[str, Any], train_args: dict[str, Any] | None) -> str | None:
     """Why the exported mean/std differ from those training used (None when they agree or are unknown)."""
     saved = config.get("pretrained_cfg") or {}
@@ -295,9 +311,9 @@ def model_card(
     recipe = _recipe(train_args)
     if recipe:
         details["Training recipe"] = recipe
-    results = {k: v for k, v in (summary or {}).items() if isinstance(v, (int, float, str))}
+    results = _training_summary(summary, train_args)
     if results:
-        details["Final training metrics"] = {k: _fmt(v) for k, v in results.items()}
+        details["Training summary (summary.json)"] = results
     if isinstance(train_args.get("versions"), dict):
         details["Software"] = train_args["versions"]
     details["Papers"] = ["Quantifying Attention Flow in Transformers (Abnar & Zuidema, ACL 2020): "
