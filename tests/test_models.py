@@ -177,7 +177,7 @@ def test_no_attention_stays_attached_after_a_pass(images, name):
         tokens = model.forward_features(images)
         assert attached_tensors(model) == {}  # no attention: only the (B, P) weights, tied to these tokens
         passes = list(model.__dict__.get("_rollout_passes", {}).values())
-        assert [(p[0]() is tokens, tuple(p[2].shape)) for p in passes] == ([(True, (3, 64))] if rollout else [])
+        assert [(p.ref() is tokens, tuple(p.weights.shape)) for p in passes] == ([(True, (3, 64))] if rollout else [])
         model.forward_head(tokens)
         model.forward_intermediates(images)
         assert attached_tensors(model) == {}
@@ -262,7 +262,7 @@ def test_rollout_weights_of_a_pass_and_none_after_model_call(images):
         logits = model(images)
     torch.testing.assert_close(model.rollout_weights(tokens), patch_weights(rollout_cls_row(cap.attentions)))
     passes = list(model.__dict__["_rollout_passes"].values())
-    assert passes[0][0]() is tokens and len(passes) == 1
+    assert passes[0].ref() is tokens and len(passes) == 1
     assert logits.shape == (3, 100)  # model(x) pooled its own pass and kept no weights of it
 
 

@@ -115,6 +115,14 @@ def set_attention_recorder(model: nn.Module, on: bool) -> None:
             del hooks[key]
         if on:
             m.attn_drop.register_forward_hook(_record)
+        else:
+            _drop_empty_sinks(m.attn_drop)
+
+
+def _drop_empty_sinks(drop: nn.Module) -> None:
+    """Remove the (empty) sink list of an ``attn_drop`` whose recorder is gone: the stock module, no leftovers."""
+    if not drop.__dict__.get(SINKS, True):
+        del drop.__dict__[SINKS]
 
 
 @contextmanager
@@ -194,3 +202,6 @@ def capture_attention(model: nn.Module) -> Iterator[AttentionCapture]:
     finally:
         for handle in handles:
             handle.remove()
+        for drop in drops:
+            if not _has_recorder(drop):
+                _drop_empty_sinks(drop)

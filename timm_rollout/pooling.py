@@ -16,7 +16,7 @@ class, its fused-attention setting, no hooks, no state.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -47,10 +47,19 @@ ROLLOUT = "rollout"
 TIMM_POOLS = ("", "avg", "avgmax", "max", "token", "map")  # timm VisionTransformer poolings (global_pool)
 OPTIONS = {"head_fusion": ("rollout_head_fusion", "mean"), "discard_ratio": ("rollout_discard_ratio", 0.0),
            "grad": ("rollout_grad", False)}  # set_pooling option -> model attribute, default
-_PASSES = "_rollout_passes"  # {id(tokens): (weakref to tokens, their _version, (B, P) weights)} of live passes
+_PASSES = "_rollout_passes"  # {id(tokens): _Pass} of live passes
 _FUSED = "_stock_fused_attn"  # each attention module's fused_attn before rollout pooling
 _STOCK_POOL = "_stock_global_pool"  # the timm pooling the model had before rollout pooling
 CONFIG_KEY = "rollout_pooling"  # config.json entry of a stock timm ViT saved while rollout-pooled
+
+
+class _Pass(NamedTuple):
+    """One ``forward_features`` (or ``forward_intermediates``) pass whose tokens are alive."""
+
+    ref: weakref.ref  # the tokens it returned
+    snapshot: torch.Tensor  # their values then, compared bit for bit when they are pooled
+    options: tuple  # the rollout options its weights were computed with
+    weights: torch.Tensor  # (B, P) pooling weights
 
 
 class RolloutPooling:
@@ -61,68 +70,102 @@ class RolloutPooling:
     _stock_class: type[nn.Module]
 
     def forward_features(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        with record_attention(self) as attentions:
-            tokens = super().forward_features(x, *args, **kwargs)
-        self.keep_rollout_weights(attentions, tokens)
+        tokens, weights = self._rollout_pass(super().forward_features, x, *args, **kwargs)
+        self._keep(tokens, weights)
         return tokens
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        """timm's ``forward``; keeps nothing: the pass's weights are dropped once its head has pooled."""
-        tokens = self.forward_features(x, *args, **kwargs)
-        try:
-            return self.forward_head(tokens)
-        finally:
-            self.__dict__[_PASSES].pop(id(tokens), None)
+        """timm's ``forward_features`` then ``forward_head``, pooled with this pass's weights; keeps nothing."""
+        tokens, weights = self._rollout_pass(super().forward_features, x, *args, **kwargs)
+        return self._head(tokens, weights, pre_logits=False)
 
     def forward_intermediates(self, x: torch.Tensor, *args, **kwargs) -> Any:
         """timm's ``forward_intermediates``; the final tokens it returns (unless ``intermediates_only``) carry
         this pass's pooling weights for ``forward_head``."""
-        with record_attention(self) as attentions:
-            out = super().forward_intermediates(x, *args, **kwargs)
+        out, weights = self._rollout_pass(super().forward_intermediates, x, *args, **kwargs)
         if isinstance(out, tuple) and isinstance(out[0], torch.Tensor):
-            self.keep_rollout_weights(attentions, out[0])
+            self._keep(out[0], weights)
         return out
 
-    def keep_rollout_weights(self, attentions: list[torch.Tensor | None], tokens: torch.Tensor) -> None:
-        """Tie the pooling weights of one pass's recorded attention to the ``tokens`` that pass produced.
-
-        ``forward_features`` calls it; so does code that runs the blocks itself inside
-        :func:`~timm_rollout.capture.record_attention` (e.g. on a shortened token sequence). Nothing is kept
-        when some block did not run (``stop_early``): ``forward_head`` then refuses those tokens. Passes are
-        entries of their own (one dict operation each), so threads sharing a model never drop each other's.
-        """
-        passes = self.__dict__.setdefault(_PASSES, {})
-        for key, (ref, _, _) in list(passes.items()):
-            if ref() is None:
-                passes.pop(key, None)
-        if all(a is not None for a in attentions):
-            if not self.rollout_grad:
-                attentions = [a.detach() for a in attentions]
-            row = rollout_cls_row(attentions, self.rollout_head_fusion, self.rollout_discard_ratio,
-                                  self.num_prefix_tokens)
-            passes[id(tokens)] = (weakref.ref(tokens), _version(tokens), patch_weights(row, self.num_prefix_tokens))
-
-    def rollout_weights(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Pooling weights (B, num_patches) of the pass that returned ``tokens`` (``forward_features`` or
-        ``forward_intermediates``); ``model(x)`` keeps none. A one-line RuntimeError for any other tensor."""
-        ref, version, weights = self.__dict__.get(_PASSES, {}).get(id(tokens), (lambda: None, None, None))
-        if ref() is tokens:
-            if _version(tokens) != version:
-                raise RuntimeError("these tokens were changed in place after forward_features; pool the "
-                                   "unchanged output of forward_features, or run it again")
-            return weights
-        raise RuntimeError(
-            "forward_head on a rollout-pooled model takes the very tensor its forward_features (or "
-            "forward_intermediates) returned, whose pass's attention it pools with; pass that output, not a "
-            "copy, slice or another model's tokens"
-        )
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Rollout pooling of ``x`` (the output of this model's ``forward_features``), then timm's ``fc_norm``,
+        ``head_drop`` and ``head``, as every accepted class's own head does after its pooling."""
+        return self._head(x, self.rollout_weights(x), pre_logits)
 
     def pool(self, x: torch.Tensor, pool_type: str | None = None) -> torch.Tensor:
         pool_type = self.global_pool if pool_type is None else pool_type
         if pool_type != ROLLOUT:
             return super().pool(x, pool_type)
-        weights = self.rollout_weights(x)
-        return torch.bmm(weights.to(x.dtype).unsqueeze(1), x[:, self.num_prefix_tokens:]).squeeze(1)
+        return self._pool(x, self.rollout_weights(x))
+
+    def _pool(self, tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(weights.to(tokens.dtype).unsqueeze(1), tokens[:, self.num_prefix_tokens:]).squeeze(1)
+
+    def _head(self, tokens: torch.Tensor, weights: torch.Tensor, pre_logits: bool) -> torch.Tensor:
+        x = self.head_drop(self.fc_norm(self._pool(tokens, weights)))
+        return x if pre_logits else self.head(x)
+
+    def _rollout_pass(self, run: Any, *args, **kwargs) -> tuple[Any, torch.Tensor | None]:
+        """``run(*args, **kwargs)`` with this pass's attention recorded, and the pooling weights of it."""
+        with record_attention(self) as attentions:
+            out = run(*args, **kwargs)
+        return out, self._weights(attentions)
+
+    def _weights(self, attentions: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """(B, P) pooling weights of one pass's attention; None when some block did not run (``stop_early``)."""
+        if any(a is None for a in attentions):
+            return None
+        if not self.rollout_grad:
+            attentions = [a.detach() for a in attentions]
+        row = rollout_cls_row(attentions, self.rollout_head_fusion, self.rollout_discard_ratio, self.num_prefix_tokens)
+        return patch_weights(row, self.num_prefix_tokens)
+
+    def _options(self) -> tuple:
+        return tuple(getattr(self, attr) for attr, _ in OPTIONS.values())
+
+    def keep_rollout_weights(self, attentions: list[torch.Tensor | None], tokens: torch.Tensor) -> None:
+        """Tie the pooling weights of one pass's recorded attention to the ``tokens`` that pass produced.
+
+        For code that runs the blocks itself inside :func:`~timm_rollout.capture.record_attention` (e.g. on a
+        shortened token sequence). Nothing is kept when some block did not run: ``forward_head`` then refuses
+        those tokens.
+        """
+        self._keep(tokens, self._weights(attentions))
+
+    @torch.compiler.disable
+    def _keep(self, tokens: torch.Tensor, weights: torch.Tensor | None) -> None:
+        """Keep a pass's weights as long as its tokens live (run eagerly under ``torch.compile``: the key is the
+        real tensor's identity). Passes are entries of their own (one dict operation each), so threads sharing a
+        model never drop each other's; a pass is dropped the moment its tokens die."""
+        if weights is None:
+            return
+        passes = self.__dict__.setdefault(_PASSES, {})
+        key = id(tokens)
+
+        def forget(ref: weakref.ref) -> None:
+            if getattr(passes.get(key), "ref", None) is ref:
+                passes.pop(key, None)
+
+        passes[key] = _Pass(weakref.ref(tokens, forget), tokens.detach().clone(), self._options(), weights)
+
+    def rollout_weights(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Pooling weights (B, num_patches) of the pass that returned ``tokens`` (``forward_features`` or
+        ``forward_intermediates``); ``model(x)`` keeps none. A one-line RuntimeError for any other tensor, for
+        these tokens changed since, and when the rollout options changed since."""
+        found = self.__dict__.get(_PASSES, {}).get(id(tokens))
+        if found is None or found.ref() is not tokens:
+            raise RuntimeError(
+                "forward_head on a rollout-pooled model takes the very tensor its forward_features (or "
+                "forward_intermediates) returned, whose pass's attention it pools with; pass that output, not a "
+                "copy, slice or another model's tokens"
+            )
+        if found.options != self._options():
+            raise RuntimeError("the rollout options changed (set_pooling) after forward_features returned these "
+                               "tokens; run forward_features again to pool with the new options")
+        if not _same_bits(tokens, found.snapshot):
+            raise RuntimeError("these tokens were changed in place after forward_features; pool the "
+                               "unchanged output of forward_features, or run it again")
+        return found.weights
 
     def __setattr__(self, name: str, value: object) -> None:
         super().__setattr__(name, value)
@@ -130,9 +173,14 @@ class RolloutPooling:
             switch_pooling_class(self, rollout=False)
 
     def __getstate__(self) -> dict[str, Any]:
-        """A copy (``copy.deepcopy``, e.g. an EMA model) starts with no pass of its own."""
+        """A copy (``copy.deepcopy``, e.g. an EMA model, or a pickle) starts with no pass of its own."""
         state = super().__getstate__()
         return {k: v for k, v in state.items() if k != _PASSES}
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """Pickled (``torch.save(model)``, ``copy.deepcopy``) as its stock class, made rollout-pooled again on load:
+        the rollout-pooled class of a stock timm class is made at run time, so pickle cannot find it by name."""
+        return (_new_pooled, (self._stock_class,), *super().__reduce_ex__(protocol)[2:])
 
     def __prepare_scriptable__(self) -> nn.Module:
         raise RuntimeError(
@@ -142,10 +190,20 @@ class RolloutPooling:
         )
 
 
-def _version(tokens: torch.Tensor) -> int | None:
-    """In-place changes counted by autograd; inference tensors have no counter (and no in-place use outside
-    ``torch.inference_mode``)."""
-    return None if tokens.is_inference() else tokens._version
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(tokens: torch.Tensor, snapshot: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN equals itself): catches in-place changes that autograd's version counter misses
+    (inference tensors, ``.data``)."""
+    as_int = _INT_OF_SIZE[tokens.element_size()]
+    return torch.equal(tokens.detach().view(as_int), snapshot.view(as_int))
+
+
+def _new_pooled(stock: type[nn.Module]) -> nn.Module:
+    """An empty instance of the rollout-pooled class of ``stock``, for unpickling (its state follows)."""
+    cls = rollout_pooled_class(stock)
+    return cls.__new__(cls)
 
 
 _CLASSES: dict[type, type] = {}
@@ -185,6 +243,59 @@ def switch_pooling_class(model: nn.Module, rollout: bool) -> None:
     model.__dict__.pop(_STOCK_POOL, None)
 
 
+# forward_head of these classes: pool() -> fc_norm -> head_drop -> head (any timm pooling, and rollout in its place)
+_POOL_HEADS = ("timm.models.vision_transformer.VisionTransformer", "timm.models.eva.Eva")
+# the same head with the pooling written inline: '' (none), 'avg', else the class token
+_INLINE_HEADS = ("timm.models.beit.Beit", "timm.models.vision_transformer_relpos.VisionTransformerRelPos")
+_INLINE_POOLS = ("", "avg", "token")
+# attention modules whose attn_drop sees one softmax (B, heads, N, N) over all N tokens (older timm: Attention
+# in vision_transformer)
+_SOFTMAX_ATTENTION = (
+    "timm.layers.attention.Attention", "timm.layers.attention.AttentionRope",
+    "timm.models.vision_transformer.Attention", "timm.models.vision_transformer.ParallelScalingBlock",
+    "timm.models.eva.EvaAttention", "timm.models.beit.Attention",
+    "timm.models.vision_transformer_relpos.RelPosAttention",
+)
+
+
+def _qualname(obj: Any) -> str:
+    return f"{obj.__module__}.{obj.__qualname__}"
+
+
+def _head_owner(model: nn.Module) -> str:
+    """The class whose ``forward_head`` the stock model runs, e.g. ``timm.models.deit.VisionTransformerDistilled``."""
+    head = getattr(model, "_stock_class", type(model)).forward_head
+    return _qualname(head).rsplit(".", 1)[0]
+
+
+def _check_head(model: nn.Module, pool: str) -> None:
+    """Refuse a pooling the model's own ``forward_head`` would not apply (it reads its tokens itself)."""
+    owner = _head_owner(model)
+    inline = owner in _INLINE_HEADS
+    if owner in _POOL_HEADS or (inline and pool in (*_INLINE_POOLS, ROLLOUT)) or pool == model.global_pool:
+        return
+    if inline:
+        raise ValueError(f"{type(model).__name__}'s forward_head pools only {_INLINE_POOLS} (or rollout); "
+                         f"{pool!r} would be ignored")
+    raise ValueError(f"{type(model).__name__} reads its tokens in its own forward_head ({owner}), which pooling "
+                     f"{pool!r} cannot replace; it takes a ViT, DeiT (not distilled), BEiT, relpos ViT or Eva")
+
+
+def _check_attention(model: nn.Module) -> None:
+    """Rollout composes one softmax self-attention over all tokens per block: refuse anything else."""
+    found = {id(m): m for m in attention_modules(model)}
+    blocks = list(getattr(model, "blocks", ()))
+    for i, block in enumerate(blocks):
+        inner = [m for m in block.modules() if id(m) in found]
+        if len(inner) != 1 or _qualname(type(inner[0])) not in _SOFTMAX_ATTENTION:
+            kinds = [type(m).__name__ for m in inner] or "none"
+            raise ValueError(f"rollout pooling composes one softmax self-attention per block, and block {i} of "
+                             f"{type(model).__name__} runs {kinds}; use a model with one timm Attention per block")
+    if len(found) != len(blocks):
+        raise ValueError(f"rollout pooling composes one attention per block, and {type(model).__name__} runs "
+                         f"{len(found)} attention modules in {len(blocks)} blocks")
+
+
 def _check_pool(model: nn.Module, pool: str) -> None:
     if not hasattr(model, "global_pool") or not hasattr(model, "num_prefix_tokens"):
         raise ValueError(f"{type(model).__name__} is not a timm VisionTransformer-family model (no global_pool)")
@@ -201,6 +312,9 @@ def _check_pool(model: nn.Module, pool: str) -> None:
     if attn_pool is not None and pool not in ("map", ROLLOUT):
         raise ValueError("this model pools with its learned attention pool (global_pool='map'), which timm applies "
                          "whatever global_pool says; switch it to 'map' or 'rollout' only")
+    _check_head(model, pool)
+    if pool == ROLLOUT:
+        _check_attention(model)
 
 
 def set_pooling(model: nn.Module, pool: str, **options: Any) -> nn.Module:
