@@ -246,7 +246,7 @@ def test_push_uploads_exactly_the_model_and_card(tmp_path, run, eval_dir, fake_h
     assert files["config.json"] == (folder / "config.json").read_bytes()
     card = files["README.md"].decode()
     for key, definition in hub.METRIC_DEFINITIONS.items():
-        if METRICS[key] is not None:
+        if METRICS.get(key) is not None:  # the localisation metrics need object boxes: none here
             assert f"| {key} | {METRICS[key]} | {definition.format(k=7, bank_k=20, temperature=0.07)} |" in card
     assert "| knn_bank" not in card  # null in results.json: no row
     assert "| ratio_original" not in card  # the original study's mixed units stay off the card
@@ -328,6 +328,16 @@ def test_metric_definitions_cover_the_readme_metrics():
             line.split("|")[1].replace("`", "").replace(" ", "").split(",")}
     assert set(hub.METRIC_DEFINITIONS) == keys - {"intra_original", "inter_original", "ratio_original", "cosine_matrix"}
     assert "angle (radians)" in hub.METRIC_DEFINITIONS["intra"] and "angle (radians)" in hub.METRIC_DEFINITIONS["inter"]
+
+
+def test_card_defines_the_localisation_metrics_of_each_map():
+    metrics = {"top1": 0.5, "rollout_box_mass": 0.4, "gradient_rollout_pointing": 0.75, "pooling_object_mass": 0.3}
+    rows = [line for line in hub._evaluation({"metrics": metrics}).splitlines() if line.startswith("| ")][1:]
+    assert [row.split(" | ")[:2] for row in rows] == [["| top1", "0.5"], ["| pooling_object_mass", "0.3"],
+                                                      ["| rollout_box_mass", "0.4"],
+                                                      ["| gradient_rollout_pointing", "0.75"]]
+    assert "share of the rollout map's mass on the object's box" in rows[2]
+    assert "pointing game of the gradient_rollout map" in rows[3]
 
 
 def test_normalisation_mismatch_is_named():

@@ -106,6 +106,18 @@ METRIC_DEFINITIONS = {
     "rollout_cosine_to_mean": (
         "mean over images of the cosine between the rollout-pooled and the mean-pooled final patch tokens"
     ),
+    # Localisation, on data sets with object boxes: c_p is the fraction of patch p inside the image's box.
+    "pooling_object_mass": "mean over images of the share of the pooling weights on the object's box (sum of w_p c_p)",
+    "object_area_fraction": "the box's share of the image (the same sum for uniform weights): the chance level",
+    "pooling_weight_inside": "mean over images of the pooling weight x number of patches over the box (1 = uniform)",
+    "pooling_weight_outside": "mean over images of the pooling weight x number of patches off the box (1 = uniform)",
+    "pooling_effective_patches": "mean over images of exp(entropy) of the weights the model pools the patches with",
+    "pointing_chance": "fraction of patches whose centre lies in the box: the pointing game of a uniform map",
+    "<map>_box_mass": "mean over images of the share of the {map} map's mass on the object's box",
+    "<map>_pointing": (
+        "pointing game of the {map} map: the fraction of images whose maximal patch has its centre in the box "
+        "(tied maxima count the fraction of them inside)"
+    ),
 }
 METRIC_DEFAULTS = {"k": 5, "bank_k": 20, "temperature": 0.07}
 
@@ -358,11 +370,12 @@ def _evaluation(results: dict[str, Any]) -> str:
     metrics, data = _section(results, "metrics"), _section(results, "data")
     config = {k: v for k, v in _section(results, "config").items() if k in METRIC_DEFAULTS and v is not None}
     params = {**METRIC_DEFAULTS, **config}
-    rows = [
-        f"| {key} | {_fmt(metrics[key])} | {definition.format(**params)} |"
-        for key, definition in METRIC_DEFINITIONS.items()
-        if metrics.get(key) is not None
-    ]
+    rows = []
+    for key, definition in METRIC_DEFINITIONS.items():  # a <map>_ key defines that metric of every saliency map
+        suffix = key.removeprefix("<map>")
+        found = [k for k in metrics if k.endswith(suffix) and k != suffix] if suffix != key else [key]
+        rows += [f"| {k} | {_fmt(metrics[k])} | {definition.format(**params, map=k.removesuffix(suffix))} |"
+                 for k in found if metrics.get(k) is not None]
     data = {**data, "dataset": _dataset_id(str(data["dataset"]))} if data.get("dataset") else data
     where = _phrase(data, [("dataset", "data set"), ("split", "split"), ("num_images", "images:")])
     text = "\n## Evaluation\n\n"
