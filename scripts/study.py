@@ -240,6 +240,10 @@ def check_train_args(args: argparse.Namespace) -> None:
         if key.startswith(ARM_KWARGS):
             raise UserError(f"--train-args sets --model-kwargs {key}, which defines an arm's pooling; choose the "
                             "pooling with --arms")
+    short = [t.split("=", 1)[0] for t in tokens if t.startswith("--model-k") and t.split("=", 1)[0] != "--model-kwargs"]
+    if short:  # merge_model_kwargs would miss it, and the arm's own list would replace it
+        raise UserError(f"--train-args: write {short[0]} out as --model-kwargs; the study merges it with each arm's "
+                        "own")
     for arm in args.arms:
         output = str(Path(args.output) / "runs" / f"{arm}-s{{seed}}")
         try:

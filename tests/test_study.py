@@ -333,6 +333,7 @@ def test_rerun_with_other_study_flags_is_refused(finished, tmp_path, repo):
     (["--train-args", "--model-kwargs depth=1 global_pool=avg"],
      "--train-args sets --model-kwargs global_pool, which defines an arm's pooling; choose the pooling with --arms"),
     (["--train-args", "--model-kwargs rollout_head_fusion=max"], "sets --model-kwargs rollout_head_fusion, which def"),
+    (["--train-args", "--model-kw depth=1"], "--train-args: write --model-kw out as --model-kwargs; the study merges"),
     # and must be shell words the trainer accepts, for every arm
     (["--train-args", "--lr '1e-3"], "does not split as shell words (No closing quotation); balance its quotes"),
     (["--train-args", "--lr -1"], "arm cls would not train: argument --lr: must be a number > 0, got -1 (check --tr"),
