@@ -28,6 +28,7 @@ EVAL = ["harness.eval", "--model", "vit_tiny_cifar_cls", "--dataset", "cifar10-s
 EXPLAIN = ["harness.explain", "--model", "vit_tiny_cifar_cls", "--output", "{out}", "--device", "cpu"]
 COMPARE = ["harness.compare", "{run}", "--output", "{out}"]
 SWEEP = ["harness.sweep", "{run}", "--param", "lr", "--output", "{out}"]
+STUDY = ["scripts/study.py", "--dataset", "cifar10-sample", "--epochs", "1", "--output", "{out}"]
 SUMMARY = ["scripts/summary_figure.py", "--curves", "{run}", "--studies", "{run}", "--output", "{out}/s.png"]
 
 # (command, extra flags, text the one-line message must contain); later flags override the base command's.
@@ -71,6 +72,8 @@ CASES = [
     (COMPARE, ["--output", "{file}"], "file.txt is a file; pass a folder"),
     (COMPARE, ["--metrics", "top2"], "argument --metrics: invalid choice: 'top2'"),
     (EVAL, ["--per-class", "1"], "argument --per-class: must be an integer >= 2, got 1"),
+    (STUDY, ["--train-args", "--epochs 2"], "--train-args sets --epochs, which the study sets itself; use the study's"),
+    (STUDY, ["--train-args", "--lr '1e-3"], "does not split as shell words (No closing quotation); balance its quotes"),
     (["harness.compare", "{ev}", "--output", "{out}"], ["--metrics", "top1", "knn_bank", "silhouette"],
      "--metrics knn_bank silhouette: none of the evaluations has a value for them; they have top1, linear_probe"),
     (["harness.compare", "{ev}", "{ev}/results.json", "--output", "{out}"], [],
