@@ -9,8 +9,8 @@ the global random states its separate run has (:class:`Streams`: torch's on the 
 Python's), in place while its batch is built (:func:`own_streams`: timm's Mixup draws from numpy) and while the
 stacked pass draws its dropout and drop-path masks (:class:`_PerRun`: under ``vmap``, each run's mask is drawn
 from its own stream by the code its separate run calls). Any other random operation inside the pass is refused
-(``randomness="error"``), so a stacked run equals its separate run or does not train. Compiled passes keep
-PyTorch's dropout with an independent mask per run (inductor draws its own masks, as it does for separate runs).
+(``randomness="error"``), as is the attention dropout of a fused attention kernel, so a stacked run equals its
+separate run or does not train.
 
 :class:`Stack` is built from the runs' own models, optimizers and EMAs, steps them, and writes the result
 back (:meth:`Stack.unstack`), so everything else (evaluation, checkpoints, resume) stays per run. A stack lives
@@ -180,7 +180,7 @@ class Stack:
         self._pass = torch.compile(self._vmapped) if compile else self._vmapped
         self.params, self.buffers = stack_module_state(self.models)
         self.base = copy.deepcopy(self.models[0]).to("meta")
-        self.randomness = _draw_per_run(self.base, compiled=compile)
+        _draw_per_run(self.base)
         self.devices = sorted({"cpu", str(next(iter(self.params.values())).device)})
         self.seed(range(len(self.models)))
         names = {id(p): n for n, p in self.models[0].named_parameters()}
@@ -205,12 +205,12 @@ class Stack:
         self.streams = [Streams.seeded(seed, self.devices) for seed in seeds]
 
     def _vmapped(self, params: dict, buffers: dict, x: torch.Tensor) -> torch.Tensor:
-        return vmap(self._forward, randomness=self.randomness)(params, buffers, x)
+        return vmap(self._forward, randomness="error")(params, buffers, x)  # any other draw is refused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Every run's model on its own inputs: ``x`` (N, B, ...) -> (N, B, ...), in the models' train/eval mode,
         each run's dropout and drop-path masks drawn from its own :attr:`streams` (compiled once when the stack
-        was built with ``compile``, masks then independent per run)."""
+        was built with ``compile``; dynamo leaves the draws out of the graph)."""
         self.base.train(self.models[0].training)
         token = _ACTIVE.set(self.streams)
         try:
@@ -281,16 +281,17 @@ class Stack:
                     v.copy_(self.ema[k][i])
 
 
-def _draw_per_run(base: nn.Module, compiled: bool) -> str:
-    """Make ``base``'s dropout and drop path draw each run's masks from its own stream; returns the ``vmap``
-    randomness for the rest: ``"error"``. A compiled pass keeps PyTorch's dropout instead (``vmap`` batches it,
-    FastDropout draws raw bits), with independent masks per run (``"different"``)."""
+def _draw_per_run(base: nn.Module) -> None:
+    """Make ``base``'s dropout and drop path draw each run's masks from its own stream; refuse the attention dropout
+    of a fused attention kernel (GPUs run timm's fused attention), which draws inside the kernel."""
     for module in base.modules():
+        if getattr(module, "fused_attn", False) and getattr(getattr(module, "attn_drop", None), "p", 0.0) > 0:
+            raise UserError("--stack cannot draw the attention dropout inside the fused attention kernel per run as "
+                            "its separate run does; pass --model-kwargs attn_drop_rate=0 or drop --stack")
         if type(module) is FastDropout:
-            module.__class__ = nn.Dropout if compiled else _RunDropout
-        elif type(module) is DropPath and not compiled:
+            module.__class__ = _RunDropout
+        elif type(module) is DropPath:
             module.__class__ = _RunDropPath
-    return "different" if compiled else "error"
 
 
 def _hyper(group: dict) -> dict:

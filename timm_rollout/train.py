@@ -614,7 +614,6 @@ def _stacked_epoch(group: list[Run], stack: Stack, d: Dist, epoch: int) -> tuple
     """One epoch of stacked updates: each run's own data order, augmentation and schedule; returns each run's
     mean training loss and the last learning rate. The runs' own objects get the state at the end."""
     first = group[0]
-    seed_everything(_seed(*(run.args.seed for run in group), epoch, d.rank))  # a compiled pass's dropout draws
     stack.seed([_seed(run.args.seed, epoch, d.rank) for run in group])  # each run's streams, as _train_epoch's
     orders = [_epoch_order(run.args, run.data, d, epoch) for run in group]
     for run in group:
