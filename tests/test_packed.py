@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from timm.layers import DropPath
 from torch import nn
@@ -160,7 +161,10 @@ def test_a_stacked_command_killed_at_every_save_resumes_to_the_separate_runs(sep
                                                                              tmp_path: Path, monkeypatch) -> None:
     """Every command dies at its second evaluation until the runs are done: between the two runs' saves of epoch 1,
     between epochs (after run 1 caught up alone), between the runs' saves of epoch 2; each --resume stacks
-    whichever runs are behind. Both runs end equal to their separate runs."""
+    whichever runs are behind. The last one (run 1's epoch 2 alone) dies between that epoch's resume state and
+    its export, and one more --resume publishes them. Both runs end equal to their separate runs."""
+    import timm_rollout.train as train_module
+
     flags = [*AUGMENTED, "--seed", "0", "1", "--stack", "--output", str(tmp_path / "s{seed}")]
     _die_at_evaluation(monkeypatch, 2)
     saved = []
@@ -169,7 +173,20 @@ def test_a_stacked_command_killed_at_every_save_resumes_to_the_separate_runs(sep
             train([*flags, *resume])
         saved.append([_epochs_saved(tmp_path / f"s{seed}") for seed in (0, 1)])
     assert saved == [[1, 0], [1, 1], [2, 1]]  # killed between runs, between epochs, between runs
-    train([*flags, "--resume"])  # run 1's epoch 2 alone: one evaluation
+    save_model = train_module.save_model
+
+    def die_before_exporting_run_1(out: Path, *args, **kwargs) -> None:
+        if out.name == "s1":
+            raise Died
+        save_model(out, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, "save_model", die_before_exporting_run_1)
+    with pytest.raises(Died):
+        train([*flags, "--resume"])
+    with safe_open(str(tmp_path / "s1" / "resume.safetensors"), "pt") as f:  # epoch 2's state, epoch 1's log
+        assert json.loads(f.metadata()["resume"])["meta"]["epoch"] == 2 and _epochs_saved(tmp_path / "s1") == 1
+    monkeypatch.undo()
+    train([*flags, "--resume"])
     _equal_to_separate(tmp_path / "s{seed}", separate)
 
 

@@ -221,6 +221,29 @@ def test_save_every_writes_less_and_resumes_exactly(tiny_run: Path, tmp_path: Pa
     assert _same_weights(out, tiny_run)
 
 
+def test_killed_between_the_last_epochs_writes_resume_publishes_them(tiny_run: Path, tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """Killed after the last epoch's resume state was written but before its export and log: --resume has nothing
+    left to train and writes the export, log and curves of that state, equal to the uninterrupted run's."""
+    import timm_rollout.train as train_module
+
+    class Died(Exception):
+        pass
+
+    def die(*args, **kwargs):
+        raise Died
+
+    monkeypatch.setattr(train_module, "save_model", die)
+    out = tmp_path / "run"
+    with pytest.raises(Died):
+        train([*TINY_RUN, "--save-every", "3", "--output", str(out)])
+    assert (out / RESUME_FILE).exists() and not (out / "model.safetensors").exists()
+    monkeypatch.undo()
+    train([*TINY_RUN, "--save-every", "3", "--output", str(out), "--resume"])
+    assert _metrics(read_log(out / "log.csv")) == _metrics(read_log(tiny_run / "log.csv"))
+    assert _same_weights(out, tiny_run) and (out / "curves.png").exists() and (out / "summary.json").exists()
+
+
 def test_bf16_autocast_on_cpu_is_recorded_and_learns_like_fp32(tiny_run: Path, tmp_path: Path) -> None:
     out = train([*TINY, "--epochs", "3", "--lr", "2e-3", "--amp", "bf16", "--save-every", "3",
                  "--output", str(tmp_path / "run")])

@@ -508,6 +508,8 @@ def _open(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, lo
         _restore(t, out / RESUME_FILE)
         if args.epochs > saved_epochs and d.main:
             _record_extension(out, t.epoch, args.epochs, data.warmup)
+        if t.epoch == args.epochs:  # killed among the last epoch's writes: the resume state's come again
+            _save(out, t, args, data, d)
     elif d.main:
         _write_record(out, args, data, d)
     return Run(args, out, data, t, _batches(args, data, d), data.eval.images.to(d.device),
