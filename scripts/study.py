@@ -54,8 +54,8 @@ from harness.compare import (
 from harness.diagnose import has_diagnostics
 from harness.eval import set_pool
 from harness.features import saliency_maps
-from harness.figures import plot_heatmaps, plot_pooling_diagnostics
-from harness.metrics import POOLING_DIAGNOSTICS
+from harness.figures import plot_heatmaps, plot_object_weights, plot_pooling_diagnostics
+from harness.metrics import LOCALISATION, POOLING_DIAGNOSTICS
 from timm_rollout.atomic import save_figure, write_json, write_text
 from timm_rollout.data import dataset_arg, load_image_set, normalize
 from timm_rollout.device import device_arg
@@ -74,9 +74,11 @@ from timm_rollout.explain import MAP_LABELS
 from timm_rollout.hub import write_upload_folder
 from timm_rollout.loading import load_model
 from timm_rollout.records import (
+    CARD_FILE,
     CURVES_FILE,
     HEATMAPS_FILE,
     HUB_DIR,
+    LOCALISATION_FILE,
     LOG_FILE,
     NOTES_FILE,
     POOLING_FILE,
@@ -169,6 +171,10 @@ def build_parser() -> CliParser:
                    help="k-NN bank: N random train images per class (default: all)")
     p.add_argument("--faithfulness-images", type=non_negative_int, default=0,
                    help="deletion/insertion faithfulness on N evaluated images (0: off)")
+    p.add_argument("--also-eval", type=as_type(dataset_arg), metavar="DATASET",
+                   help="also evaluate every run on this data set's test split (the same classes, e.g. the same "
+                        "objects without clutter; no k-NN bank or faithfulness there): the report adds each arm's "
+                        "top-1 on it and the paired change")
     p.add_argument("--heatmaps", type=non_negative_int, default=6,
                    help="test images in the side-by-side heatmap grid (0: no grid)")
     p.add_argument("--pack", type=positive_int, default=1,
@@ -343,9 +349,11 @@ def train_runs(args: argparse.Namespace, arm: str, seeds: Sequence[int], runs: d
     _run([sys.executable, "-m", "timm_rollout.train", *train_command(args, arm, todo, output)], args.threads)
 
 
-def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder: Path, pool: str | None = None) -> None:
+def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder: Path, pool: str | None = None,
+             dataset: str | None = None) -> None:
     """Evaluate one finished run (read out with ``pool``, default its own) unless ``folder`` already holds results
-    for these exact weights (then only the pooling diagnostics are added when they are missing)."""
+    for these exact weights (then only the pooling diagnostics are added when they are missing). ``dataset``: on
+    that data set's test split instead of the study's (``--also-eval``: no k-NN bank, no faithfulness)."""
     results = folder / RESULTS_FILE
     if results.exists():
         saved = json.loads(results.read_text(encoding="utf-8"))
@@ -355,16 +363,17 @@ def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder:
             print(f"= {folder} evaluated, skipped")
             return
     cmd = [sys.executable, "-m", "harness.eval", "--model", model, "--checkpoint", str(run), "--dataset",
-           args.dataset, "--output", str(folder), "--seed", str(seed), "--bank-split", "train",
-           "--device", args.device]
+           dataset or args.dataset, "--output", str(folder), "--seed", str(seed), "--device", args.device]
     if pool:
         cmd += ["--pool", pool]
     if args.eval_per_class is not None:
         cmd += ["--per-class", str(args.eval_per_class)]
-    if args.bank_per_class is not None:
-        cmd += ["--bank-per-class", str(args.bank_per_class)]
-    if args.faithfulness_images:
-        cmd += ["--faithfulness", "--faithfulness-images", str(args.faithfulness_images)]
+    if dataset is None:
+        cmd += ["--bank-split", "train"]
+        if args.bank_per_class is not None:
+            cmd += ["--bank-per-class", str(args.bank_per_class)]
+        if args.faithfulness_images:
+            cmd += ["--faithfulness", "--faithfulness-images", str(args.faithfulness_images)]
     _run(cmd, args.threads)
 
 
@@ -431,10 +440,18 @@ def run_arm(args: argparse.Namespace, arm: str, seeds: Sequence[int], runs: dict
         posthoc = [name for name in POSTHOC if arm == "cls"]
         for name in posthoc:
             eval_run(args, model, seed, run, evals[name, seed], pool=POSTHOC[name])
+        also = [also_folder(args, name, seed) for name in (arm, *posthoc)] if args.also_eval else []
+        for name, folder in zip((arm, *posthoc), also, strict=False):
+            eval_run(args, model, seed, run, folder, pool=POSTHOC.get(name), dataset=args.also_eval)
         if args.commit:
-            commit_paths([run, evals[arm, seed], *(evals[name, seed] for name in posthoc),
+            commit_paths([run, evals[arm, seed], *(evals[name, seed] for name in posthoc), *also,
                           Path(args.output) / STUDY_FILE],
                          _commit_message(arm, seed, evals[arm, seed], [POSTHOC[name] for name in posthoc]))
+
+
+def also_folder(args: argparse.Namespace, arm: str, seed: int) -> Path:
+    """Where ``--also-eval`` puts the evaluation of ``arm``'s seed: ``eval-<data set folder name>/<arm>-s<seed>``."""
+    return Path(args.output) / f"eval-{Path(args.also_eval).name}" / f"{arm}-s{seed}"
 
 
 def packed(todo: Sequence[tuple[str, int]], pack: int) -> list[tuple[str, list[int]]]:
@@ -561,6 +578,7 @@ def _report_tables(groups: dict[str, Group], extra: list[str]) -> list[str]:
     shown = [*METRICS, *POOLING_DIAGNOSTICS, *extra]
     # the random-order baseline is no hypothesis, the diagnostics describe the weights: shown, not tested
     tested = [m for m in shown if not m.startswith("random ") and m not in POOLING_DIAGNOSTICS]
+    tested += [m for m in LOCALISATION if m not in CHANCE_LEVELS]  # shown in their own section
     lines = ["## Metrics per arm", "", "Mean ± sample std over seeds. Learning-curve rows come from each run's "
              "`log.csv` (eval top-1 on the test split after every epoch; trained arms only): its mean over all "
              "epochs (the area under the curve, higher = learns faster) and its value after a quarter of the epochs. "
@@ -694,11 +712,11 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
     arms, seeds = scope
     pairs = [(a, s) for a in arms for s in seeds]
     loaded = load_results([evals[pair] for pair in pairs])
-    added = [{**(curve_metrics(runs[pair], args.epochs) if pair[0] in ARMS else {}), **faithfulness_metrics(r)}
-             for pair, r in zip(pairs, loaded, strict=True)]
+    added = [{**(curve_metrics(runs[pair], args.epochs) if pair[0] in ARMS else {}), **faithfulness_metrics(r),
+              **also_metrics(args, *pair, r)} for pair, r in zip(pairs, loaded, strict=True)]
     results = [{**r, "metrics": {**r["metrics"], **more}} for r, more in zip(loaded, added, strict=True)]
     extra = list(dict.fromkeys(m for more in added for m in more))
-    shown = [*METRICS, *POOLING_DIAGNOSTICS, *extra, *ORIGINAL_METRICS]
+    shown = [*METRICS, *POOLING_DIAGNOSTICS, *LOCALISATION, *extra, *ORIGINAL_METRICS]
     groups = {g.label: g for g in summarise(results, shown, label=lambda r: run_short(r["path"]))}
     pooling = _figures(args, out, arms, seeds, runs, dict(zip(pairs, loaded, strict=True)))
     exported = export_picked(args, out, arms, seeds, runs, evals)
@@ -713,8 +731,10 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         "`cls-posthoc-*` are the `cls` runs read out with another pooling, untrained (`harness.eval --pool`). "
         "Metrics are from `python -m harness.eval` on the test split with the train split as k-NN bank and "
         "linear-probe training set (definitions in harness/README.md).", "",
+        *data_section(args),
         *notes_section(out),
         *_report_tables(groups, extra),
+        *localisation_section(out, groups, seeds, results),
         "## Training curves", "", "![training curves](curves.png)", "",
         *(["## Pooling diagnostics", "", POOLING_NOTE, "", f"![pooling diagnostics]({POOLING_FILE})", "",
            LAYERS_NOTE, "", pooling_table(dict(zip(pairs, loaded, strict=True)), [a for a in arms if a in ARMS],
@@ -736,6 +756,58 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
           zip(pairs, loaded, strict=True)],
     ]
     return write_text(out / REPORT_FILE, "\n".join(lines) + "\n")
+
+
+def data_section(args: argparse.Namespace) -> list[str]:
+    """The data sets' cards (a folder's README.md, as scripts/make_cluttered.py writes it): title and path."""
+    lines = []
+    for role, dataset in (("trained and evaluated on", args.dataset), ("also evaluated on", args.also_eval)):
+        card = Path(dataset) / CARD_FILE if dataset else None
+        if card is not None and card.is_file():
+            title = next((t[2:] for t in card.read_text(encoding="utf-8").splitlines() if t.startswith("# ")), "")
+            lines.append(f"- {role} `{dataset}`: data card `{card}` ({title})")
+    return ["## Data", "", *lines, ""] if lines else []
+
+
+def also_metrics(args: argparse.Namespace, arm: str, seed: int, result: dict[str, Any]) -> dict[str, float]:
+    """``--also-eval``: the run's top-1 on the other data set's test split and its paired change from the study's
+    (e.g. the top-1 a model loses to clutter, when the other set holds the same objects without it)."""
+    folder = also_folder(args, arm, seed) if args.also_eval else None
+    if folder is None or not (folder / RESULTS_FILE).is_file():
+        return {}
+    other = json.loads((folder / RESULTS_FILE).read_text(encoding="utf-8"))["metrics"]["top1"]
+    name = Path(args.also_eval).name
+    return {f"top1 on {name}": other, f"top1 on {name} - top1": other - result["metrics"]["top1"]}
+
+
+LOCALISATION_NOTE = (
+    "Where each arm pools, against the object's box (`harness.eval` on a data set with a `bbox` column; "
+    "definitions in harness/README.md): `pooling_object_mass` is the share of the pooling weights on the box "
+    "(mean over the test images of sum_p w_p c_p, c_p the fraction of patch p the box covers), against the chance "
+    "level `object_area_fraction` (the same sum for uniform weights); `pooling_weight_inside`/`_outside` the mean "
+    "weight x number of patches over the box and over the rest (1 = uniform). The weights are those the arm pools "
+    "with: its own rollout weights, the attention of the learned pool (map, mean over heads), uniform for gap, "
+    "and the post-hoc rollout row for cls. `<map>_box_mass` and `<map>_pointing` score each saliency map: its mass "
+    "on the box and the pointing-game hit rate (its maximum patch inside the box). Their paired differences are in "
+    "the tables above.")
+
+
+CHANCE_LEVELS = ("object_area_fraction", "pointing_chance")  # the same for every arm: shown, not tested
+
+
+def localisation_section(out: Path, groups: dict[str, Group], seeds: Sequence[int],
+                         results: Sequence[dict[str, Any]]) -> list[str]:
+    """The localisation table and figure (pooling weight inside against outside the box), when the evaluations
+    scored boxes."""
+    if not any(r["metrics"].get("pooling_object_mass") is not None for r in results):
+        return []
+    values = {arm: [(i, o) for i, o in zip(g.values.get("pooling_weight_inside", []),
+                                           g.values.get("pooling_weight_outside", []), strict=True)
+                    if i is not None and o is not None] for arm, g in groups.items()}
+    plot_object_weights(values, out / LOCALISATION_FILE, f"Pooling weight on the object's box against the rest "
+                        f"(test split, seeds {' '.join(map(str, seeds))})")
+    return ["## Localisation", "", LOCALISATION_NOTE, "", means_table(groups, LOCALISATION), "",
+            f"![pooling weight inside and outside the box]({LOCALISATION_FILE})", ""]
 
 
 def notes_section(out: Path) -> list[str]:
@@ -810,7 +882,7 @@ def main(argv: list[str] | None = None) -> Path | None:
                         "study command without --report-only to train what is missing")
     report = write_report(args, out, scope, commands, runs, evals)
     if args.commit:
-        names = (STUDY_FILE, REPORT_FILE, CURVES_FILE, HEATMAPS_FILE, POOLING_FILE, HUB_DIR)
+        names = (STUDY_FILE, REPORT_FILE, CURVES_FILE, HEATMAPS_FILE, POOLING_FILE, LOCALISATION_FILE, HUB_DIR)
         commit_paths([out / name for name in names if (out / name).exists()],
                      f"study: report ({', '.join(scope[0])}; seeds {' '.join(map(str, scope[1]))})")
     print(f"study finished: {len(todo)} runs trained or checked on {args.dataset}; report over seeds "

@@ -23,6 +23,7 @@ __all__ = [
     "HEATMAPS_FILE",
     "HUB_DIR",
     "LEGACY_PREDICTIONS_FILE",
+    "LOCALISATION_FILE",
     "LOG_FILE",
     "MODEL_FILES",
     "POOLING_FILE",
@@ -60,6 +61,7 @@ REPORT_FILE = "report.md"
 COMPARISON_FILE = "comparison.png"
 STUDY_FILE = "study.json"
 POOLING_FILE = "pooling.png"  # a study's pooling diagnostics per arm
+LOCALISATION_FILE = "localisation.png"  # a study's pooling weight inside and outside the object's box per arm
 HUB_DIR = "hub"  # a study's Hub exports: hub/<arm>, the best run of each arm
 NOTES_FILE = "notes.md"  # hand-written notes in a study folder, included in its report.md
 # The model card of a Hub upload.
