@@ -508,3 +508,22 @@ def test_a_killed_several_seed_command_resumes_every_run_from_its_last_epoch(tmp
     for seed, ref in zip((0, 1), whole, strict=True):
         run = tmp_path / f"run-s{seed}"
         assert _same_weights(run, ref) and _metrics(read_log(run / "log.csv")) == _metrics(read_log(ref / "log.csv"))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_attention_dropout_trains_on_the_explicit_path_on_every_device(device: str) -> None:
+    """Fused attention draws its dropout masks inside the kernel, where a stacked run cannot draw its separate run's:
+    with attention dropout every model trains on timm's explicit path (so --stack works with the original recipe on
+    GPUs); without it, GPUs keep fused attention. Only the model is built (no tensor is moved to the device)."""
+    from types import SimpleNamespace
+
+    from timm_rollout.train import _create_model
+
+    data = SimpleNamespace(num_classes=10, train=SimpleNamespace(images=torch.zeros(1, 3, 32, 32, dtype=torch.uint8)))
+    for rate, fused_on_gpu in (("0.1", False), ("0", True)):
+        args = build_parser().parse_args(["--model", "vit_tiny_cifar_gap", "--dataset", "cifar10-sample", "--output",
+                                          "unused", "--model-kwargs", "depth=2", f"attn_drop_rate={rate}"])
+        args.seed = 0  # one run's arguments, as the trainer hands them to each run
+        model = _create_model(args, data, torch.device(device))
+        flags = {block.attn.fused_attn for block in model.blocks}
+        assert flags == {fused_on_gpu and device == "cuda"}

@@ -668,7 +668,9 @@ def _create_model(args: argparse.Namespace, data: RunData, device: torch.device)
     """The timm model named by ``--model`` (seeded), with FastDropout, checked against the image size.
 
     On CPU its attention runs timm's explicit path: the fused (flash) kernel's backward is the slowest op of a
-    training step there (``scripts/bench_train.py``); on GPUs fused attention stays.
+    training step there (``scripts/bench_train.py``). So it does on a GPU when attention dropout is on: the fused
+    kernel draws its masks inside, where no stacked run (``--stack``) could draw the same ones as its separate run.
+    Without attention dropout, fused attention stays on GPUs.
     """
     seed_everything(args.seed)
     kwargs = dict(args.model_kwargs)
@@ -684,7 +686,8 @@ def _create_model(args: argparse.Namespace, data: RunData, device: torch.device)
     if args.pool is not None:
         set_pooling(model, args.pool, **args.pool_kwargs)
     use_fast_dropout(model)
-    if device.type == "cpu":
+    attention_dropout = any(getattr(getattr(m, "attn_drop", None), "p", 0.0) > 0 for m in model.modules())
+    if device.type == "cpu" or attention_dropout:
         set_fused_attention(model, False)
     return model
 
