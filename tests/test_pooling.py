@@ -5,7 +5,7 @@ import pytest
 import timm
 import torch
 
-from timm_rollout import set_pooling
+from timm_rollout import capture_attention, set_pooling
 from timm_rollout.pooling import RolloutPooling
 
 # small stock timm ViTs (random init, no download): a plain one and one with 4 register tokens
@@ -155,3 +155,116 @@ def test_fine_tune_a_stock_vit_from_a_local_file_with_rollout_pooling(tmp_path):
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(model(x), set_pooling(stock, "rollout", head_fusion="max")(x))
+
+
+def test_tokens_changed_in_place_are_refused_however_they_were_changed():
+    """The version counter misses inference tensors and ``.data``: the tokens are compared bit for bit."""
+    name = "vit_small_patch16_224"
+    model = set_pooling(build(name), "rollout")
+    x = images(name)
+    with torch.no_grad():
+        want = plain_rollout_pooling(model, x)
+    for context in (torch.inference_mode, torch.no_grad, torch.enable_grad):
+        with context():
+            tokens = model.forward_features(x)
+            torch.testing.assert_close(model.forward_head(tokens, pre_logits=True).double(), want, rtol=1e-4, atol=1e-5)
+            before = tokens.data[1, 3, 5].item()
+            tokens.data[1, 3, 5] = before + 1.0
+            with pytest.raises(RuntimeError, match="changed in place after forward_features"):
+                model.forward_head(tokens)
+            tokens.data[1, 3, 5] = before  # the same bits again: the pass's own tokens, pooled right
+            torch.testing.assert_close(model.forward_head(tokens, pre_logits=True).double(), want, rtol=1e-4, atol=1e-5)
+    with torch.inference_mode():
+        tokens = model.forward_features(x)
+        tokens.mul_(2.0)  # an inference tensor has no version counter
+        with pytest.raises(RuntimeError, match="changed in place after forward_features"):
+            model.forward_head(tokens)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_forward_features_keeps_every_pass(backend):
+    """torch.compile(model.forward_features) called several times: each tokens pool with their own pass (with
+    inductor under no_grad, only the last pass used to be kept)."""
+    torch._dynamo.reset()
+    name = "vit_small_patch16_224"
+    model = set_pooling(build(name), "rollout")
+    inputs = [images(name), 3.0 * images(name).flip(0), images(name).flip(-1)]
+    compiled = torch.compile(model.forward_features, backend=backend)
+    with torch.no_grad():
+        tokens = [compiled(x) for x in inputs]  # the first passes of a fresh model, as a user would
+        want = [plain_rollout_pooling(model, x) for x in inputs]
+        for t, w in zip(tokens, want, strict=True):
+            torch.testing.assert_close(model.forward_head(t, pre_logits=True).double(), w, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(want[0], want[1])
+
+
+def test_changed_rollout_options_refuse_tokens_of_an_earlier_pass():
+    name = "vit_small_patch16_224"
+    model = set_pooling(build(name), "rollout")
+    x = images(name)
+    with torch.no_grad():
+        want = plain_rollout_pooling(model, x, "max")
+        tokens = model.forward_features(x)
+        set_pooling(model, "rollout")  # the same options: the pass still pools
+        model.forward_head(tokens)
+        set_pooling(model, "rollout", head_fusion="max")
+        with pytest.raises(RuntimeError, match=r"rollout options changed \(set_pooling\) after forward_features"):
+            model.forward_head(tokens)
+        model.rollout_head_fusion = "mean"  # back to the pass's options, by hand: it pools again
+        model.forward_head(tokens)
+        set_pooling(model, "rollout", head_fusion="max")
+        got = model.forward_head(model.forward_features(x), pre_logits=True)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["vit_small_patch16_224", "vit_tiny_cifar_rollout"])
+def test_a_rollout_pooled_model_pickles_and_loads_into_a_working_model(name):
+    """pickle and torch.save of the user's own model object (a stock timm ViT's pooled class is made at run time)."""
+    import io
+    import pickle
+
+    import timm_rollout  # noqa: F401  (registers the tiny model)
+
+    if name in STOCK:
+        model, x = set_pooling(build(name), "rollout", head_fusion="max"), images(name)
+    else:
+        torch.manual_seed(0)
+        model = timm.create_model(name, depth=2, rollout_head_fusion="max").eval()
+        x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = plain_rollout_pooling(model, x, "max")
+        live = model.forward_features(x)  # a live pass is not pickled
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        copies = [pickle.loads(pickle.dumps(model)), torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)]
+        for copy in copies:
+            assert type(copy) is type(model) and copy.rollout_head_fusion == "max"
+            assert "_rollout_passes" not in vars(copy)
+            got = copy.forward_head(copy.forward_features(x), pre_logits=True)
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(copy(x), model(x))
+            with pytest.raises(RuntimeError, match="takes the very tensor"):
+                copy.forward_head(live)  # the original's pass is not the copy's
+            set_pooling(copy, "token")
+            assert type(copy) is model._stock_class and not any(b.attn.attn_drop._forward_hooks for b in copy.blocks)
+    model.forward_head(live)
+
+
+def test_no_leftovers_dead_passes_and_empty_sinks():
+    name = "vit_small_patch16_224"
+    model = build(name)
+    x = images(name)
+    drops = [b.attn.attn_drop for b in model.blocks]
+    with torch.no_grad():
+        with capture_attention(model):
+            model(x)
+        assert not any("_attention_sinks" in vars(d) for d in drops)  # capture_attention leaves none
+        set_pooling(model, "rollout")
+        tokens = model.forward_features(x)
+        weights = model.rollout_weights(tokens)
+        assert len(model.__dict__["_rollout_passes"]) == 1
+        del tokens  # a dead pass's weights go with its tokens, not at the next forward_features
+        assert model.__dict__["_rollout_passes"] == {} and weights.shape == (2, 16)
+        model(x)
+        set_pooling(model, "token")
+    assert not any("_attention_sinks" in vars(d) for d in drops)  # switching back leaves none

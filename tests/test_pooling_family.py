@@ -41,6 +41,8 @@ from timm_rollout.pooling import RolloutPooling
 TINY = {"img_size": 32, "depth": 2}
 VARIES = ("block_fn", "attn_layer", "attn_type")  # constructor arguments that change the block or attention
 POOLED_HEADS = (VisionTransformer, Eva, Beit, VisionTransformerRelPos)  # must be accepted in their plain variants
+# timm poolings by their plain definitions (patch tokens after the prefix tokens)
+TIMM_POOLS = {"avg": lambda t, p: t[:, p:].mean(1), "max": lambda t, p: t[:, p:].amax(1), "token": lambda t, p: t[:, 0]}
 
 
 class _Built(Exception):
@@ -175,9 +177,6 @@ def check_rollout(model: torch.nn.Module, x: torch.Tensor) -> None:
         torch.testing.assert_close(model.forward_head(got_tokens, pre_logits=True), model.fc_norm(pooled),
                                    rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(model(x), model.head(model.fc_norm(pooled)), rtol=1e-4, atol=1e-5)
-
-
-TIMM_POOLS = {"avg": lambda t, p: t[:, p:].mean(1), "max": lambda t, p: t[:, p:].amax(1), "token": lambda t, p: t[:, 0]}
 
 
 def check_timm_poolings(model: torch.nn.Module, x: torch.Tensor, pools: list[str]) -> None:
