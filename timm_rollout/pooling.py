@@ -1,4 +1,8 @@
-"""Rollout pooling for any timm VisionTransformer-family model, and :func:`set_pooling` to switch to and from it.
+"""Rollout pooling for timm ViT-family models, and :func:`set_pooling` to switch to and from it.
+
+Accepted: models whose head pools the tokens once, then applies ``fc_norm`` and the classifier (timm's
+``VisionTransformer``, ``Eva``, ``Beit``, ``VisionTransformerRelPos``), with a class token and one softmax
+self-attention per block; anything else is a one-line ValueError naming why.
 
 ``set_pooling(model, 'rollout')`` swaps the model's class for a subclass that mixes in :class:`RolloutPooling`
 (object identity and parameters untouched, as ``use_fast_dropout`` does for dropout): it runs timm's explicit
@@ -7,7 +11,8 @@ pooling weights at the end of ``forward_features`` (or ``forward_intermediates``
 
 The weights are tied to the tokens that pass returned: ``forward_head(tokens)`` pools ``tokens`` with the
 weights of the pass that produced them (looked up by the tensor's identity, weakly referenced, and refused
-when the tokens were changed in place since), and raises for any other tensor. So no order of
+when the tokens were changed since, bit for bit, or the rollout options were), and raises for any other tensor.
+So no order of
 ``forward_features``, ``forward_intermediates``, ``forward_head`` and ``model(x)`` calls pools one pass's
 tokens with another pass's attention. ``set_pooling(model, <timm pooling>)`` gives the stock model back: its
 class, its fused-attention setting, no hooks, no state.
