@@ -330,6 +330,18 @@ def _cosine(feats: torch.Tensor, labels: torch.Tensor, sel: Selection) -> tuple[
     return metrics.cosine_matrix(cents[[row[c] for c in ids]]), [sel.full.class_names[c] for c in ids]
 
 
+def _pooling(model, info: dict, data: ImageSet, batch_size: int, device, amp_dtype,
+             clock: Stopwatch) -> tuple[PoolingDiagnostics | None, dict[str, float | None]]:
+    """The pooling diagnostics, and where the split has object boxes harness.localisation's metrics (else none)."""
+    kwargs = {"device": device, "amp_dtype": amp_dtype, "batch_size": batch_size}
+    with clock.stage("pooling_diagnostics"):
+        diagnostics = pooling_diagnostics(model, data.images, info["mean"], info["std"], **kwargs)
+    if data.boxes is None:
+        return diagnostics, {}
+    with clock.stage("localisation"):
+        return diagnostics, box_localisation(model, data.images, data.boxes, info["mean"], info["std"], **kwargs)
+
+
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     """Run one evaluation and write its outputs; returns the results written to results.json."""
     clock = Stopwatch()
@@ -347,14 +359,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                        batch_size=args.batch_size)
     with clock.stage("extract"):
         feats, logits = features(data.images, desc=f"{data.split} features")
-    with clock.stage("pooling_diagnostics"):
-        diagnostics = pooling_diagnostics(model, data.images, info["mean"], info["std"], device=device,
-                                          amp_dtype=amp_dtype, batch_size=args.batch_size)
-    localisation = {}  # harness.localisation's metrics, where the split has object boxes
-    if data.boxes is not None:
-        with clock.stage("localisation"):
-            localisation = box_localisation(model, data.images, data.boxes, info["mean"], info["std"], device=device,
-                                            amp_dtype=amp_dtype, batch_size=args.batch_size)
+    diagnostics, localisation = _pooling(model, info, data, args.batch_size, device, amp_dtype, clock)
     bank = bank_feats = None
     if args.bank_split:
         with clock.stage("load_bank"):
