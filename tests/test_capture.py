@@ -113,3 +113,65 @@ def test_progress_bars_come_from_one_helper_that_draws_only_on_a_terminal():
     assert calls == ["timm_rollout/progress.py"]
     log = io.StringIO()  # not a terminal: nothing drawn
     assert list(progress(range(3), file=log, desc="x")) == [0, 1, 2] and log.getvalue() == ""
+
+
+def _tiny_vit() -> torch.nn.Module:
+    """A small stock timm ViT on the fused attention path (the setting the model must get back)."""
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=5).eval()
+    set_fused_attention(model, True)
+    return model
+
+
+def _fresh_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """An independent reference: a fresh stock model with ``model``'s weights, never captured."""
+    fresh = _tiny_vit()
+    fresh.load_state_dict(model.state_dict())
+    return fresh
+
+
+def _left_clean(model: torch.nn.Module) -> None:
+    assert type(model).__name__ == "VisionTransformer"
+    assert [m.fused_attn for m in attention_modules(model)] == [True, True]
+    assert hook_count(model) == 0 and set(vars(model)) == set(vars(_tiny_vit()))
+    assert all(set(vars(m)) == set(vars(f)) for m, f in zip(model.modules(), _tiny_vit().modules(), strict=True))
+
+
+def test_set_pooling_inside_capture_attention_stays_rollout_pooled_after_it():
+    """The capture releases only its own hold: the model made rollout-pooled inside keeps recording after exit,
+    and switching it back later restores the fused setting it had before the capture."""
+    from timm_rollout import set_pooling
+
+    model = _tiny_vit()
+    reference = set_pooling(_fresh_copy(model), "rollout")
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with capture_attention(model) as cap:
+            set_pooling(model, "rollout")
+            inside = model(x)
+        assert len(cap.attentions) == 2
+        assert [m.fused_attn for m in attention_modules(model)] == [False, False]
+        torch.testing.assert_close(inside, reference(x))
+        torch.testing.assert_close(model(x), reference(x))  # used to fail: fused again, nothing recorded
+        torch.testing.assert_close(model.forward_head(model.forward_features(x)), reference(x))
+        set_pooling(model, "token")
+        torch.testing.assert_close(model(x), set_pooling(reference, "token")(x))
+    _left_clean(model)
+
+
+def test_switching_back_inside_capture_attention_keeps_capturing_and_restores_the_stock_setting():
+    from timm_rollout import set_pooling
+
+    model = set_pooling(_tiny_vit(), "rollout")
+    reference = _fresh_copy(model)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with capture_attention(reference) as want:
+            stock = reference(x)
+        with capture_attention(model) as cap:
+            set_pooling(model, "token")
+            got = model(x)
+        torch.testing.assert_close(got, stock, rtol=1e-4, atol=1e-5)
+        for a, b in zip(cap.attentions, want.attentions, strict=True):  # the pass after the switch was recorded
+            torch.testing.assert_close(a, b)
+    _left_clean(model)  # the stock model's own (fused) setting, not the rollout model's explicit one

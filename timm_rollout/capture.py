@@ -5,13 +5,15 @@ timm's attention modules (``timm.layers.Attention`` and its relatives) compute
 hook on ``attn_drop`` therefore sees the attention probabilities *before* dropout. Hooks store what
 they see into the sinks open on the ``attn_drop`` module they are attached to (never in a closure over a
 model), so a deep copy of a model (e.g. ``timm.utils.ModelEmaV3``) records its own attention. One hook and
-one sink mechanism serve both users: :func:`capture_attention` (public) hooks a model for the duration of a
-``with`` block; :func:`record_attention` opens a sink on the rollout-pooled model's permanent hooks for one
-forward pass and hands that pass's attention over on exit. A hook with no sink open records nothing.
+one sink mechanism serve both users, and each *holds* the model on the explicit path with the hooks installed
+(:func:`hold_explicit`) for as long as it needs them: :func:`capture_attention` (public) for the duration of a
+``with`` block, rollout pooling while the model is rollout-pooled; :func:`record_attention` opens a sink on those
+hooks for one forward pass and hands that pass's attention over on exit. A hook with no sink open records nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,13 +27,17 @@ __all__ = [
     "attention_modules",
     "capture_attention",
     "fused_attention",
+    "hold_explicit",
     "record_attention",
+    "release_explicit",
     "restore_fused_attention",
-    "set_attention_recorder",
     "set_fused_attention",
 ]
 
 SINKS = "_attention_sinks"  # on each attn_drop: the dicts (attn_drop -> attention) open on it
+HOLDS = "_explicit_holds"  # on each fused-attention module: who holds it on the explicit path (hold_explicit)
+FUSED_BEFORE = "_fused_before_hold"  # its own fused setting meanwhile, given back by the last release
+_CAPTURES = itertools.count()  # capture_attention's hold names
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -48,24 +54,34 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def _fused_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "fused_attn")]
+
+
+def _swap_own(module: nn.Module, fused: bool) -> bool:
+    """Set a module's own fused setting and return the previous one; a held module keeps the explicit path and
+    takes its own setting back when its last hold is released (:func:`release_explicit`)."""
+    if module.__dict__.get(HOLDS):
+        before, module.__dict__[FUSED_BEFORE] = module.__dict__[FUSED_BEFORE], bool(fused)
+        return before
+    before, module.fused_attn = bool(module.fused_attn), bool(fused)
+    return before
+
+
 def set_fused_attention(model: nn.Module, fused: bool) -> list[bool]:
     """Switch every timm attention module of ``model`` to the fused (SDPA) or explicit path; returns each module's
     previous setting, for :func:`restore_fused_attention`.
 
-    A rollout-pooled model keeps the explicit path whatever is asked: its pooling reads the attention.
+    A module held on the explicit path (an open :func:`capture_attention`, rollout pooling) stays on it: the
+    setting asked is the one it takes when the last hold is released.
     """
-    modules = [m for m in model.modules() if hasattr(m, "fused_attn")]
-    keep_explicit = getattr(model, "global_pool", None) == "rollout"
-    before = [bool(m.fused_attn) for m in modules]
-    for m in modules:
-        m.fused_attn = fused and not keep_explicit
-    return before
+    return [_swap_own(m, fused) for m in _fused_modules(model)]
 
 
 def restore_fused_attention(model: nn.Module, before: list[bool]) -> None:
     """Give each timm attention module of ``model`` back the setting :func:`set_fused_attention` returned."""
-    for m, was in zip([m for m in model.modules() if hasattr(m, "fused_attn")], before, strict=True):
-        m.fused_attn = was
+    for m, was in zip(_fused_modules(model), before, strict=True):
+        _swap_own(m, was)
 
 
 @contextmanager
@@ -103,20 +119,45 @@ def _has_recorder(drop: nn.Module) -> bool:
     return any(hook is _record for hook in drop._forward_hooks.values())
 
 
-def set_attention_recorder(model: nn.Module, on: bool) -> None:
-    """Install (``on``) or remove the rollout model's permanent recorder: the hook on every ``attn_drop``.
+def hold_explicit(model: nn.Module, holder: str) -> None:
+    """Hold ``model`` on the explicit attention path, with the recorder hook on every ``attn_drop``, for ``holder``
+    (an open :func:`capture_attention`, rollout pooling) until :func:`release_explicit`.
 
-    It records only into sinks that :func:`record_attention` opens; it stays installed so that compiled models
-    (``torch.compile``) do not break their graph on hook registration in every forward pass.
+    Holds of several holders nest in any order: the model stays explicit and recording while any holds it, and the
+    last release gives back each module's own fused setting and removes the hooks. The hook stays installed while
+    held so that compiled models (``torch.compile``) do not break their graph on hook registration in every pass.
     """
-    for m in attention_modules(model):
-        hooks = m.attn_drop._forward_hooks
-        for key in [k for k, hook in hooks.items() if hook is _record]:
-            del hooks[key]
-        if on:
-            m.attn_drop.register_forward_hook(_record)
-        else:
-            _drop_empty_sinks(m.attn_drop)
+    for m in _fused_modules(model):
+        holds = m.__dict__.setdefault(HOLDS, [])
+        if not holds:
+            m.__dict__[FUSED_BEFORE] = bool(m.fused_attn)
+        m.fused_attn = False
+        drop = getattr(m, "attn_drop", None)
+        if isinstance(drop, nn.Module) and not _has_recorder(drop):
+            drop.register_forward_hook(_record)
+        if holder not in holds:
+            holds.append(holder)
+
+
+def release_explicit(model: nn.Module, holder: str) -> None:
+    """Release ``holder``'s hold (:func:`hold_explicit`); the last one leaves each module as it was before the
+    first: its own fused setting, no recorder hook, no sink list."""
+    for m in _fused_modules(model):
+        holds = m.__dict__.get(HOLDS)
+        if holds is None:
+            continue
+        if holder in holds:
+            holds.remove(holder)
+        if holds:
+            continue
+        del m.__dict__[HOLDS]
+        m.fused_attn = m.__dict__.pop(FUSED_BEFORE)
+        drop = getattr(m, "attn_drop", None)
+        if isinstance(drop, nn.Module):
+            hooks = drop._forward_hooks
+            for key in [k for k, hook in hooks.items() if hook is _record]:
+                del hooks[key]
+            _drop_empty_sinks(drop)
 
 
 def _drop_empty_sinks(drop: nn.Module) -> None:
@@ -141,7 +182,7 @@ def _open_sink(drops: list[nn.Module]) -> Iterator[dict[nn.Module, torch.Tensor]
 
 @contextmanager
 def record_attention(model: nn.Module) -> Iterator[list[torch.Tensor | None]]:
-    """Open a sink on the recorder of :func:`set_attention_recorder` for the ``with`` body of one forward pass.
+    """Open a sink on the recorder of :func:`hold_explicit` for the ``with`` body of one forward pass.
 
     Yields a list that is filled on exit with each block's pre-dropout attention (block order; None for a block
     that did not run) and closes the sink, so nothing stays on the model. Blocks re-run by gradient checkpointing
@@ -183,8 +224,10 @@ class AttentionCapture:
 def capture_attention(model: nn.Module) -> Iterator[AttentionCapture]:
     """Record every block's attention probabilities (B, heads, N, N), before attention dropout.
 
-    Fused attention is switched off while recording and restored afterwards; hooks it added are removed on
-    exit. The model's outputs are unchanged up to float rounding::
+    Fused attention is switched off while recording (a hold, :func:`hold_explicit`) and hooks are added; on exit
+    the capture releases its hold, restoring only what it changed: a model made rollout-pooled inside the ``with``
+    block stays on its explicit path, one switched back to a timm pooling inside it gets the fused setting it had
+    before rollout pooling. The model's outputs are unchanged up to float rounding::
 
         with timm_rollout.capture_attention(model) as cap:
             logits = model(x)
@@ -192,16 +235,13 @@ def capture_attention(model: nn.Module) -> Iterator[AttentionCapture]:
     """
     modules = attention_modules(model)
     drops = [m.attn_drop for m in modules]
-    handles = [d.register_forward_hook(_record) for d in drops if not _has_recorder(d)]
+    holder = f"capture {next(_CAPTURES)}"
+    hold_explicit(model, holder)
     try:
-        with fused_attention(model, False), _open_sink(drops) as sink:
+        with _open_sink(drops) as sink:
             capture = AttentionCapture(modules, int(getattr(model, "num_prefix_tokens", 1)), sink)
             yield capture
             found = [sink.get(d) for d in drops]
             capture._frozen = found if all(a is not None for a in found) else []
     finally:
-        for handle in handles:
-            handle.remove()
-        for drop in drops:
-            if not _has_recorder(drop):
-                _drop_empty_sinks(drop)
+        release_explicit(model, holder)

@@ -18,8 +18,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
 from .dropout import use_fast_dropout
-from .pooling import ROLLOUT, RolloutPooling, register_pooled_class, switch_pooling_class
-from .rollout import check_options
+from .pooling import ROLLOUT, RolloutPooling, check_rollout_options, register_pooled_class, switch_pooling_class
 
 __all__ = ["CIFAR100_MEAN", "CIFAR100_STD", "RolloutPooledVisionTransformer", "RolloutVisionTransformer"]
 
@@ -46,11 +45,9 @@ class RolloutVisionTransformer(VisionTransformer):
 
     def __init__(self, *args, global_pool: str = "token", rollout_grad: bool = False,
                  rollout_head_fusion: str = "mean", rollout_discard_ratio: float = 0.0, **kwargs) -> None:
-        check_options(rollout_head_fusion, rollout_discard_ratio)
+        options = check_rollout_options(rollout_head_fusion, rollout_discard_ratio, rollout_grad)  # as set_pooling
         super().__init__(*args, global_pool="token" if global_pool == ROLLOUT else global_pool, **kwargs)
-        self.rollout_grad = rollout_grad
-        self.rollout_head_fusion = rollout_head_fusion
-        self.rollout_discard_ratio = float(rollout_discard_ratio)
+        self.rollout_head_fusion, self.rollout_discard_ratio, self.rollout_grad = options
         self.global_pool = global_pool
         use_fast_dropout(self)
 

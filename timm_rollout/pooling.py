@@ -20,26 +20,23 @@ class, its fused-attention setting, no hooks, no state.
 
 from __future__ import annotations
 
+import functools
+import numbers
 import weakref
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from .capture import (
-    attention_modules,
-    record_attention,
-    restore_fused_attention,
-    set_attention_recorder,
-    set_fused_attention,
-)
-from .rollout import check_options, patch_weights, rollout_cls_row
+from .capture import attention_modules, hold_explicit, record_attention, release_explicit
+from .rollout import HEAD_FUSIONS, check_options, patch_weights, rollout_cls_row
 
 __all__ = [
     "CONFIG_KEY",
     "ROLLOUT",
     "TIMM_POOLS",
     "RolloutPooling",
+    "check_rollout_options",
     "config_entries",
     "option_model_args",
     "register_pooled_class",
@@ -53,7 +50,6 @@ TIMM_POOLS = ("", "avg", "avgmax", "max", "token", "map")  # timm VisionTransfor
 OPTIONS = {"head_fusion": ("rollout_head_fusion", "mean"), "discard_ratio": ("rollout_discard_ratio", 0.0),
            "grad": ("rollout_grad", False)}  # set_pooling option -> model attribute, default
 _PASSES = "_rollout_passes"  # {id(tokens): _Pass} of live passes
-_FUSED = "_stock_fused_attn"  # each attention module's fused_attn before rollout pooling
 _STOCK_POOL = "_stock_global_pool"  # the timm pooling the model had before rollout pooling
 CONFIG_KEY = "rollout_pooling"  # config.json entry of a stock timm ViT saved while rollout-pooled
 
@@ -67,6 +63,19 @@ class _Pass(NamedTuple):
     weights: torch.Tensor  # (B, P) pooling weights
 
 
+def _while_pooled(method: Any) -> Any:
+    """A method bound (``f = model.forward_features``) or compiled while the model was rollout-pooled runs the
+    model's current class's method once :func:`set_pooling` has switched it back to a timm pooling."""
+
+    @functools.wraps(method)
+    def run(self: nn.Module, *args, **kwargs) -> Any:
+        if not isinstance(self, RolloutPooling):
+            return getattr(type(self), method.__name__)(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return run
+
+
 class RolloutPooling:
     """Mixin of a rollout-pooled timm ViT (made by :func:`set_pooling`, never built): pooling by the [CLS] row of
     the attention rollout over the patch tokens, with the model's ``rollout_head_fusion``,
@@ -74,16 +83,19 @@ class RolloutPooling:
 
     _stock_class: type[nn.Module]
 
+    @_while_pooled
     def forward_features(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         tokens, weights = self._rollout_pass(super().forward_features, x, *args, **kwargs)
         self._keep(tokens, weights)
         return tokens
 
+    @_while_pooled
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """timm's ``forward_features`` then ``forward_head``, pooled with this pass's weights; keeps nothing."""
         tokens, weights = self._rollout_pass(super().forward_features, x, *args, **kwargs)
         return self._head(tokens, weights, pre_logits=False)
 
+    @_while_pooled
     def forward_intermediates(self, x: torch.Tensor, *args, **kwargs) -> Any:
         """timm's ``forward_intermediates``; the final tokens it returns (unless ``intermediates_only``) carry
         this pass's pooling weights for ``forward_head``."""
@@ -92,11 +104,13 @@ class RolloutPooling:
             self._keep(out[0], weights)
         return out
 
+    @_while_pooled
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Rollout pooling of ``x`` (the output of this model's ``forward_features``), then timm's ``fc_norm``,
         ``head_drop`` and ``head``, as every accepted class's own head does after its pooling."""
         return self._head(x, self.rollout_weights(x), pre_logits)
 
+    @_while_pooled
     def pool(self, x: torch.Tensor, pool_type: str | None = None) -> torch.Tensor:
         pool_type = self.global_pool if pool_type is None else pool_type
         if pool_type != ROLLOUT:
@@ -161,8 +175,10 @@ class RolloutPooling:
         if found is None or found.ref() is not tokens:
             raise RuntimeError(
                 "forward_head on a rollout-pooled model takes the very tensor its forward_features (or "
-                "forward_intermediates) returned, whose pass's attention it pools with; pass that output, not a "
-                "copy, slice or another model's tokens"
+                "forward_intermediates) returned, whose pass's attention it pools with, and these tokens are not "
+                "one: the stock forward_features made them (called before set_pooling(model, 'rollout'), or bound "
+                "or compiled before it: it records no attention), or they are a copy, slice or another model's "
+                "tokens; pool what model.forward_features(x) returns now"
             )
         if found.options != self._options():
             raise RuntimeError("the rollout options changed (set_pooling) after forward_features returned these "
@@ -231,21 +247,24 @@ def rollout_pooled_class(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def switch_pooling_class(model: nn.Module, rollout: bool) -> None:
-    """Swap ``model`` to its rollout-pooled class (explicit attention path, recorder hooks) or back to its stock
-    class (the fused-attention setting it had, no hooks, no kept passes); nothing when it is there already."""
+    """Swap ``model`` to its rollout-pooled class (held on the explicit attention path with recorder hooks) or back
+    to its stock class (hold released: the fused-attention setting it had, no hooks; no kept passes, no rollout
+    options unless they are model arguments); nothing when it is there already. Every switch goes through here:
+    :func:`set_pooling`, assigning ``model.global_pool`` and ``reset_classifier(n, global_pool=...)``."""
     if isinstance(model, RolloutPooling) == rollout:
         return
     if rollout:
         model.__dict__[_STOCK_POOL] = model.global_pool
-        model.__dict__[_FUSED] = set_fused_attention(model, False)
-        set_attention_recorder(model, True)
+        hold_explicit(model, ROLLOUT)
         model.__class__ = rollout_pooled_class(type(model))
         return
     model.__class__ = model._stock_class
-    restore_fused_attention(model, model.__dict__.pop(_FUSED))
-    set_attention_recorder(model, False)
+    release_explicit(model, ROLLOUT)
     model.__dict__.pop(_PASSES, None)
     model.__dict__.pop(_STOCK_POOL, None)
+    if not getattr(model, "rollout_options_are_model_args", False):  # the stock model exactly
+        for attr, _ in OPTIONS.values():
+            model.__dict__.pop(attr, None)
 
 
 # forward_head of these classes: pool() -> fc_norm -> head_drop -> head (any timm pooling, and rollout in its place)
@@ -277,7 +296,7 @@ def _check_head(model: nn.Module, pool: str) -> None:
     """Refuse a pooling the model's own ``forward_head`` would not apply (it reads its tokens itself)."""
     owner = _head_owner(model)
     inline = owner in _INLINE_HEADS
-    if owner in _POOL_HEADS or (inline and pool in (*_INLINE_POOLS, ROLLOUT)) or pool == model.global_pool:
+    if owner in _POOL_HEADS or (inline and pool in (*_INLINE_POOLS, ROLLOUT)):
         return
     if inline:
         raise ValueError(f"{type(model).__name__}'s forward_head pools only {_INLINE_POOLS} (or rollout); "
@@ -307,6 +326,9 @@ def _check_pool(model: nn.Module, pool: str) -> None:
     attention_modules(model)  # raises for models without timm attention blocks
     if pool not in (*TIMM_POOLS, ROLLOUT):
         raise ValueError(f"unknown pooling {pool!r}; use one of {', '.join(map(repr, (*TIMM_POOLS, ROLLOUT)))}")
+    if pool == model.global_pool:  # its own pooling (any head, e.g. CaiT's, XCiT's, NaFlexVit's): nothing changes
+        return
+    _check_head(model, pool)  # first: a head of its own is the reason, whatever tokens the model has
     has_cls = getattr(model, "cls_token", None) is not None
     if pool in ("token", ROLLOUT) and not has_cls:
         raise ValueError(f"{pool} pooling needs a class token, and {type(model).__name__} has none "
@@ -317,9 +339,21 @@ def _check_pool(model: nn.Module, pool: str) -> None:
     if attn_pool is not None and pool not in ("map", ROLLOUT):
         raise ValueError("this model pools with its learned attention pool (global_pool='map'), which timm applies "
                          "whatever global_pool says; switch it to 'map' or 'rollout' only")
-    _check_head(model, pool)
     if pool == ROLLOUT:
         _check_attention(model)
+
+
+def check_rollout_options(head_fusion: Any, discard_ratio: Any, grad: Any) -> tuple[str, float, bool]:
+    """The rollout options (``head_fusion``, ``discard_ratio`` as a float, ``grad``), or a one-line ValueError naming
+    the one that is not one of :data:`~timm_rollout.rollout.HEAD_FUSIONS`, a real number in [0, 1), a bool."""
+    if not isinstance(head_fusion, str) or head_fusion not in HEAD_FUSIONS:
+        raise ValueError(f"unknown head_fusion {head_fusion!r}; use one of {', '.join(HEAD_FUSIONS)}")
+    if not isinstance(discard_ratio, numbers.Real) or isinstance(discard_ratio, bool):
+        raise ValueError(f"discard_ratio must be a number in [0, 1), got {discard_ratio!r}; e.g. discard_ratio=0.9")
+    check_options(head_fusion, float(discard_ratio))
+    if not isinstance(grad, bool):
+        raise ValueError(f"grad (rollout_grad) must be True or False, got {grad!r}")
+    return head_fusion, float(discard_ratio), grad
 
 
 def set_pooling(model: nn.Module, pool: str, **options: Any) -> nn.Module:
@@ -337,14 +371,10 @@ def set_pooling(model: nn.Module, pool: str, **options: Any) -> nn.Module:
         raise ValueError(f"options {sorted(options)} are not rollout options of pooling {pool!r}; rollout takes "
                          f"{', '.join(OPTIONS)}")
     if pool == ROLLOUT:
-        values = {attr: options.get(key, getattr(model, attr, default)) for key, (attr, default) in OPTIONS.items()}
-        check_options(values["rollout_head_fusion"], values["rollout_discard_ratio"])
-        for attr, value in values.items():
+        values = {key: options.get(key, getattr(model, attr, default)) for key, (attr, default) in OPTIONS.items()}
+        for (attr, _), value in zip(OPTIONS.values(), check_rollout_options(**values), strict=True):
             setattr(model, attr, value)
         switch_pooling_class(model, rollout=True)
-    elif not getattr(model, "rollout_options_are_model_args", False):  # the stock model exactly: no rollout
-        for attr, _ in OPTIONS.values():                                  # attributes left behind
-            model.__dict__.pop(attr, None)
     model.global_pool = pool
     return model
 
