@@ -268,3 +268,86 @@ def test_no_leftovers_dead_passes_and_empty_sinks():
         model(x)
         set_pooling(model, "token")
     assert not any("_attention_sinks" in vars(d) for d in drops)  # switching back leaves none
+
+
+def fresh_stock(model: torch.nn.Module, name: str, **kwargs) -> torch.nn.Module:
+    """An independent reference: a fresh stock model with ``model``'s weights, never pooled."""
+    fresh = timm.create_model(name, pretrained=False, num_classes=7, **STOCK[name], **kwargs).eval()
+    fresh.load_state_dict(model.state_dict())
+    return fresh
+
+
+@pytest.mark.parametrize("how", ["bound", "compiled"])
+def test_forward_features_bound_while_rollout_pooled_follows_a_switch_back(how):
+    torch._dynamo.reset()
+    name = "vit_small_patch16_224"
+    model = set_pooling(build(name), "rollout")
+    x = images(name)
+    features = model.forward_features if how == "bound" else torch.compile(model.forward_features, backend="aot_eager")
+    forward = model.forward
+    with torch.no_grad():
+        features(x)
+        set_pooling(model, "token")
+        stock = fresh_stock(model, name)
+        torch.testing.assert_close(features(x), stock.forward_features(x))  # was: no attribute '_rollout_pass'
+        torch.testing.assert_close(forward(x), stock(x))
+
+
+def test_tokens_of_the_stock_forward_features_are_refused_naming_it():
+    name = "vit_small_patch16_224"
+    model = build(name)
+    features = model.forward_features  # bound while stock
+    set_pooling(model, "rollout")
+    refusal = r"the stock forward_features made them .*bound or compiled"
+    with torch.no_grad(), pytest.raises(RuntimeError, match=refusal):
+        model.forward_head(features(images(name)))
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    (dict(grad="no"), "grad .* must be True or False, got 'no'"),
+    (dict(grad=1), "grad .* must be True or False, got 1"),
+    (dict(discard_ratio="0.5"), "discard_ratio must be a number in \\[0, 1\\), got '0.5'"),
+    (dict(discard_ratio=True), "discard_ratio must be a number"),
+    (dict(discard_ratio=1.0), "discard_ratio must be in \\[0, 1\\)"),
+    (dict(discard_ratio=float("nan")), "discard_ratio must be in \\[0, 1\\)"),
+    (dict(head_fusion=1), "unknown head_fusion 1"),  # (timm.create_model drops None-valued kwargs)
+])
+def test_rollout_option_values_are_checked_by_set_pooling_and_by_the_tiny_models(options, match):
+    import timm_rollout  # noqa: F401  (registers the tiny models)
+
+    model = build("vit_small_patch16_224")
+    keys = set(vars(model))
+    with pytest.raises(ValueError, match=match) as refused:
+        set_pooling(model, "rollout", **options)
+    assert "\n" not in str(refused.value) and type(model).__name__ == "VisionTransformer" and set(vars(model)) == keys
+    (key, value), = options.items()
+    with pytest.raises(ValueError, match=match):
+        timm.create_model("vit_tiny_cifar_rollout", depth=1, **{f"rollout_{key}": value})
+
+
+def test_rollout_option_values_are_stored_as_their_types():
+    import numpy as np
+
+    model = set_pooling(build("vit_small_patch16_224"), "rollout", discard_ratio=np.float32(0.5), grad=True)
+    assert type(model.rollout_discard_ratio) is float and model.rollout_discard_ratio == 0.5 and model.rollout_grad
+
+
+@pytest.mark.parametrize("how", ["set_pooling", "assignment", "reset_classifier"])
+def test_every_way_back_to_a_timm_pooling_gives_the_stock_model_exactly(how):
+    """set_pooling, ``model.global_pool = 'avg'`` and ``reset_classifier(n, global_pool='avg')``: one code path."""
+    name = "vit_small_patch16_224"
+    model = build(name)
+    stock = fresh_stock(model, name, global_pool="avg", fc_norm=False)  # the same modules, pooled by avg
+    set_pooling(model, "rollout", head_fusion="max", discard_ratio=0.5, grad=True)
+    if how == "set_pooling":
+        set_pooling(model, "avg")
+    elif how == "assignment":
+        model.global_pool = "avg"
+    else:
+        model.reset_classifier(7, global_pool="avg")
+        model.head.load_state_dict(stock.head.state_dict())
+    assert type(model) is type(stock) and set(vars(model)) == set(vars(stock))  # no rollout_* options left
+    assert [b.attn.fused_attn for b in model.blocks] == [b.attn.fused_attn for b in stock.blocks]
+    assert not any(b.attn.attn_drop._forward_hooks for b in model.blocks)
+    with torch.no_grad():
+        torch.testing.assert_close(model(images(name)), stock(images(name)))
