@@ -214,3 +214,20 @@ def test_family_covers_the_classes_the_issue_named():
     classes = {cls.__name__ for _, cls, _ in VARIANTS}
     assert {"VisionTransformer", "VisionTransformerDistilled", "Beit", "Eva", "VisionTransformerRelPos"} <= classes
     assert "ResNet" not in classes and len(VARIANTS) >= 15
+
+
+def test_a_head_of_its_own_is_the_reason_given_and_its_own_pooling_is_a_no_op():
+    """NaFlexVit with a class token (at ``embeds.cls_token``, not ``cls_token``): refused for its own forward_head,
+    not for a class token it has; its own pooling is accepted and changes nothing."""
+    torch.manual_seed(0)
+    model = timm.create_model("naflexvit_base_patch16_gap", img_size=32, depth=2, embed_dim=64, num_heads=4,
+                              class_token=True, global_pool="token", num_classes=5).eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(x)
+    for pool in ("rollout", "avg"):
+        why = refusal(model, pool)
+        assert why and "own forward_head" in why and "class token" not in why, why
+    assert set_pooling(model, "token") is model and model.global_pool == "token"
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want)
