@@ -14,8 +14,9 @@ weights of the pass that produced them (looked up by the tensor's identity, weak
 when the tokens were changed since, bit for bit, or the rollout options were), and raises for any other tensor.
 So no order of
 ``forward_features``, ``forward_intermediates``, ``forward_head`` and ``model(x)`` calls pools one pass's
-tokens with another pass's attention. ``set_pooling(model, <timm pooling>)`` gives the stock model back: its
-class, its fused-attention setting, no hooks, no state.
+tokens with another pass's attention. ``set_pooling(model, <timm pooling>)`` (or assigning ``global_pool``, or
+``reset_classifier(n, global_pool=...)``) gives the stock model back: its class, its fused-attention setting, no
+hooks, no state; methods bound or compiled while it was rollout-pooled then run the stock ones.
 """
 
 from __future__ import annotations
@@ -69,9 +70,13 @@ def _while_pooled(method: Any) -> Any:
 
     @functools.wraps(method)
     def run(self: nn.Module, *args, **kwargs) -> Any:
-        if not isinstance(self, RolloutPooling):
-            return getattr(type(self), method.__name__)(self, *args, **kwargs)
-        return method(self, *args, **kwargs)
+        if isinstance(self, RolloutPooling):
+            return method(self, *args, **kwargs)
+        stock = getattr(type(self), method.__name__, None)
+        if stock is None:  # e.g. Beit's pool: its head pools inline
+            raise RuntimeError(f"{type(self).__name__} has no {method.__name__} now that it is pooled with "
+                               f"{self.global_pool!r}; this one was taken while it was rollout-pooled")
+        return stock(self, *args, **kwargs)
 
     return run
 
@@ -361,9 +366,10 @@ def set_pooling(model: nn.Module, pool: str, **options: Any) -> nn.Module:
 
     ``pool`` is a timm pooling (``'token'``, ``'avg'``, ``'max'``, ``'avgmax'``, ``''``, ``'map'`` where the model
     was built with it) or ``'rollout'``, with options ``head_fusion`` (``'mean'``, ``'max'``, ``'min'``),
-    ``discard_ratio`` (in [0, 1)) and ``grad`` (gradients through the weights; by default a readout), kept on
-    the model as ``rollout_head_fusion``, ``rollout_discard_ratio`` and ``rollout_grad`` (the model's own values,
-    or the defaults, when not given). A timm pooling gives back the stock model: class, fused attention, no hooks.
+    ``discard_ratio`` (in [0, 1)) and ``grad`` (a bool: gradients through the weights; by default a readout),
+    checked by :func:`check_rollout_options` and kept on the model as ``rollout_head_fusion``,
+    ``rollout_discard_ratio`` and ``rollout_grad`` (the model's own values, or the defaults, when not given). A timm
+    pooling gives back the stock model: class, fused attention, no hooks. The model's own pooling changes nothing.
     """
     _check_pool(model, pool)
     unknown = set(options) - set(OPTIONS)
