@@ -284,7 +284,8 @@ def _select(args: argparse.Namespace) -> Selection:
     """Load the evaluated split and pick its classes and images; one-line errors for selections that cannot work."""
     if args.bank_split == args.split:
         raise UserError(f"--bank-split {args.bank_split} is the evaluated split; use another split (e.g. train)")
-    full = load_image_set(args.dataset, args.split, image_column=args.image_column, label_column=args.label_column)
+    full = load_image_set(args.dataset, args.split, image_column=args.image_column, label_column=args.label_column,
+                          boxes=True)
     class_ids = select_classes(full.class_names, args.classes, args.num_classes)
     if len(class_ids) < 2:
         raise UserError("select at least 2 classes: centroid separation and silhouette compare classes")

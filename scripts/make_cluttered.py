@@ -16,7 +16,7 @@ import time
 
 from timm_rollout.clutter import ClutterRecipe, make_cluttered
 from timm_rollout.data import dataset_arg
-from timm_rollout.errors import CliParser, as_type, non_negative_int, output_dir, positive_int, run_cli, seed_arg
+from timm_rollout.errors import CliParser, as_type, number, output_dir, positive_int, run_cli, seed_arg
 
 
 def build_parser() -> CliParser:
@@ -24,9 +24,9 @@ def build_parser() -> CliParser:
     p.add_argument("--dataset", required=True, type=as_type(dataset_arg),
                    help="source: alias (cifar10, cifar10-sample, ...), Hub id or folder")
     p.add_argument("--output", required=True, type=output_dir, help="folder for the parquet files and data card")
-    p.add_argument("--fragments", type=non_negative_int, default=16, help="clutter crops per canvas (0: none)")
+    p.add_argument("--fragments", type=number(int, 0, 256), default=16, help="clutter crops per canvas (0: none)")
     p.add_argument("--fragment-size", type=positive_int, default=8, help="side of each clutter crop, pixels")
-    p.add_argument("--canvas", type=positive_int, default=64, help="side of the square canvas, pixels")
+    p.add_argument("--canvas", type=number(int, 1, 1024), default=64, help="side of the square canvas, pixels")
     p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--per-class", type=positive_int, help="a seeded class-balanced subset of N images per class")
     return p

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from timm_rollout.clutter import ClutterRecipe, clutter_split, make_cluttered
+from timm_rollout.clutter import ClutterRecipe, _check_memory, clutter_split, make_cluttered
 from timm_rollout.data import SAMPLE_DIR, load_image_set
 from timm_rollout.errors import UserError
 
@@ -108,14 +108,30 @@ def test_bad_recipes_and_sources_are_one_line_errors(tmp_path: Path, capsys) -> 
         ClutterRecipe(canvas=16, fragment_size=20).check((8, 8))
     with pytest.raises(UserError, match="one class only"):
         clutter_split(images, torch.tensor([1, 1]), FILL, ClutterRecipe(16, 2, 4), "train")
-    for cls, side in (("a", 8), ("b", 9)):  # two classes, two image sizes
-        (tmp_path / "mixed" / "train" / cls).mkdir(parents=True)
-        Image.new("RGB", (side, side)).save(tmp_path / "mixed" / "train" / cls / "0.png")
+    with pytest.raises(UserError, match="pass a smaller --canvas or --per-class N"):
+        _check_memory(10**6, 1024)  # 6 TB of canvases, on any machine
+    _check_memory(10**4, 64)
+    with pytest.raises(UserError, match="unlabelled images"):
+        clutter_split(images, torch.tensor([-1, -1]), FILL, ClutterRecipe(16, 0, 4), "test")
+
+    def image_folder(name: str, sides: dict[tuple[str, str], int]) -> str:
+        for (split, cls), side in sides.items():
+            (tmp_path / name / split / cls).mkdir(parents=True)
+            Image.new("RGB", (side, side), (9, 9, 9)).save(tmp_path / name / split / cls / "0.png")
+        return str(tmp_path / name)
+
+    mixed = image_folder("mixed", {("train", "a"): 8, ("train", "b"): 9})
+    across = image_folder("across", {("train", "a"): 8, ("train", "b"): 8, ("test", "a"): 9, ("test", "b"): 9})
+    lonely = image_folder("lonely", {("train", "a"): 8, ("train", "b"): 8, ("test", "a"): 8})
     cases = [
         (["--dataset", "cifar10-sample", "--fragment-size", "65"], "larger than the 64-pixel canvas"),
         (["--dataset", "cifar10-sample", "--canvas", "31", "--fragments", "0"], "do not fit on a 31x31 canvas"),
-        (["--dataset", str(tmp_path / "mixed")], "images have different sizes"),
+        (["--dataset", mixed], "images have different sizes"),
+        (["--dataset", across, "--fragments", "0"], "the splits' images have different sizes (train 8x8, test 9x9)"),
+        (["--dataset", lonely, "--fragment-size", "4"], "split 'test' has one class only"),
         (["--dataset", str(SAMPLE_DIR), "--output", str(SAMPLE_DIR / "clutter")], "inside the source data set"),
+        (["--dataset", "cifar10-sample", "--output", str(SAMPLE_DIR / "clutter")], "inside the source data set"),
+        (["--dataset", "cifar10-sample", "--fragments", "257"], "--fragments: must be an integer in [0, 256]"),
     ]
     for argv, message in cases:
         out = [] if "--output" in argv else ["--output", str(tmp_path / "out")]
@@ -124,7 +140,7 @@ def test_bad_recipes_and_sources_are_one_line_errors(tmp_path: Path, capsys) -> 
         lines = capsys.readouterr().err.strip().splitlines()  # datasets' own progress bars may come first
         assert exit_info.value.code == 2 and lines[-1].startswith("error: ") and message in lines[-1]
         assert not any("Traceback" in line for line in lines)
-    assert not (SAMPLE_DIR / "clutter").exists()
+    assert not (SAMPLE_DIR / "clutter").exists() and not (tmp_path / "out").exists()  # nothing written
 
 
 def test_written_folder_is_byte_deterministic_and_loads_offline_with_boxes(tmp_path: Path) -> None:
@@ -137,7 +153,7 @@ def test_written_folder_is_byte_deterministic_and_loads_offline_with_boxes(tmp_p
     ds = datasets.load_dataset(str(tmp_path / "a"))  # offline: the card's configs name the files
     assert set(ds) == {"train", "test"} and ds["test"].features["label"].names[:2] == ["airplane", "automobile"]
     source = load_image_set("cifar10-sample", "test")
-    loaded = load_image_set(str(tmp_path / "a"), "test")
+    loaded = load_image_set(str(tmp_path / "a"), "test", boxes=True)
     assert loaded.images.shape == (30, 3, 48, 48) and loaded.boxes.dtype == torch.float32
     assert loaded.boxes.tolist() == ds["test"]["bbox"]
     card = (tmp_path / "a" / "README.md").read_text()
@@ -169,8 +185,14 @@ def test_loader_keeps_one_box_per_image_and_refuses_others(tmp_path: Path) -> No
                                    features=feats).to_parquet(str(folder / "train.parquet"))
         return str(folder)
 
-    nested = load_image_set(write("nested", [[[1, 2, 3, 4]], [[0, 0, 8, 8]]]), "train")
+    nested = load_image_set(write("nested", [[[1, 2, 3, 4]], [[0, 0, 8, 8]]]), "train", boxes=True)
     assert nested.boxes.tolist() == [[1, 2, 3, 4], [0, 0, 8, 8]]
-    with pytest.raises(UserError, match="row 1 of column 'bbox'"):
-        load_image_set(write("two", [[[1, 2, 3, 4]], [[0, 0, 8, 8], [1, 1, 2, 2]]]), "train")
-    assert load_image_set("cifar10-sample", "test").boxes is None
+    odd = (("two", [[0, 0, 8, 8], [1, 1, 2, 2]]), ("nan", [[0, 0, float("nan"), 8]]),
+           ("inf", [[0, 0, float("inf"), 8]]), ("flat", [[0, 0, 8, 0]]), ("none", None), ("three", [[1]]))
+    for name, second in odd:
+        folder = write(name, [[[1, 2, 3, 4]], second])
+        with pytest.raises(UserError, match="row 1 of column 'bbox'") as refused:
+            load_image_set(folder, "train", boxes=True)
+        assert "\n" not in str(refused.value)
+        assert load_image_set(folder, "train").boxes is None  # training and the rest leave the column alone
+    assert load_image_set("cifar10-sample", "test", boxes=True).boxes is None

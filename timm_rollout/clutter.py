@@ -14,6 +14,7 @@ and test clutter never comes from training images.
 from __future__ import annotations
 
 import hashlib
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,8 @@ import torch
 from .errors import UserError
 from .progress import progress
 
-__all__ = ["ClutterRecipe", "clutter_split", "content_hash", "fill_colour", "make_cluttered", "object_positions"]
+__all__ = ["ClutterRecipe", "check_split", "clutter_split", "content_hash", "fill_colour", "make_cluttered",
+           "object_positions"]
 
 _OBJECTS, _CLUTTER = 0, 1  # the two random streams of a split
 
@@ -74,17 +76,26 @@ def _fragment_sources(labels: np.ndarray, draws: np.ndarray) -> np.ndarray:
     return order[np.where(draws < start, draws, draws + count)]
 
 
+def check_split(images: torch.Tensor, labels: torch.Tensor, recipe: ClutterRecipe, split: str) -> None:
+    """Refuse a split the recipe cannot be built from: images too large, unlabelled images (label < 0), or a single
+    class when clutter must come from another class."""
+    recipe.check(tuple(images.shape[2:]))
+    if len(labels) and int(labels.min()) < 0:
+        raise UserError(f"split {split!r} has unlabelled images (label {int(labels.min())}); every object needs its "
+                        "class: drop that split or its unlabelled rows first")
+    if recipe.fragments and len(labels.unique()) < 2:
+        raise UserError(f"split {split!r} has one class only, so there is no other class to cut clutter from; pass "
+                        "--fragments 0 or a data set with several classes")
+
+
 def clutter_split(images: torch.Tensor, labels: torch.Tensor, fill: tuple[int, int, int], recipe: ClutterRecipe,
                   split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 (N, 3, H, W) ``images`` of one split -> uint8 (N, 3, canvas, canvas) canvases and int64 (N, 4)
     object boxes ``[x, y, w, h]`` (COCO order). Fragments are cut from images of another class of this split."""
     n, _, h, w = images.shape
-    recipe.check((h, w))
+    check_split(images, labels, recipe, split)
     lab = labels.numpy()
     k, f, c = recipe.fragments, recipe.fragment_size, recipe.canvas
-    if k and len(np.unique(lab)) < 2:
-        raise UserError(f"split {split!r} has one class only, so there is no other class to cut clutter from; pass "
-                        "--fragments 0 or a data set with several classes")
     pos = object_positions(n, (h, w), recipe, split)
     rng = _rng(recipe.seed, split, _CLUTTER)
     others = n - np.bincount(lab)[lab]
@@ -175,9 +186,23 @@ def _write_parquet(path, canvases: torch.Tensor, labels: torch.Tensor, boxes: to
 
 
 def _check_output(source: str, output: Path) -> None:
-    src = Path(source).expanduser()
+    from .data import resolve_dataset
+
+    src = Path(resolve_dataset(source).path).expanduser()  # an alias names a folder too (cifar10-sample)
     if src.is_dir() and output.resolve().is_relative_to(src.resolve()):
         raise UserError(f"--output {output} is inside the source data set {source}; write the canvases elsewhere")
+
+
+def _check_memory(images: int, canvas: int) -> None:
+    """Refuse a split whose canvases (held in memory while written) would not fit in half of this machine's RAM."""
+    needed = images * 3 * canvas * canvas * 2  # the canvases and their PNG bytes, about
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return
+    if needed > ram / 2:
+        raise UserError(f"{images} canvases of {canvas}x{canvas} need about {needed / 2**30:.1f} GiB, more than half "
+                        f"of this machine's {ram / 2**30:.0f} GiB; pass a smaller --canvas or --per-class N")
 
 
 def make_cluttered(source: str, output: str | Path, recipe: ClutterRecipe, *, per_class: int | None = None,
@@ -195,8 +220,13 @@ def make_cluttered(source: str, output: str | Path, recipe: ClutterRecipe, *, pe
         data = load_image_set(source, split)
         if per_class is not None:
             data = data.subset(balanced_indices(data.labels, per_class=per_class, seed=recipe.seed))
-        recipe.check(tuple(data.images.shape[2:]))
+        check_split(data.images, data.labels, recipe, split)
         sets[split] = data
+    sizes = {split: "x".join(map(str, data.images.shape[2:])) for split, data in sets.items()}
+    if len(set(sizes.values())) > 1:  # checked before anything is written: a refused source leaves no files
+        raise UserError(f"the splits' images have different sizes ({', '.join(f'{k} {v}' for k, v in sizes.items())}); "
+                        "resize the data set to one size first (e.g. with datasets' map)")
+    _check_memory(max(len(data) for data in sets.values()), recipe.canvas)
     fill_split = "train" if "train" in sets else next(iter(sets))
     fill = fill_colour(sets[fill_split].images)
     rows = []

@@ -10,6 +10,7 @@ tensors in batches on the training device (:mod:`timm_rollout.augment`), never i
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -255,17 +256,30 @@ def _decoded_tensors(
     return images, labels
 
 
+def _box(cell: object) -> list[float] | None:
+    """``[x, y, w, h]`` (or ``[[x, y, w, h]]``) as four finite floats with w, h > 0; None for anything else."""
+    if isinstance(cell, list) and len(cell) == 1 and isinstance(cell[0], list):
+        cell = cell[0]
+    if not isinstance(cell, list) or len(cell) != 4:
+        return None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in cell):
+        return None
+    return [float(v) for v in cell] if min(cell[2:]) > 0 else None
+
+
 def _boxes(split_ds, name: str) -> torch.Tensor | None:
     """float32 (N, 4) boxes of a split with a ``bbox`` column of one ``[x, y, w, h]`` per image (or ``[[x, y, w,
-    h]]``); None without one. Several boxes per image, or none, are refused: the harness scores one object."""
+    h]]``); None without one. Anything else (several boxes, none, non-finite or non-positive sizes) is refused:
+    the harness scores one object per image."""
     if BOX_COLUMN not in split_ds.features:
         return None
     cells = split_ds.select_columns([BOX_COLUMN]).with_format("arrow")[:].column(BOX_COLUMN).to_pylist()
-    boxes = [c[0] if c and len(c) == 1 and isinstance(c[0], list) else c for c in cells]
-    bad = next((i for i, b in enumerate(boxes) if b is None or len(b) != 4 or min(b[2:]) <= 0), None)
+    boxes = [_box(c) for c in cells]
+    bad = next((i for i, b in enumerate(boxes) if b is None), None)
     if bad is not None:
-        raise UserError(f"data set {name!r}: row {bad} of column {BOX_COLUMN!r} is {cells[bad]!r}, not one box "
-                        "[x, y, w, h] with w, h > 0; keep one box per image or drop the column")
+        raise UserError(f"data set {name!r}: row {bad} of column {BOX_COLUMN!r} is {str(cells[bad])[:80]}, not one "
+                        "box [x, y, w, h] of finite numbers with w, h > 0; keep one box per image, or rename the "
+                        "column to evaluate without boxes")
     return torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4)
 
 
@@ -280,13 +294,15 @@ def load_image_set(
     *,
     image_column: str | None = None,
     label_column: str | None = None,
+    boxes: bool = False,
 ) -> ImageSet:
     """Load one split of an image classification data set as decoded uint8 RGB tensors.
 
     ``dataset`` is an alias (``cifar10``, ``cifar100`` with fine labels, ``svhn`` cropped digits,
     ``cifar10-sample`` shipped in the package), a Hub id, or a local folder that ``load_dataset`` or
-    ``load_from_disk`` reads. Columns are detected (``img``/``image``, ``label``/``fine_label``) unless named;
-    a ``bbox`` column (one object box per image) comes along as ``boxes``.
+    ``load_from_disk`` reads. Columns are detected (``img``/``image``, ``label``/``fine_label``) unless named.
+    ``boxes``: read a ``bbox`` column (one object box per image) into ``ImageSet.boxes`` (the harness scores
+    localisation with it; training and the rest leave it alone, whatever it holds).
     """
     import datasets
 
@@ -308,7 +324,8 @@ def load_image_set(
         class_names = list(feature.names)
     else:
         class_names = [str(i) for i in range(int(labels.max()) + 1 if len(labels) else 0)]
-    return ImageSet(images, labels, class_names, spec.path, split, ds._fingerprint, _boxes(ds, dataset))
+    return ImageSet(images, labels, class_names, spec.path, split, ds._fingerprint,
+                    _boxes(ds, dataset) if boxes else None)
 
 
 def balanced_indices(
