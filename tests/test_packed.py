@@ -151,6 +151,33 @@ def separate(tmp_path_factory) -> dict[int, Path]:
     return {seed: train([*AUGMENTED, "--seed", str(seed), "--output", str(out / f"s{seed}")]) for seed in (0, 1)}
 
 
+def test_a_finished_stacked_command_resumed_says_so_and_an_unfinished_run_resumes_alone(tmp_path: Path, monkeypatch,
+                                                                                          capsys) -> None:
+    """--resume of a finished stacked command says each run is finished and trains nothing; with one run finished
+    and the other killed after its first epoch (or among its last writes: no summary), the other trains on alone
+    and ends as the uninterrupted command's run."""
+    flags = [*TINY, "--model", "vit_tiny_cifar_gap"]
+    whole = tmp_path / "whole-s{seed}"
+    train([*flags, "--seed", "0", "1", "--stack", "--output", str(whole)])
+    capsys.readouterr()
+    outs = train([*flags, "--seed", "0", "1", "--stack", "--resume", "--output", str(whole)])
+    assert outs == [tmp_path / "whole-s0", tmp_path / "whole-s1"]
+    assert capsys.readouterr().out.count("holds a finished run of 2 epochs") == 2
+    train([*flags, "--seed", "0", "--output", str(tmp_path / "run-s0")])
+    _die_at_evaluation(monkeypatch, 2)
+    with pytest.raises(Died):
+        train([*flags, "--seed", "1", "--output", str(tmp_path / "run-s1")])
+    monkeypatch.undo()
+    train([*flags, "--seed", "0", "1", "--stack", "--resume", "--output", str(tmp_path / "run-s{seed}")])
+    _equal_to_separate(tmp_path / "run-s{seed}", {0: tmp_path / "whole-s0", 1: tmp_path / "whole-s1"})
+    machines = json.loads((tmp_path / "run-s1" / "summary.json").read_text())["machines"]
+    assert sorted(machines.values()) == [1, 1] and any(m.endswith(", 1 run stacked") for m in machines)
+    (tmp_path / "whole-s1" / "summary.json").unlink()
+    train([*flags, "--seed", "0", "1", "--stack", "--resume", "--output", str(whole)])
+    assert (tmp_path / "whole-s1" / "summary.json").exists()
+    _equal_to_separate(whole, {0: tmp_path / "run-s0", 1: tmp_path / "run-s1"})
+
+
 def test_stacked_runs_equal_separate_runs_under_every_augmentation(separate: dict[int, Path], tmp_path: Path) -> None:
     """Each run of a stacked command draws its crops, flips, mixup/CutMix, dropout and drop-path masks from its own
     streams, exactly as its separate command does; the two runs differ from each other."""

@@ -552,7 +552,8 @@ def _train_stacked(runs: list[argparse.Namespace], parser: argparse.ArgumentPars
     each epoch takes the runs furthest behind (all of them unless a kill left some one epoch ahead)."""
     opened = [_open(args, parser, d, loaded) for args in runs]
     active = [run for run in opened if run is not None]
-    _check_stackable(active, d)
+    if active:  # none when every run was finished (each said so)
+        _check_stackable(active, d)
     stack, stacked = None, []
     while pending := [run for run in active if run.t.epoch < run.args.epochs]:
         epoch = min(run.t.epoch for run in pending)
