@@ -51,6 +51,8 @@ CASES = [
     (TRAIN, ["--model-kwargs", "dpeth=2"], "cannot be built with {'dpeth': 2}"),
     (TRAIN, ["--model-kwargs", "depth"], "argument --model-kwargs: expected KEY=VALUE"),
     (TRAIN, ["--opt", "adamx"], "unknown optimizer 'adamx'; did you mean"),
+    (TRAIN, ["--stack", "--opt", "lamb"], "--opt lamb may take norms over whole tensors, which would mix the stacked"),
+    (TRAIN, ["--stack", "--amp", "fp16"], "--stack needs one loss scale per run, which fp16's GradScaler does not"),
     (TRAIN, ["--pool", "attention"], "argument --pool: invalid choice: 'attention'"),
     (TRAIN, ["--pool-kwargs", "head_fusion=max"], "--pool-kwargs are rollout options; add --pool rollout"),
     (TRAIN, ["--pool", "rollout", "--pool-kwargs", "head_fusion=median"], "unknown head_fusion 'median'"),

@@ -302,9 +302,16 @@ def test_compiled_stacked_runs_draw_as_separate_eager_runs(separate: dict[int, P
 
 
 def test_stack_refuses_what_it_cannot_train_exactly(tmp_path: Path) -> None:
+    """A typed fp16 or LAMB is refused at parse time, nothing written; a resumed run saved with LARS when opened."""
     run = [*TINY, "--model", "vit_tiny_cifar_gap", "--seed", "0", "1", "--stack", "--output",
            str(tmp_path / "r-s{seed}")]
     with pytest.raises(UserError, match="--stack needs one loss scale per run"):
         train([*run, "--amp", "fp16"])
     with pytest.raises(UserError, match="--opt lamb may take norms over whole tensors"):  # LAMB's trust ratio
         train([*run, "--opt", "lamb"])
+    assert not list(tmp_path.iterdir())
+    lars = [*TINY, "--model", "vit_tiny_cifar_gap", "--opt", "lars", "--epochs", "1"]
+    train([*lars, "--seed", "0", "--output", str(tmp_path / "l-s0")])
+    with pytest.raises(UserError, match="--opt lars may take norms over whole tensors"):
+        train([*TINY, "--model", "vit_tiny_cifar_gap", "--epochs", "2", "--seed", "0", "--stack", "--resume",
+               "--output", str(tmp_path / "l-s0")])

@@ -103,6 +103,7 @@ def build_parser() -> CliParser:
     p = CliParser(prog="python -m timm_rollout.train", description=__doc__.split("\n\n")[0],
                   checks=[_check_model_args])
     p.checks.append(lambda args: _check_ema_args(args, p.given))
+    p.checks.append(_check_stack_args)
     _data_args(p.add_argument_group("data"))
     _model_args(p.add_argument_group("model"))
     _optimisation_args(p.add_argument_group("optimisation"))
@@ -226,6 +227,16 @@ def _check_ema_args(args: argparse.Namespace, given: frozenset[str]) -> None:
     if "model_ema_decay" in given and not args.model_ema:
         raise UserError("--model-ema-decay sets the decay of the EMA that --model-ema keeps; add --model-ema or drop "
                         "--model-ema-decay")
+
+
+def _check_stack_args(args: argparse.Namespace) -> None:
+    """``--stack`` with a typed optimizer or precision it cannot train exactly, refused before anything is written
+    (a resumed run's saved ones, and ``--amp auto`` resolved to fp16, are checked by :func:`_check_stackable`)."""
+    if not args.stack:
+        return
+    _check_stack_optimizer(args.opt)
+    if args.amp == "fp16":
+        raise UserError(STACK_FP16)
 
 
 class NonFiniteLossError(UserError):
@@ -585,19 +596,25 @@ def _stack(group: list[Run]) -> Stack:
 # optimizers take norms or means over a whole tensor, which would span the runs).
 STACKABLE_OPTIMIZERS = ("adabelief", "adagrad", "adam", "adamw", "lion", "momentum", "nadam", "nadamw", "nesterov",
                         "radam", "rmsprop", "sgd")
+STACK_FP16 = "--stack needs one loss scale per run, which fp16's GradScaler does not keep; use --amp bf16 or fp32"
+
+
+def _check_stack_optimizer(opt: str) -> None:
+    if opt.lower() not in STACKABLE_OPTIMIZERS:
+        raise UserError(f"--stack needs an optimizer that updates each element on its own "
+                        f"({', '.join(STACKABLE_OPTIMIZERS)}); --opt {opt} may take norms over whole "
+                        "tensors, which would mix the stacked runs; drop --stack")
 
 
 def _check_stackable(runs: list[Run], d: Dist) -> None:
+    """The opened runs (at least one) train together exactly: one process, their saved optimizer and resolved
+    precision stackable, one recipe."""
     if d.world > 1:
         raise UserError("--stack trains its runs in one process; drop torchrun (or --stack)")
-    if runs[0].args.opt.lower() not in STACKABLE_OPTIMIZERS:
-        raise UserError(f"--stack needs an optimizer that updates each element on its own "
-                        f"({', '.join(STACKABLE_OPTIMIZERS)}); --opt {runs[0].args.opt} may take norms over whole "
-                        "tensors, which would mix the stacked runs; drop --stack")
+    _check_stack_optimizer(runs[0].args.opt)
     for run in runs:
         if run.data.amp_dtype == torch.float16:
-            raise UserError("--stack needs one loss scale per run, which fp16's GradScaler does not keep; "
-                            "use --amp bf16 or fp32")
+            raise UserError(STACK_FP16)
         same, first = _recipe(run), _recipe(runs[0])
         if same != first:
             diff = sorted(k for k in same if same[k] != first.get(k))
