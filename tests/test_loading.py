@@ -102,6 +102,36 @@ def test_local_dir_with_a_checkpoint_of_another_architecture_is_refused(cls_fold
     assert load_model("vit_tiny_cifar_rollout", folder)[1]["global_pool"] == "rollout"  # the readout it names
 
 
+def test_local_dir_with_a_weights_file_builds_the_folder_model_and_checks_the_files_run(cls_folder, tmp_path):
+    """``local-dir:A`` with a weights FILE builds A as its config.json says (it used to build A's class with default
+    arguments): A's own file gives A's outputs, a file of A's build from elsewhere its own; a file whose run folder
+    was built otherwise is refused as a folder is, and a file that does not fit A is refused by name."""
+    model, folder = cls_folder
+    x = torch.randn(2, 3, 32, 32)
+    own, info = load_model(f"local-dir:{folder}", folder / "model.safetensors")
+    other = _saved(tmp_path / "cls-seed1", "vit_tiny_cifar_cls", 1)
+    moved = tmp_path / "loose" / "seed1.safetensors"  # no config.json beside it
+    moved.parent.mkdir()
+    moved.write_bytes((tmp_path / "cls-seed1" / "model.safetensors").read_bytes())
+    with torch.inference_mode():
+        assert torch.equal(own(x), model(x))
+        for weights in (tmp_path / "cls-seed1" / "model.safetensors", moved):
+            assert torch.equal(load_model(f"local-dir:{folder}", weights)[0](x), other(x))
+    assert info["model_args"]["depth"] == 2 and info["label_names"] == LABELS
+    _saved(tmp_path / "rollout", "vit_tiny_cifar_rollout", 0)
+    b = tmp_path / "rollout" / "model.safetensors"
+    assert _error(f"local-dir:{folder}", b) == (
+        f"local-dir:{folder} is vit_tiny_cifar_cls but --checkpoint {b} was trained as vit_tiny_cifar_rollout "
+        f"(architecture, model arguments or pooling differ); evaluate it as local-dir:{tmp_path / 'rollout'}, or "
+        f"as --model vit_tiny_cifar_cls --checkpoint {tmp_path / 'rollout'} for a readout with vit_tiny_cifar_cls's "
+        "own pooling")
+    torch.manual_seed(0)
+    save_file(timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=3).state_dict(),
+              tmp_path / "deeper.safetensors")
+    deeper = _error(f"local-dir:{folder}", tmp_path / "deeper.safetensors")
+    assert "does not match vit_tiny_cifar_cls" in deeper and "blocks.2." in deeper
+
+
 def test_untrained_registered_model():
     model, info = load_model("vit_tiny_cifar_rollout", num_classes=7, depth=1)
     assert model.num_classes == 7 and info["sha256"] is None and info["weights"] is None

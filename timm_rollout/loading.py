@@ -260,13 +260,30 @@ def _resolve_source(model: str, checkpoint: str | Path | None) -> tuple[str, dic
             weights = _weights_in(folder)
     _check_registered(arch)
     if checkpoint is not None:
-        own, (weights, config) = config, _resolve_checkpoint(checkpoint)
-        if own is not None and config is not None and _built_as(config) != _built_as(own):
-            raise UserError(f"{model} is {_built_as(own)[0]} but --checkpoint {checkpoint} was trained as "
-                            f"{_built_as(config)[0]} (architecture, model arguments or pooling differ); evaluate "
-                            f"it as local-dir:{checkpoint}, or as --model {arch} --checkpoint {checkpoint} for "
-                            f"a readout with {arch}'s own pooling")
+        weights, config = _checkpoint_for(model, arch, config, checkpoint)
     return arch, config, weights
+
+
+def _checkpoint_for(model: str, arch: str, own: dict[str, Any] | None,
+                    checkpoint: str | Path) -> tuple[Path, dict[str, Any] | None]:
+    """(weights file, config to build with) for ``checkpoint`` loaded into ``model`` (``own``: its config, for
+    ``hf-hub:``/``local-dir:`` names). A folder's config is used; a weights file takes ``own`` (built as
+    ``model`` says). With ``own``, the checkpoint folder's config, or the one beside a weights file, must build
+    the same model: architecture, model arguments and pooling."""
+    weights, config = _resolve_checkpoint(checkpoint)
+    folder = Path(checkpoint) if config is not None else weights.parent
+    trained = config if config is not None or own is None else _config_beside(weights)
+    if own is not None and trained is not None and _built_as(trained) != _built_as(own):
+        raise UserError(f"{model} is {_built_as(own)[0]} but --checkpoint {checkpoint} was trained as "
+                        f"{_built_as(trained)[0]} (architecture, model arguments or pooling differ); evaluate "
+                        f"it as local-dir:{folder}, or as --model {arch} --checkpoint {folder} for "
+                        f"a readout with {arch}'s own pooling")
+    return weights, config if config is not None else own
+
+
+def _config_beside(weights: Path) -> dict[str, Any] | None:
+    """The timm config in a weights file's folder (a run folder), or None when it has none."""
+    return _read_config(weights.parent) if (weights.parent / CONFIG_FILE).is_file() else None
 
 
 def _built_as(config: dict[str, Any]) -> tuple[str, dict[str, Any], Any, Any]:
@@ -287,9 +304,10 @@ def load_model(
     """Build ``model`` in eval mode on ``device``, with ``checkpoint``'s weights if given.
 
     ``hf-hub:`` and ``local-dir:`` names build the architecture named in their ``config.json`` and load
-    their weights unless ``checkpoint`` overrides them. The class count comes from the checkpoint's head;
-    ``num_classes`` must agree with it (or may be omitted). Returns the model and provenance: resolved name,
-    checkpoint and weights paths, sha256, class count, label names, mean and std.
+    their weights unless ``checkpoint`` overrides them (a weights file is loaded into the model that config
+    builds; a checkpoint folder, or a file's run folder, must have been built alike). The class count comes
+    from the checkpoint's head; ``num_classes`` must agree with it (or may be omitted). Returns the model and
+    provenance: resolved name, checkpoint and weights paths, sha256, class count, label names, mean and std.
     """
     arch, config, weights = _resolve_source(model, checkpoint)
     kwargs = {**_model_args(config, arch), **model_kwargs}
