@@ -213,3 +213,29 @@ def test_parser_records_the_flags_typed() -> None:
     parser = build_parser()
     parser.parse_args(["--output", "o", "--lr", "5e-4", "--model-ema", "--model-kwargs", "depth=2"])
     assert parser.given == {"output", "lr", "model_ema", "model_kwargs"}
+
+
+def test_diagnose_names_the_local_dir_folder_whose_weights_changed(tmp_path: Path) -> None:
+    """An evaluation of ``--model local-dir:PATH`` (no --checkpoint) whose weights changed: the refusal names PATH (it
+    used to say "the weights of None")."""
+    import timm
+    import torch
+    from safetensors.torch import load_file, save_file
+    from timm.models import save_for_hf
+
+    from harness import diagnose
+    from harness import eval as harness_eval
+
+    torch.manual_seed(0)
+    run, out = tmp_path / "run", tmp_path / "ev"
+    save_for_hf(timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=1), run, safe_serialization=True)
+    harness_eval.main(["--model", f"local-dir:{run}", "--dataset", "cifar10-sample", "--per-class", "2", "--heatmaps",
+                       "0", "--device", "cpu", "--amp", "none", "--output", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    del results["pooling_diagnostics"]
+    (out / "results.json").write_text(json.dumps(results))
+    weights = load_file(str(run / "model.safetensors"))
+    weights["head.bias"] += 1.0
+    save_file(weights, str(run / "model.safetensors"))
+    with pytest.raises(UserError, match=rf"ev: the weights of {run} changed since the evaluation \(sha256\)"):
+        diagnose.add_pooling_diagnostics(out)
