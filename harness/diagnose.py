@@ -81,8 +81,7 @@ def add_pooling_diagnostics(folder: str | Path, device: str | None = None, runs:
     model, info = harness_eval._load(args, sel.full, dev)
     if info["sha256"] != results["model"].get("sha256"):
         raise UserError(f"{folder}: the weights of {args.checkpoint or local_dir or args.model} changed since the "
-                        "evaluation (sha256); "
-                        "re-evaluate it with python -m harness.eval")
+                        "evaluation (sha256); re-evaluate it with python -m harness.eval")
     found = pooling_diagnostics(model, sel.data.images, info["mean"], info["std"], device=dev,
                                 amp_dtype=resolve_amp(args.amp, dev), batch_size=args.batch_size)
     results["metrics"].update(harness_eval.diagnostic_metrics(found))
