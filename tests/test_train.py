@@ -527,3 +527,33 @@ def test_attention_dropout_trains_on_the_explicit_path_on_every_device(device: s
         model = _create_model(args, data, torch.device(device))
         flags = {block.attn.fused_attn for block in model.blocks}
         assert flags == {fused_on_gpu and device == "cuda"}
+
+
+def test_resume_state_keeps_tensors_in_param_groups(tmp_path: Path) -> None:
+    """timm's LAMB keeps its step count as a tensor in the param group: the resume state stores it as a tensor (it
+    used to fail the first save), and the restored optimizer takes the next step exactly as the uninterrupted one."""
+    from timm.optim import create_optimizer_v2
+
+    from timm_rollout.checkpoint import load_resume, save_resume
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        return model, create_optimizer_v2(model, "lamb", lr=1e-2, weight_decay=0.05)
+
+    def step(model, opt, seed):
+        opt.zero_grad()
+        model(torch.randn(5, 4, generator=torch.Generator().manual_seed(seed))).square().sum().backward()
+        opt.step()
+
+    model, opt = make()
+    for seed in (1, 2):
+        step(model, opt, seed)
+    save_resume(tmp_path / "r.safetensors", model=model, optimizer=opt, meta={"epoch": 2})
+    step(model, opt, 3)
+    model2, opt2 = make()
+    assert load_resume(tmp_path / "r.safetensors", model=model2, optimizer=opt2) == {"epoch": 2}
+    assert torch.equal(opt2.param_groups[0]["step"], torch.tensor(2.0))
+    step(model2, opt2, 3)
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)

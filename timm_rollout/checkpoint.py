@@ -61,7 +61,11 @@ def _split_optimizer(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], di
                 tensors[f"optim.{idx}.{key}"] = value
             else:
                 scalars[f"{idx}.{key}"] = value
-    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+    groups = []  # a tensor in a param group (timm's LAMB keeps its step there) is stored as a tensor too
+    for i, group in enumerate(state["param_groups"]):
+        tensors.update({f"group.{i}.{k}": v for k, v in group.items() if isinstance(v, torch.Tensor)})
+        groups.append({k: v for k, v in group.items() if not isinstance(v, torch.Tensor)})
+    return tensors, {"param_groups": groups, "scalars": scalars}
 
 
 def save_resume(
@@ -116,6 +120,9 @@ def load_resume(
         for k, v in group.items():
             if k != "params" and isinstance(v, list):
                 group[k] = tuple(v)  # JSON turned tuples (e.g. Adam's betas) into lists
+    for key, value in part("group.").items():
+        idx, name = key.split(".", 1)
+        groups[int(idx)][name] = value
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     if scaler is not None and doc["scaler"] is not None:
         scaler.load_state_dict(doc["scaler"])
