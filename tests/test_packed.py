@@ -280,6 +280,30 @@ def test_stack_refuses_randomness_it_cannot_draw_per_run(tmp_path: Path) -> None
         Stack([model], [torch.optim.AdamW(model.parameters())], None, nn.MSELoss(), torch.optim.AdamW)
 
 
+def test_stacked_pass_runs_explicit_attention_and_equals_the_fused_runs() -> None:
+    """Runs on fused attention (how GPUs run the CLS and gap models) are stacked on timm's explicit path (fused SDPA's
+    backward fails under vmap on CUDA), the runs' own models stay fused, and the stacked pass equals each run's own
+    fused forward and backward (fp32, CPU)."""
+    torch.manual_seed(0)
+    no_dropout = dict(pos_drop_rate=0, attn_drop_rate=0, proj_drop_rate=0)
+    models = [timm.create_model("vit_tiny_cifar_gap", depth=2, **no_dropout) for _ in range(2)]
+    for model in models:
+        set_fused_attention(model, True)
+    stack = Stack(models, [torch.optim.AdamW(m.parameters()) for m in models], None, nn.MSELoss(), torch.optim.AdamW)
+    attn = [m for m in stack.base.modules() if hasattr(m, "fused_attn")]
+    assert attn and not any(m.fused_attn for m in attn)
+    assert all(m.fused_attn for model in models for m in model.modules() if hasattr(m, "fused_attn"))
+    x = torch.randn(2, 3, 3, 32, 32)
+    stacked = stack.forward(x)
+    stacked.square().sum().backward()
+    for i, model in enumerate(models):
+        alone = model(x[i])
+        alone.square().sum().backward()
+        torch.testing.assert_close(stacked[i], alone, rtol=1e-5, atol=1e-5)
+        grad = stack.params["head.weight"].grad[i]
+        torch.testing.assert_close(grad, model.head.weight.grad, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.slow  # torch.compile: a minute or more on a 2-core CPU
 def test_compiled_stacked_runs_equal_eager_stacked_runs(tmp_path: Path) -> None:
     """--stack --compile compiles the vmapped pass once (the stack lives across epochs) and trains as eager."""

@@ -9,8 +9,9 @@ the global random states its separate run has (:class:`Streams`: torch's on the 
 Python's), in place while its batch is built (:func:`own_streams`: timm's Mixup draws from numpy) and while the
 stacked pass draws its dropout and drop-path masks (:class:`_PerRun`: under ``vmap``, each run's mask is drawn
 from its own stream by the code its separate run calls). Any other random operation inside the pass is refused
-(``randomness="error"``), as is the attention dropout of a fused attention kernel, so a stacked run equals its
-separate run or does not train.
+(``randomness="error"``), as is a separate run's attention dropout inside a fused attention kernel, so a stacked
+run equals its separate run or does not train. The stacked pass runs timm's explicit attention path: on CUDA the
+backward of PyTorch's memory-efficient attention kernel fails under ``vmap`` ("LSE is not correctly aligned").
 
 :class:`Stack` is built from the runs' own models, optimizers and EMAs, steps them, and writes the result
 back (:meth:`Stack.unstack`), so everything else (evaluation, checkpoints, resume) stays per run. A stack lives
@@ -35,6 +36,7 @@ from timm.layers import DropPath
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
+from .capture import set_fused_attention
 from .device import autocast
 from .dropout import FastDropout, _keep_mask, _keep_threshold
 from .errors import UserError
@@ -181,6 +183,7 @@ class Stack:
         self.params, self.buffers = stack_module_state(self.models)
         self.base = copy.deepcopy(self.models[0]).to("meta")
         _draw_per_run(self.base)
+        set_fused_attention(self.base, False)  # fused SDPA's backward fails under vmap on CUDA
         self.devices = sorted({"cpu", str(next(iter(self.params.values())).device)})
         self.seed(range(len(self.models)))
         names = {id(p): n for n, p in self.models[0].named_parameters()}
@@ -282,8 +285,8 @@ class Stack:
 
 
 def _draw_per_run(base: nn.Module) -> None:
-    """Make ``base``'s dropout and drop path draw each run's masks from its own stream; refuse the attention dropout
-    of a fused attention kernel (GPUs run timm's fused attention), which draws inside the kernel."""
+    """Make ``base``'s dropout and drop path draw each run's masks from its own stream; refuse a run whose attention
+    dropout the fused attention kernel draws inside (its masks cannot be drawn per run as the separate run does)."""
     for module in base.modules():
         if getattr(module, "fused_attn", False) and getattr(getattr(module, "attn_drop", None), "p", 0.0) > 0:
             raise UserError("--stack cannot draw the attention dropout inside the fused attention kernel per run as "

@@ -688,7 +688,8 @@ def _create_model(args: argparse.Namespace, data: RunData, device: torch.device)
     On CPU its attention runs timm's explicit path: the fused (flash) kernel's backward is the slowest op of a
     training step there (``scripts/bench_train.py``). So it does on a GPU when attention dropout is on: the fused
     kernel draws its masks inside, where no stacked run (``--stack``) could draw the same ones as its separate run.
-    Without attention dropout, fused attention stays on GPUs.
+    Without attention dropout, fused attention stays on GPUs for separate runs (a ``--stack`` pass always runs the
+    explicit path, :class:`~timm_rollout.packed.Stack`).
     """
     seed_everything(args.seed)
     kwargs = dict(args.model_kwargs)
