@@ -37,10 +37,11 @@ images/s, to set beside (b)), then times N seeds trained by one ``python -m timm
 process (data loaded once), the members one after another and stacked (``--stack``), against N separate
 processes started together (``cores / N`` threads each), each two epochs of ``3 * --steps`` updates per run at
 batch B: total training images over the whole command's wall time (start-up, data loading and evaluation
-included, as a study pays them).
+included, as a short study pays them), and in epoch 2 alone (training only, what a long study runs at).
 ``--json PATH`` writes every figure of the run with the machine's name (GPU, or CPU model and whether it has
 native bf16), ``ratio_vs_stock_timm_b128`` ((a)/(c) when the batch is 128) and ``packed_total_img_per_s``
-(the stacked command; ``serial_total_img_per_s`` and ``separate_total_img_per_s`` beside it)::
+(the stacked command; ``serial_total_img_per_s`` and ``separate_total_img_per_s`` beside it, and the epoch-2
+figures ``*_epoch2_img_per_s``)::
 
     python scripts/bench_train.py --steps 20 --pack 2 --json results/bench/cpu.json
 """
@@ -265,37 +266,51 @@ def compare_concurrent(dataset: str, batch: int, steps: int, counts: list[int], 
 
 
 def pack_rates(dataset: str, batch: int, steps: int, n: int, device: torch.device) -> dict[str, float]:
-    """Total training images/s (whole-command wall time) of ``n`` seeds in one trainer process, one after another
-    and stacked (``--stack``), and of ``n`` separate processes started together, each run two epochs of ``steps``
-    updates at ``batch``."""
+    """Total training images/s of ``n`` seeds in one trainer process, one after another and stacked (``--stack``),
+    and of ``n`` separate processes started together, each run two epochs of ``steps`` updates at ``batch``: over
+    the whole command's wall time (start-up, data loading and evaluation included, as a short study pays them) and
+    in epoch 2 alone (training only, as a long study runs: :func:`epoch2_total`)."""
     images = n * 2 * steps * batch
     args = [sys.executable, "-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset,
             "--epochs", "2", "--max-train-samples", str(batch * steps), "--max-eval-samples", "100",
             "--batch-size", str(batch), "--device", str(device), "--no-progress", "--save-every", "2", "--overwrite"]
     threads = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
     seeds = ["--seed", *map(str, range(n))]
-    rates = {}
+    rates, steady = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-pack-") as tmp:
         for name, flags in (("serial", []), ("stacked", ["--stack"])):
             t = time.perf_counter()
             subprocess.run([*args, *seeds, *flags, "--output", f"{tmp}/{name}-s{{seed}}"], check=True,
                            capture_output=True)
             rates[name] = images / (time.perf_counter() - t)
+            steady[name] = epoch2_total([Path(f"{tmp}/{name}-s{i}") for i in range(n)], together=name == "stacked")
         t = time.perf_counter()
         procs = [subprocess.Popen([*args, "--seed", str(i), "--output", f"{tmp}/alone-{i}"], env=threads,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(n)]
         if any(proc.wait() for proc in procs):
             raise UserError("a separate training run of --pack failed; run it alone to see why")
-        separate = images / (time.perf_counter() - t)
-    print(f"{f'{n} seeds in one process, one after another, batch {batch} each':<64} {rates['serial']:8.1f} "
-          f"img/s in all")
-    print(f"{f'{n} seeds in one process, stacked (--stack), batch {batch} each':<64} {rates['stacked']:8.1f} "
-          f"img/s in all")
-    print(f"{f'{n} separate processes at once, batch {batch} each':<64} {separate:8.1f} img/s in all "
-          f"(stacked/separate = {rates['stacked'] / separate:.2f}, serial/separate = "
-          f"{rates['serial'] / separate:.2f})")
+        rates["separate"] = images / (time.perf_counter() - t)
+        steady["separate"] = epoch2_total([Path(f"{tmp}/alone-{i}") for i in range(n)], together=True)
+    labels = {"serial": f"{n} seeds in one process, one after another, batch {batch} each",
+              "stacked": f"{n} seeds in one process, stacked (--stack), batch {batch} each",
+              "separate": f"{n} separate processes at once, batch {batch} each"}
+    for name, label in labels.items():
+        print(f"{label:<64} {rates[name]:8.1f} img/s in all, epoch 2 alone {steady[name]:8.1f}")
+    for key, figures in (("whole command", rates), ("epoch 2", steady)):
+        print(f"{key}: stacked/separate = {figures['stacked'] / figures['separate']:.2f}, serial/separate = "
+              f"{figures['serial'] / figures['separate']:.2f}")
     return {"packed_total_img_per_s": rates["stacked"], "serial_total_img_per_s": rates["serial"],
-            "separate_total_img_per_s": separate, "members": n}
+            "separate_total_img_per_s": rates["separate"], "packed_epoch2_img_per_s": steady["stacked"],
+            "serial_epoch2_img_per_s": steady["serial"], "separate_epoch2_img_per_s": steady["separate"],
+            "members": n}
+
+
+def epoch2_total(runs: list[Path], together: bool) -> float:
+    """Images/s in all of ``runs`` in their epoch 2 (each ``log.csv`` row: the run's own training rate): the sum
+    when they trained at the same time (stacked, or processes side by side), the rate of doing them one after
+    another (equal epochs: ``n / sum(1 / rate)``) otherwise."""
+    rates = [read_log(run / "log.csv")[-1]["img_per_s"] for run in runs]
+    return sum(rates) if together else len(rates) / sum(1 / r for r in rates)
 
 
 def machine_record(device: torch.device) -> dict[str, object]:

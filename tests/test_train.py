@@ -557,3 +557,19 @@ def test_resume_state_keeps_tensors_in_param_groups(tmp_path: Path) -> None:
     step(model2, opt2, 3)
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_native_bf16_is_read_from_the_cpu_flags_not_onednn(tmp_path: Path) -> None:
+    """Hand-made /proc/cpuinfo files: plain AVX512 (oneDNN's check says bf16 there; it runs emulated, at half
+    fp32's speed) is not native; AVX512-BF16, AMX-BF16 and Arm's BF16 are; an unreadable file means fp32."""
+    from timm_rollout.device import cpu_supports_bf16
+
+    cases = {"flags\t\t: fpu sse avx2 avx512f avx512bw avx512vl avx512_vnni\n": False,
+             "flags\t\t: fpu avx2 avx512f avx512_bf16\n": True,
+             "flags\t\t: fpu avx512f amx_tile amx_bf16 amx_int8\n": True,
+             "Features\t: fp asimd sve bf16 i8mm\n": True,
+             "model name\t: bf16 in a name is no flag\nflags\t\t: fpu avx2\n": False}
+    for i, (text, native) in enumerate(cases.items()):
+        (tmp_path / f"cpuinfo{i}").write_text(f"processor\t: 0\n{text}\n")
+        assert cpu_supports_bf16(tmp_path / f"cpuinfo{i}") is native, text
+    assert cpu_supports_bf16(tmp_path / "missing") is False

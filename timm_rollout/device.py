@@ -27,10 +27,24 @@ __all__ = [
 AMP_CHOICES = ("auto", "bf16", "fp16", "none")
 
 
-@lru_cache(maxsize=1)
-def cpu_supports_bf16() -> bool:
-    """True when this CPU has native bf16 matmul (AVX512-BF16 or AMX); emulated bf16 is slower than fp32."""
-    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+# CPU flags of native bf16 arithmetic: x86 AVX512-BF16 and AMX-BF16, Arm's BF16 extension (as Linux names them).
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+CPUINFO = Path("/proc/cpuinfo")
+
+
+@lru_cache(maxsize=4)
+def cpu_supports_bf16(cpuinfo: Path = CPUINFO) -> bool:
+    """True when this CPU has native bf16 arithmetic (a flag of ``NATIVE_BF16_FLAGS`` in ``cpuinfo``). oneDNN's
+    own check (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) also says yes for plain AVX512, where bf16 runs
+    emulated at about half fp32's speed (``scripts/bench_models.py``: 41 vs 89 training img/s), so it is not
+    used. False where the flags cannot be read: fp32 is never the slow choice."""
+    try:
+        lines = cpuinfo.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return False
+    fields = (ln.partition(":") for ln in lines)
+    flags = {f for key, _, value in fields if key.strip() in ("flags", "Features") for f in value.split()}
+    return bool(flags & NATIVE_BF16_FLAGS) and torch.backends.mkldnn.is_available()
 
 
 def device_name(device: torch.device) -> str:
