@@ -170,6 +170,27 @@ def test_written_folder_is_byte_deterministic_and_loads_offline_with_boxes(tmp_p
     assert torch.equal(loaded.subset(torch.tensor([2, 0])).boxes, loaded.boxes[[2, 0]])
 
 
+def test_card_names_the_canvas_content_hash_of_the_decoded_files(tmp_path: Path) -> None:
+    """The card's canvas sha256 equals one computed by hand from the parquet files decoded with PIL: pixels as uint8
+    (N, 3, H, W), labels and boxes as int64, in that order."""
+    import hashlib
+    import io
+
+    import numpy as np
+
+    make_cluttered("cifar10-sample", tmp_path, ClutterRecipe(canvas=40, fragments=3, seed=2), per_class=2)
+    card = (tmp_path / "README.md").read_text()
+    for split in ("train", "test"):
+        ds = datasets.load_dataset(str(tmp_path), split=split)
+        pixels = np.stack([np.asarray(Image.open(io.BytesIO(row["image"]["bytes"]))).transpose(2, 0, 1)
+                           for row in ds.cast_column("image", datasets.Image(decode=False))])
+        digest = hashlib.sha256(np.ascontiguousarray(pixels).tobytes())
+        digest.update(np.asarray(ds["label"], dtype=np.int64).tobytes())
+        digest.update(np.asarray(ds["bbox"], dtype=np.int64).tobytes())
+        row = next(ln for ln in card.splitlines() if ln.startswith(f"| {split} |"))
+        assert row.rstrip(" |").endswith(digest.hexdigest()), (split, row)
+
+
 def test_loader_keeps_one_box_per_image_and_refuses_others(tmp_path: Path) -> None:
     img = Image.new("RGB", (8, 8))
     import io

@@ -123,10 +123,13 @@ def fill_colour(images: torch.Tensor) -> tuple[int, int, int]:
     return tuple(round(m * 255) for m in mean)
 
 
-def content_hash(images: torch.Tensor, labels: torch.Tensor) -> str:
-    """sha256 of a split's decoded pixels and labels: a fingerprint of the source that any machine reproduces."""
+def content_hash(images: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor | None = None) -> str:
+    """sha256 of a split's decoded uint8 pixels, int64 labels and (when given) int64 boxes: what any machine
+    reproduces, whatever bytes its PNG encoder and parquet writer produce."""
     digest = hashlib.sha256(images.contiguous().numpy().tobytes())
     digest.update(labels.to(torch.int64).numpy().tobytes())
+    if boxes is not None:
+        digest.update(boxes.to(torch.int64).contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -154,9 +157,13 @@ gives the same objects in the same places.
 Columns: `image` (PNG), `label` (ClassLabel: {classes}) and `bbox` (the object's box `[x, y, w, h]` in pixels,
 COCO order).
 
-| split | images | source fingerprint (datasets) | source content sha256 (decoded pixels and labels) |
-|---|---:|---|---|
+| split | images | source fingerprint (datasets) | source sha256 (pixels, labels) | sha256 (pixels, labels, boxes) |
+|---|---:|---|---|---|
 {rows}
+
+The files are the same byte for byte for the same arguments and library versions; another PNG encoder or parquet
+writer gives other bytes, and the last column, a sha256 of the decoded data (`timm_rollout.clutter.content_hash`),
+says whether the data are the same.
 """
 
 
@@ -233,7 +240,8 @@ def make_cluttered(source: str, output: str | Path, recipe: ClutterRecipe, *, pe
     for split, data in sets.items():
         canvases, boxes = clutter_split(data.images, data.labels, fill, recipe, split)
         _write_parquet(output / f"{split}.parquet", canvases, data.labels, boxes, data.class_names)
-        rows.append(f"| {split} | {len(data)} | {data.fingerprint} | {content_hash(data.images, data.labels)} |")
+        rows.append(f"| {split} | {len(data)} | {data.fingerprint} | {content_hash(data.images, data.labels)} | "
+                    f"{content_hash(canvases, data.labels, boxes)} |")
     first = next(iter(sets.values()))
     write_text(output / "README.md", CARD.format(
         name=f"{Path(source).name or source} cluttered ({recipe.fragments} fragments, seed {recipe.seed})",
