@@ -38,6 +38,8 @@ process (data loaded once), the members one after another and stacked (``--stack
 processes started together (``cores / N`` threads each), each two epochs of ``3 * --steps`` updates per run at
 batch B: total training images over the whole command's wall time (start-up, data loading and evaluation
 included, as a short study pays them), and in epoch 2 alone (training only, what a long study runs at).
+``--compile MODE ...`` adds (a) with the model through ``torch.compile`` in each mode (``reduce-overhead``: CUDA
+graphs), as ``train --compile --compile-mode MODE`` runs it; compilation happens in the untimed warm-up round.
 ``--json PATH`` writes every figure of the run with the machine's name (GPU, or CPU model and whether it has
 native bf16), ``ratio_vs_stock_timm_b128`` ((a)/(c) when the batch is 128) and ``packed_total_img_per_s``
 (the stacked command; ``serial_total_img_per_s`` and ``separate_total_img_per_s`` beside it, and the epoch-2
@@ -76,6 +78,7 @@ from timm_rollout.errors import CliParser, UserError, non_negative_int, positive
 from timm_rollout.models import _TINY_CIFAR
 from timm_rollout.packed import Stack
 from timm_rollout.progress import progress
+from timm_rollout.train import COMPILE_MODES
 from timm_rollout.train_log import read_log
 from timm_rollout.train_step import Batches, optimizer_step
 
@@ -83,13 +86,15 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar
 Step = Callable[[], int]  # runs one training step, returns the number of images
 
 
-def _model_step(model: nn.Module, dtype: torch.dtype | None, device: torch.device):
-    """The training step function for ``model`` and its AdamW optimizer (and GradScaler for fp16)."""
+def _model_step(model: nn.Module, dtype: torch.dtype | None, device: torch.device, compile_mode: str | None = None):
+    """The training step function for ``model`` and its AdamW optimizer (and GradScaler for fp16); the model
+    through ``torch.compile`` in ``compile_mode`` when one is given, as ``train --compile --compile-mode``."""
     model.to(device).train()
     opt = create_optimizer_v2(model, opt="adamw", lr=5e-4, weight_decay=1e-4)
+    net = torch.compile(model, mode=compile_mode) if compile_mode else model
     loss_fn = nn.CrossEntropyLoss()
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    return (lambda x, y: optimizer_step(model, x, y, loss_fn, opt, device=device, amp_dtype=dtype,
+    return (lambda x, y: optimizer_step(net, x, y, loss_fn, opt, device=device, amp_dtype=dtype,
                                         scaler=scaler)), opt
 
 
@@ -106,11 +111,11 @@ def ours(fast_dropout: bool = True, **kwargs) -> nn.Module:
     return model
 
 
-def full_loop(dataset: str, batch: int, dtype, device, **model_kwargs) -> Step:
+def full_loop(dataset: str, batch: int, dtype, device, compile_mode: str | None = None, **model_kwargs) -> Step:
     """(a): the training loop's per-step work on real images (see the module docstring)."""
     train = load_image_set(dataset, "train")
     mean, std = normalization_stats(dataset, train)
-    step, opt = _model_step(ours(**model_kwargs), dtype, device)
+    step, opt = _model_step(ours(**model_kwargs), dtype, device, compile_mode)
     sched, _ = create_scheduler_v2(opt, sched="cosine", num_epochs=200, warmup_epochs=5, min_lr=5e-6,
                                    step_on_epochs=False, updates_per_epoch=390)
     batches = Batches(train.images.to(device), train.labels.to(device), mean, std)
@@ -347,6 +352,8 @@ def build_parser() -> CliParser:
                    help="also time N train CLI runs sharing the device, for each N given (e.g. 1 4 8)")
     p.add_argument("--pack", type=non_negative_int, default=0,
                    help="also time N seeds in one train process vs N processes")
+    p.add_argument("--compile", nargs="+", default=[], choices=COMPILE_MODES, metavar="MODE",
+                   help=f"also time (a) through torch.compile in each mode given ({', '.join(COMPILE_MODES)})")
     p.add_argument("--json", type=Path, help="write every figure of this run, with the machine's name, to this file")
     return p
 
@@ -366,8 +373,11 @@ def single_runs(args: argparse.Namespace, dtype: torch.dtype, precision: str,
     }
     if args.pack > 1 and dtype != torch.float16:
         labels["s"] = f"(s) bare step, {args.pack} runs stacked, in all ({precision})"
+    compiled = {f"a:{mode}": full_loop(args.dataset, b, dtype, device, compile_mode=mode) for mode in args.compile}
+    labels |= {key: f"(a) full loop, torch.compile mode={key[2:]} ({precision})" for key in compiled}
     r = race({
         **({"s": stacked(args.pack, b, dtype, device)} if "s" in labels else {}),
+        **compiled,
         "a": full_loop(args.dataset, b, dtype, device),
         "a0": full_loop(args.dataset, b, dtype, device, **NO_DROPOUT),
         "b": bare(ours(), b, dtype, device),
@@ -380,7 +390,8 @@ def single_runs(args: argparse.Namespace, dtype: torch.dtype, precision: str,
         print(f"{label:<64} {r[key]:8.1f} img/s")
     print(f"ratios ({precision}): (a)/(b) = {r['a'] / r['b']:.2f}, (a)/(c) = {r['a'] / r['c']:.2f}, "
           f"(b)/(b0) = {r['b'] / r['b0']:.2f}, (a0)/(c) = {r['a0'] / r['c']:.2f}, "
-          f"(e)/(f) = {r['e'] / r['f']:.2f}" + (f", (s)/(b) = {r['s'] / r['b']:.2f}" if "s" in r else ""))
+          f"(e)/(f) = {r['e'] / r['f']:.2f}" + (f", (s)/(b) = {r['s'] / r['b']:.2f}" if "s" in r else "")
+          + "".join(f", (a {key[2:]})/(c) = {r[key] / r['c']:.2f}" for key in compiled))
     return r, labels
 
 

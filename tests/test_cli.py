@@ -47,6 +47,8 @@ CASES = [
     (TRAIN, ["--device", "cuda:99"], "argument --device: cuda"),  # no CUDA, or no 100th GPU: both refused
     (TRAIN, ["--device", "gpu0"], "argument --device: unknown device 'gpu0'; use auto, cpu, cuda or cuda:N"),
     (TRAIN, ["--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
+    (TRAIN, ["--compile-mode", "reduce-overhead"], "--compile-mode sets how --compile compiles; add --compile or drop"),
+    (TRAIN, ["--compile", "--compile-mode", "fast"], "argument --compile-mode: invalid choice: 'fast'"),
     (TRAIN, ["--model", "vit_tiny_cifar_roll"], "unknown model 'vit_tiny_cifar_roll'; did you mean"),
     (TRAIN, ["--model-kwargs", "dpeth=2"], "cannot be built with {'dpeth': 2}"),
     (TRAIN, ["--model-kwargs", "depth"], "argument --model-kwargs: expected KEY=VALUE"),
@@ -93,6 +95,7 @@ CASES = [
     (["scripts/make_sample.py", "--output", "{out}"], ["--train-per-class", "0"], "must be an integer >= 1, got 0"),
     (["scripts/bench_train.py"], ["--repeats", "2"], "--repeats counts the alternated runs of --ranks; add --ranks"),
     (["scripts/bench_train.py"], ["--pack", "1"], "compare N >= 2 processes or seeds with one; pass 2 or more"),
+    (["scripts/bench_train.py"], ["--compile", "fast"], "argument --compile: invalid choice: 'fast'"),
     (["scripts/bench_models.py"], ["--steps", "0"], "argument --steps: must be an integer >= 1, got 0"),
 ]
 

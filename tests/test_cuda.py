@@ -117,10 +117,13 @@ def test_torchrun_one_process_on_cuda_equals_the_in_process_run(bf16_run: Path, 
     assert _same_weights(out, bf16_run)
 
 
-def test_compile_gives_the_eager_results_on_cuda(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compile_gives_the_eager_results_on_cuda(mode: str, tmp_path: Path) -> None:
+    """--compile, and with --compile-mode reduce-overhead its passes replayed as CUDA graphs, trains as eager."""
     run = [*SAMPLE, *NO_DROPOUT, "--amp", "none", "--epochs", "1"]  # dropout masks: another RNG when compiled
     eager = read_log(train([*run, "--output", str(tmp_path / "eager")]) / "log.csv")
-    compiled = read_log(train([*run, "--compile", "--output", str(tmp_path / "compiled")]) / "log.csv")
+    compiled = read_log(train([*run, "--compile", "--compile-mode", mode, "--output", str(tmp_path / "compiled")])
+                        / "log.csv")
     for key, tol in (("train_loss", 0.01), ("eval_loss", 0.02), ("eval_top1", 1.0)):
         assert compiled[0][key] == pytest.approx(eager[0][key], abs=tol), key
 

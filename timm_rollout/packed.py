@@ -172,14 +172,16 @@ class Stack:
 
     ``make_optimizer(param_groups)`` builds the optimizer for the stacked parameters (the same factory the runs
     used: every group's hyperparameters, weight decay included, are copied from the first run's optimizer, since
-    stacking changes the parameter dimensions timm's weight-decay grouping looks at).
+    stacking changes the parameter dimensions timm's weight-decay grouping looks at). ``compile``: the vmapped pass
+    through ``torch.compile`` in ``compile_mode``.
     """
 
     def __init__(self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                  emas: Sequence[nn.Module] | None, criterion: nn.Module,
-                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], compile: bool = False):
+                 make_optimizer: Callable[[list[dict]], torch.optim.Optimizer], compile: bool = False,
+                 compile_mode: str = "default"):
         self.models, self.optimizers, self.emas, self.criterion = list(models), list(optimizers), emas, criterion
-        self._pass = torch.compile(self._vmapped) if compile else self._vmapped
+        self._pass = torch.compile(self._vmapped, mode=compile_mode) if compile else self._vmapped
         self.params, self.buffers = stack_module_state(self.models)
         self.base = copy.deepcopy(self.models[0]).to("meta")
         _draw_per_run(self.base)

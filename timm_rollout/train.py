@@ -88,7 +88,10 @@ __all__ = ["build_parser", "main", "train"]
 
 RUN_FILES = (*MODEL_FILES, ARGS_FILE, SUMMARY_FILE, LOG_FILE, CURVES_FILE, RESUME_FILE)
 # Flags that may differ when a run is resumed: where it lives and how it runs, not what it computes.
-RESUME_FREE = {"resume", "overwrite", "output", "workers", "device", "no_progress", "save_every", "compile", "stack"}
+RESUME_FREE = {"resume", "overwrite", "output", "workers", "device", "no_progress", "save_every", "compile",
+               "compile_mode", "stack"}
+# torch.compile's modes: reduce-overhead replays the compiled passes as CUDA graphs (GPUs; plain compilation on CPU).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 EVAL_BATCH = 500
 BAR_EVERY = 50  # steps between loss updates of the progress bar (each costs one host sync)
 
@@ -103,6 +106,7 @@ def build_parser() -> CliParser:
     p = CliParser(prog="python -m timm_rollout.train", description=__doc__.split("\n\n")[0],
                   checks=[_check_model_args])
     p.checks.append(lambda args: _check_ema_args(args, p.given))
+    p.checks.append(lambda args: _check_compile_args(args, p.given))
     p.checks.append(_check_stack_args)
     _data_args(p.add_argument_group("data"))
     _model_args(p.add_argument_group("model"))
@@ -183,6 +187,8 @@ def _run_args(g: argparse._ArgumentGroup) -> None:
                    help="epochs between checkpoint, export, log and plot writes (the last epoch is always saved)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model for training and evaluation (with --stack: the stacked pass)")
+    g.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
+                   help="torch.compile's mode with --compile (reduce-overhead: CUDA graphs, for launch-bound GPUs)")
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true",
                       help="continue the run in --output; a larger --epochs trains a finished run further, on a "
@@ -227,6 +233,12 @@ def _check_ema_args(args: argparse.Namespace, given: frozenset[str]) -> None:
     if "model_ema_decay" in given and not args.model_ema:
         raise UserError("--model-ema-decay sets the decay of the EMA that --model-ema keeps; add --model-ema or drop "
                         "--model-ema-decay")
+
+
+def _check_compile_args(args: argparse.Namespace, given: frozenset[str]) -> None:
+    """A typed ``--compile-mode`` is used or refused: it is the mode of ``--compile``."""
+    if "compile_mode" in given and not args.compile:
+        raise UserError("--compile-mode sets how --compile compiles; add --compile or drop --compile-mode")
 
 
 def _check_stack_args(args: argparse.Namespace) -> None:
@@ -588,7 +600,8 @@ def _stack(group: list[Run]) -> Stack:
     first = group[0]
     return Stack([run.t.model for run in group], [run.t.optimizer for run in group],
                  [run.t.ema.module for run in group] if first.t.ema is not None else None, first.t.criterion,
-                 lambda groups: _optimizer(groups, first.args), compile=first.args.compile)
+                 lambda groups: _optimizer(groups, first.args), compile=first.args.compile,
+                  compile_mode=first.args.compile_mode)
 
 
 # timm optimizers whose update of a parameter element depends on that element's own state only: on stacked
@@ -723,7 +736,7 @@ def _build(args: argparse.Namespace, data: RunData, d: Dist) -> Trainer:
     net = nn.parallel.DistributedDataParallel(model) if d.world > 1 else model
     evaluator = ema.module if ema is not None else model
     if args.compile:
-        net, evaluator = torch.compile(net), torch.compile(evaluator)
+        net, evaluator = (torch.compile(m, mode=args.compile_mode) for m in (net, evaluator))
     return Trainer(model, net, optimizer, scheduler, ema, scaler, _criterion(args), evaluator)
 
 
