@@ -131,8 +131,9 @@ def test_compile_gives_the_eager_results_on_cuda(mode: str, tmp_path: Path) -> N
 @pytest.mark.parametrize("model", ["vit_tiny_cifar_gap", "vit_tiny_cifar_cls global_pool=map",
                                    "vit_tiny_cifar_rollout rollout_head_fusion=max rollout_discard_ratio=0.9"])
 def test_stacked_runs_on_cuda_equal_separate_runs(model: str, tmp_path: Path) -> None:
-    """--stack on CUDA (vmap over fused attention for gap and timm's attention pooling, over the attention-recording
-    hooks for rollout): each run equals its separate run in fp32, and bf16 stacked runs learn."""
+    """--stack on CUDA (the stacked pass on timm's explicit attention, where the separate gap and attention-pooling
+    runs keep fused attention; the attention-recording hooks for rollout): each run equals its separate run in fp32,
+    and bf16 stacked runs learn."""
     name, *kwargs = model.split()
     run = [a for a in SAMPLE if a not in ("--seed", "0")] + [*NO_DROPOUT, *kwargs, "--model", name, "--epochs", "2"]
     fp32 = [*run, "--amp", "none"]

@@ -157,13 +157,13 @@ gives the same objects in the same places.
 Columns: `image` (PNG), `label` (ClassLabel: {classes}) and `bbox` (the object's box `[x, y, w, h]` in pixels,
 COCO order).
 
-| split | images | source fingerprint (datasets) | source sha256 (pixels, labels) | sha256 (pixels, labels, boxes) |
+| split | images | source fingerprint | source sha256 (pixels, labels) | canvas sha256 (pixels, labels, boxes) |
 |---|---:|---|---|---|
 {rows}
 
 The files are the same byte for byte for the same arguments and library versions; another PNG encoder or parquet
-writer gives other bytes, and the last column, a sha256 of the decoded data (`timm_rollout.clutter.content_hash`),
-says whether the data are the same.
+writer gives other bytes, and the last column, a sha256 of the written data as decoded
+(`timm_rollout.clutter.content_hash`), says whether the data are the same. The source fingerprint is datasets'.
 """
 
 
