@@ -39,7 +39,8 @@ processes started together (``cores / N`` threads each), each two epochs of ``3 
 batch B: total training images over the whole command's wall time (start-up, data loading and evaluation
 included, as a short study pays them), and in epoch 2 alone (training only, what a long study runs at).
 ``--compile MODE ...`` adds (a) with the model through ``torch.compile`` in each mode (``reduce-overhead``: CUDA
-graphs), as ``train --compile --compile-mode MODE`` runs it; compilation happens in the untimed warm-up round.
+graphs), as ``train --compile --compile-mode MODE`` runs it; compilation and graph recording happen in the
+untimed warm-up rounds.
 ``--json PATH`` writes every figure of the run with the machine's name (GPU, or CPU model and whether it has
 native bf16), ``ratio_vs_stock_timm_b128`` ((a)/(c) when the batch is 128) and ``packed_total_img_per_s``
 (the stacked command; ``serial_total_img_per_s`` and ``separate_total_img_per_s`` beside it, and the epoch-2
@@ -98,6 +99,9 @@ def _model_step(model: nn.Module, dtype: torch.dtype | None, device: torch.devic
                                         scaler=scaler)), opt
 
 
+# Untimed rounds before the timed ones: compilation, and CUDA graphs, which reduce-overhead records only after a
+# compiled pass has run eagerly once.
+WARMUP_ROUNDS = 3
 NO_DROPOUT = {"pos_drop_rate": 0.0, "attn_drop_rate": 0.0, "proj_drop_rate": 0.0}
 
 
@@ -184,7 +188,8 @@ def stock(dataset: str, batch: int, rounds: int, workers: int, dtype, device) ->
         transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
         transforms.Normalize(mean, std),
     ])
-    ds = datasets.load_dataset(resolve_dataset(dataset).path, split="train").select(range(batch * (rounds + 1)))
+    ds = datasets.load_dataset(resolve_dataset(dataset).path, split="train").select(
+        range(batch * (rounds + WARMUP_ROUNDS)))
     ds = ds.with_transform(lambda rows: {"x": [tf(img.convert("RGB")) for img in rows["img"]], "y": rows["label"]})
     loader = iter(DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True,
                              pin_memory=device.type == "cuda"))
@@ -200,10 +205,11 @@ def stock(dataset: str, batch: int, rounds: int, workers: int, dtype, device) ->
 
 
 def race(steps: dict[str, Step], rounds: int, desc: str, device: torch.device) -> dict[str, float]:
-    """Round-robin ``rounds`` timed rounds after one untimed warm-up round; median images/s per step."""
+    """Round-robin ``rounds`` timed rounds after ``WARMUP_ROUNDS`` untimed ones; median images/s per step."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for run in steps.values():
-        run()
+    for _ in range(WARMUP_ROUNDS):
+        for run in steps.values():
+            run()
     sync()
     rates: dict[str, list[float]] = {k: [] for k in steps}
     for _ in progress(range(rounds), desc=desc, leave=False):
