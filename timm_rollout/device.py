@@ -37,7 +37,7 @@ def cpu_supports_bf16(cpuinfo: Path = CPUINFO) -> bool:
     """True when this CPU has native bf16 arithmetic (a flag of ``NATIVE_BF16_FLAGS`` in ``cpuinfo``). oneDNN's
     own check (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) also says yes for plain AVX512, where bf16 runs
     emulated at about half fp32's speed (``scripts/bench_models.py``: 41 vs 89 training img/s), so it is not
-    used. False where the flags cannot be read: fp32 is never the slow choice."""
+    used. False where the flags cannot be read (fp32, which is never emulated)."""
     try:
         lines = cpuinfo.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
