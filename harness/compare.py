@@ -181,19 +181,21 @@ def evaluated_images(result: dict[str, Any]) -> tuple | None:
     return data["subset_fingerprint"], (data.get("bank") or {}).get("fingerprint")
 
 
-def check_distinct(results: Sequence[dict[str, Any]]) -> None:
+def check_distinct(results: Sequence[dict[str, Any]],
+                   label: Callable[[dict[str, Any]], str] = run_label) -> None:
     """Refuse an evaluation counted twice: the same folder passed twice, or two folders of one group (same
-    :func:`run_label`) with the same training seed (a copied or repeated evaluation, or two runs that cannot be
-    told apart by seed), or, for records without a seed, the same weights (sha256) on the same images."""
+    ``label``, default :func:`run_label`) with the same training seed (a copied or repeated evaluation, or two runs
+    that cannot be told apart by seed) or the same weights (sha256) on the same images (one run evaluated twice
+    with two ``--seed``s after its run folder is gone: each record then names another seed)."""
     seen: dict[tuple, str] = {}
     for result in results:
         path = str(result.get("path", "?"))
         seed, sha = run_seed(result), result["model"].get("sha256")
         keys = [("folder", Path(path).resolve())]
         if seed is not None:
-            keys.append(("seed", run_label(result), seed))
-        elif sha is not None:
-            keys.append(("weights", run_label(result), sha, evaluated_images(result)))
+            keys.append(("seed", label(result), seed))
+        if sha is not None:
+            keys.append(("weights", label(result), sha, evaluated_images(result)))
         for key in keys:
             if key in seen and key[0] == "folder":
                 raise UserError(f"{path} is passed twice; pass each evaluation folder once")

@@ -290,9 +290,11 @@ def test_same_seed_gives_identical_results(runs):
 
 
 def _as_seed(folder: Path, out: Path, seed: int, knn_loo: float) -> Path:
-    """A copy of an evaluation recorded as another seed with another knn_loo (a second run of its group)."""
+    """A copy of an evaluation recorded as another seed with another knn_loo (a second run of its group, so other
+    weights: another sha256)."""
     record = json.loads((folder / "results.json").read_text())
     record["config"]["seed"], record["metrics"]["knn_loo"] = seed, knn_loo
+    record["model"]["sha256"] = f"{record['model']['sha256']}-seed{seed}"
     out.mkdir()
     (out / "results.json").write_text(json.dumps(record))
     return out
@@ -327,6 +329,12 @@ def test_compare_refuses_an_evaluation_counted_twice(runs, tmp_path):
         unseeded.append(str(tmp_path / f"unseeded{i}"))
     with pytest.raises(UserError, match=r"are both the same weights on the same images of vit_tiny_cifar_rollout"):
         compare.main([*unseeded, "--output", str(out)])
+    reseeded = _as_seed(runs[0], tmp_path / "reseeded", 4, 0.5)  # the same weights evaluated with --seed 4
+    record = json.loads((reseeded / "results.json").read_text())
+    record["model"]["sha256"] = json.loads((runs[0] / "results.json").read_text())["model"]["sha256"]
+    (reseeded / "results.json").write_text(json.dumps(record))
+    with pytest.raises(UserError, match=r"are both the same weights on the same images of vit_tiny_cifar_rollout"):
+        compare.main([str(runs[0]), str(reseeded), "--output", str(out)])
     assert not out.exists()
 
 

@@ -124,3 +124,17 @@ def test_output_must_be_a_folder(tmp_path: Path) -> None:
     (tmp_path / "report.md").write_text("a file")
     with pytest.raises(UserError, match=r"argument --output: .*report\.md is a file; pass a folder"):
         sweep.main([*map(str, evals), "--param", "lr", "--output", str(tmp_path / "report.md")])
+
+
+def test_sweep_refuses_an_evaluation_counted_twice(tmp_path: Path) -> None:
+    """The same folder twice, or a copy of one seed's evaluation, would count one seed twice in its cell; the same
+    seed at two learning rates is two cells and is accepted."""
+    evals = _write_runs(tmp_path)
+    copy = tmp_path / "copy"
+    shutil.copytree(evals[0], copy)
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=r"is passed twice; pass each evaluation folder once"):
+        sweep.main([*map(str, evals), str(evals[0]), "--param", "lr", "--output", str(out)])
+    with pytest.raises(UserError, match=r"are both seed 0 of .* at lr=0.0005, so one seed would count twice"):
+        sweep.main([*map(str, evals), str(copy), "--param", "lr", "--output", str(out)])
+    assert not out.exists()
