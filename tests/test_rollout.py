@@ -122,6 +122,10 @@ def test_patch_weights_drop_prefix_columns_and_sum_to_one():
         (dict(head_fusion="median"), "unknown head_fusion 'median'; use one of mean, max, min"),
         (dict(discard_ratio=1.0), r"discard_ratio must be in \[0, 1\), got 1.0"),
         (dict(discard_ratio=-0.1), r"discard_ratio must be in \[0, 1\), got -0.1"),
+        (dict(discard_ratio="0.5"), r"discard_ratio must be a number in \[0, 1\), got '0.5'; e.g. discard_ratio=0.9"),
+        (dict(discard_ratio=True), r"discard_ratio must be a number in \[0, 1\), got True; e.g. discard_ratio=0.9"),
+        (dict(discard_ratio=float("nan")), r"discard_ratio must be in \[0, 1\), got nan"),
+        (dict(head_fusion=["mean"]), r"unknown head_fusion \['mean'\]; use one of mean, max, min"),
     ],
 )
 def test_bad_options_give_one_line_errors(kwargs, message):

@@ -13,6 +13,7 @@ matmul would put ~0.2% error into the weights.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Callable, Sequence
 
 import torch
@@ -47,9 +48,12 @@ def _fp32(fn: Callable) -> Callable:
 
 
 def check_options(head_fusion: str, discard_ratio: float) -> None:
-    """ValueError unless ``head_fusion`` is one of :data:`HEAD_FUSIONS` and ``0 <= discard_ratio < 1``."""
-    if head_fusion not in HEAD_FUSIONS:
+    """One-line ValueError unless ``head_fusion`` is one of :data:`HEAD_FUSIONS` and ``discard_ratio`` a real
+    number (not a bool) with ``0 <= discard_ratio < 1``."""
+    if not isinstance(head_fusion, str) or head_fusion not in HEAD_FUSIONS:
         raise ValueError(f"unknown head_fusion {head_fusion!r}; use one of {', '.join(HEAD_FUSIONS)}")
+    if not isinstance(discard_ratio, numbers.Real) or isinstance(discard_ratio, bool):
+        raise ValueError(f"discard_ratio must be a number in [0, 1), got {discard_ratio!r}; e.g. discard_ratio=0.9")
     if not 0.0 <= discard_ratio < 1.0:
         raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
 
