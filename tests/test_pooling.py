@@ -325,6 +325,21 @@ def test_rollout_option_values_are_checked_by_set_pooling_and_by_the_tiny_models
         timm.create_model("vit_tiny_cifar_rollout", depth=1, **{f"rollout_{key}": value})
 
 
+@pytest.mark.parametrize(("attr", "value", "match"), [
+    ("rollout_grad", "no", "rollout_grad must be True or False, got 'no'"),
+    ("rollout_discard_ratio", "0.9", "discard_ratio must be a number in \\[0, 1\\), got '0.9'"),
+    ("rollout_head_fusion", "median", "unknown head_fusion 'median'"),
+])
+def test_rollout_options_assigned_to_the_model_directly_are_checked_at_the_next_pass(attr, value, match):
+    """Past set_pooling's check: ``model.rollout_grad = 'no'`` (truthy) would let gradients through silently."""
+    import timm_rollout  # noqa: F401  (registers the tiny models)
+
+    model = timm.create_model("vit_tiny_cifar_rollout", depth=1)
+    setattr(model, attr, value)
+    with pytest.raises(ValueError, match=match):
+        model(torch.randn(1, 3, 32, 32))
+
+
 def test_rollout_option_values_are_stored_as_their_types():
     import numpy as np
 

@@ -138,6 +138,8 @@ class RolloutPooling:
         """(B, P) pooling weights of one pass's attention; None when some block did not run (``stop_early``)."""
         if any(a is None for a in attentions):
             return None
+        if not isinstance(self.rollout_grad, bool):  # assigned to the model directly, past set_pooling's check
+            raise ValueError(f"rollout_grad must be True or False, got {self.rollout_grad!r}")
         if not self.rollout_grad:
             attentions = [a.detach() for a in attentions]
         row = rollout_cls_row(attentions, self.rollout_head_fusion, self.rollout_discard_ratio, self.num_prefix_tokens)
