@@ -76,6 +76,8 @@ CASES = [
     (COMPARE, ["--output", "{file}"], "file.txt is a file; pass a folder"),
     (COMPARE, ["--metrics", "top2"], "argument --metrics: invalid choice: 'top2'"),
     (EVAL, ["--per-class", "1"], "argument --per-class: must be an integer >= 2, got 1"),
+    (STUDY, ["--train-args", "--epochs=2"],
+     "argument --train-args: expected one argument (a value that starts with '-' goes after '=': --train-args='...')"),
     (STUDY, ["--train-args", "--epochs 2"], "--train-args sets --epochs, which the study sets itself; use the study's"),
     (STUDY, ["--train-args", "--lr '1e-3"], "does not split as shell words (No closing quotation); balance its quotes"),
     (["harness.compare", "{ev}", "--output", "{out}"], ["--metrics", "top1", "knn_bank", "silhouette"],

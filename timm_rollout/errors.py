@@ -70,8 +70,11 @@ class CliParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         head, _, rest = message.partition(": ")
-        if head.startswith("argument ") and rest.startswith(head.removeprefix("argument ").split("/")[0] + " "):
+        flag = head.removeprefix("argument ").split("/")[0]
+        if head.startswith("argument ") and rest.startswith(flag + " "):
             message = rest  # the validator already names the flag
+        elif head.startswith("argument ") and rest == "expected one argument":
+            message += f" (a value that starts with '-' goes after '=': {flag}='...')"
         raise UserError(message)
 
     def parse_known_args(self, args=None, namespace=None):
