@@ -160,9 +160,10 @@ def run_folder(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> Path 
     return next((f for f in found if (f / ARGS_FILE).is_file()), recorded)
 
 
-def run_seed(result: dict[str, Any]) -> int | None:
-    """Training seed of a run: ``train_args.json`` beside its checkpoint if readable, else the eval seed."""
-    folder = run_folder(result)
+def run_seed(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> int | None:
+    """Training seed of a run: ``train_args.json`` of its run folder (:func:`run_folder`, ``runs``: folders holding
+    moved runs) if readable, else the eval seed."""
+    folder = run_folder(result, runs)
     if folder is not None:
         try:
             seed = json.loads((folder / ARGS_FILE).read_text(encoding="utf-8")).get("seed")
@@ -181,40 +182,45 @@ def evaluated_images(result: dict[str, Any]) -> tuple | None:
     return data["subset_fingerprint"], (data.get("bank") or {}).get("fingerprint")
 
 
-def check_distinct(results: Sequence[dict[str, Any]],
-                   label: Callable[[dict[str, Any]], str] = run_label) -> None:
+def check_distinct(results: Sequence[dict[str, Any]], label: Callable[[dict[str, Any]], str] = run_label,
+                   runs: Sequence[str | Path] = ()) -> None:
     """Refuse an evaluation counted twice: the same folder passed twice, or two folders of one group (same
-    ``label``, default :func:`run_label`) with the same training seed (a copied or repeated evaluation, or two runs
-    that cannot be told apart by seed) or the same weights (sha256) on the same images (one run evaluated twice
-    with two ``--seed``s after its run folder is gone: each record then names another seed)."""
+    ``label``, default :func:`run_label`) with the same seed (:func:`run_seed`; a copied or repeated evaluation, or
+    two runs that cannot be told apart by seed), or with the same weights (sha256) of a training checkpoint (one run
+    evaluated twice with two ``--seed``s after its run folder is gone names two seeds), or, for records of a
+    published model without a seed, the same weights on the same images. A published model's evaluations with two
+    ``--seed``s are two subset draws, which pair by eval seed."""
     seen: dict[tuple, str] = {}
     for result in results:
         path = str(result.get("path", "?"))
-        seed, sha = run_seed(result), result["model"].get("sha256")
+        seed, sha = run_seed(result, runs), result["model"].get("sha256")
         keys = [("folder", Path(path).resolve())]
         if seed is not None:
             keys.append(("seed", label(result), seed))
-        if sha is not None:
+        if sha is not None and result["model"].get("checkpoint"):
+            keys.append(("weights", label(result), sha))
+        elif sha is not None and seed is None:
             keys.append(("weights", label(result), sha, evaluated_images(result)))
         for key in keys:
             if key in seen and key[0] == "folder":
                 raise UserError(f"{path} is passed twice; pass each evaluation folder once")
             if key in seen:
-                what = f"seed {seed}" if key[0] == "seed" else "the same weights on the same images"
+                what = {"seed": f"seed {seed}", "weights": "the same weights"}[key[0]] + (
+                    " on the same images" if len(key) == 4 else "")
                 raise UserError(f"{seen[key]} and {path} are both {what} of {key[1]}, so one seed would count twice; "
                                 "pass one evaluation per seed")
             seen[key] = path
 
 
 def summarise(results: Sequence[dict[str, Any]], metrics: Sequence[str] = METRICS,
-              label: Callable[[dict[str, Any]], str] = run_label) -> list[Group]:
+              label: Callable[[dict[str, Any]], str] = run_label, runs: Sequence[str | Path] = ()) -> list[Group]:
     """Group runs by ``label`` (default :func:`run_label`; in first-seen order); per-run values, mean and
     sample std of each metric."""
     groups: dict[str, Group] = {}
     for result in results:
         group = groups.setdefault(label(result), Group(label(result)))
         group.runs.append(str(result.get("path", "?")))
-        group.seeds.append(run_seed(result))
+        group.seeds.append(run_seed(result, runs))
         group.images.append(evaluated_images(result))
         for metric in metrics:
             value = result["metrics"].get(metric)

@@ -51,7 +51,7 @@ def build_parser() -> CliParser:
     p.add_argument("--model", required=True, help="registered timm name, hf-hub:org/name or local-dir:PATH")
     p.add_argument("--checkpoint", type=existing_path,
                    help=".safetensors file or training output folder (model.safetensors + config)")
-    p.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
+    p.add_argument("--model-kwargs", nargs="+", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
                    help="extra timm.create_model arguments, e.g. depth=2")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--image", type=existing_path,

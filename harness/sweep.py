@@ -67,10 +67,10 @@ def sweep_groups(results: Sequence[dict[str, Any]], param: str, metrics: Sequenc
     """arm label -> swept value (ascending) -> its :class:`Group` of runs (one per seed); ``runs``: folders
     holding run folders moved since their evaluation (:func:`harness.compare.run_folder`)."""
     keys = {id(r): (run_label(r), train_arg(r, param, runs)) for r in results}
-    check_distinct(results, label=lambda r: f"{keys[id(r)][0]} at {param}={keys[id(r)][1]}")
+    check_distinct(results, label=lambda r: f"{keys[id(r)][0]} at {param}={keys[id(r)][1]}", runs=runs)
     cells = {repr(key): key for key in keys.values()}
     by_arm: dict[str, dict[Any, Group]] = {}
-    for group in summarise(results, metrics, label=lambda r: repr(keys[id(r)])):
+    for group in summarise(results, metrics, label=lambda r: repr(keys[id(r)]), runs=runs):
         arm, value = cells[group.label]
         group.label = arm
         by_arm.setdefault(arm, {})[value] = group

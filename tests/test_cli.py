@@ -77,7 +77,9 @@ CASES = [
     (COMPARE, ["--metrics", "top2"], "argument --metrics: invalid choice: 'top2'"),
     (EVAL, ["--per-class", "1"], "argument --per-class: must be an integer >= 2, got 1"),
     (STUDY, ["--train-args", "--epochs=2"],
-     "argument --train-args: expected one argument (a value that starts with '-' goes after '=': --train-args='...')"),
+     "argument --train-args: expected one argument; give it after the flag, or as --train-args='...' when it starts "
+     "with '-'"),
+    (TRAIN, ["--model-kwargs"], "argument --model-kwargs: expected at least one argument; give it after the flag"),
     (STUDY, ["--train-args", "--epochs 2"], "--train-args sets --epochs, which the study sets itself; use the study's"),
     (STUDY, ["--train-args", "--lr '1e-3"], "does not split as shell words (No closing quotation); balance its quotes"),
     (["harness.compare", "{ev}", "--output", "{out}"], ["--metrics", "top1", "knn_bank", "silhouette"],

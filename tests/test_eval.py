@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import shutil
 from pathlib import Path
 
 import datasets
@@ -327,15 +328,35 @@ def test_compare_refuses_an_evaluation_counted_twice(runs, tmp_path):
         (tmp_path / f"unseeded{i}").mkdir()
         (tmp_path / f"unseeded{i}" / "results.json").write_text(json.dumps(record))
         unseeded.append(str(tmp_path / f"unseeded{i}"))
-    with pytest.raises(UserError, match=r"are both the same weights on the same images of vit_tiny_cifar_rollout"):
+    with pytest.raises(UserError, match=r"are both the same weights of vit_tiny_cifar_rollout"):
         compare.main([*unseeded, "--output", str(out)])
-    reseeded = _as_seed(runs[0], tmp_path / "reseeded", 4, 0.5)  # the same weights evaluated with --seed 4
-    record = json.loads((reseeded / "results.json").read_text())
-    record["model"]["sha256"] = json.loads((runs[0] / "results.json").read_text())["model"]["sha256"]
-    (reseeded / "results.json").write_text(json.dumps(record))
-    with pytest.raises(UserError, match=r"are both the same weights on the same images of vit_tiny_cifar_rollout"):
-        compare.main([str(runs[0]), str(reseeded), "--output", str(out)])
+    for name, edit in (("reseeded", {}), ("other-images", {"subset_fingerprint": "another[20]"})):
+        twin = _as_seed(runs[0], tmp_path / name, 4, 0.5)  # the same checkpoint evaluated with --seed 4
+        record = json.loads((twin / "results.json").read_text())
+        record["model"]["sha256"] = json.loads((runs[0] / "results.json").read_text())["model"]["sha256"]
+        record["data"].update(edit)
+        (twin / "results.json").write_text(json.dumps(record))
+        with pytest.raises(UserError, match=r"are both the same weights of vit_tiny_cifar_rollout"):
+            compare.main([str(runs[0]), str(twin), "--output", str(out)])
     assert not out.exists()
+
+
+def test_compare_pairs_a_published_models_subset_draws_by_eval_seed(runs, tmp_path):
+    """A model without a training checkpoint (Hub or local-dir) evaluated with two --seeds: two subset draws of one
+    model, which pair by eval seed; a copy of one draw is still refused."""
+    draws = []
+    for i, seed in enumerate((3, 4)):
+        record = json.loads((runs[0] / "results.json").read_text())
+        record["model"]["checkpoint"], record["config"]["seed"] = None, seed
+        record["data"]["subset_fingerprint"] = f"draw{i}[20]"
+        (tmp_path / f"draw{seed}").mkdir()
+        (tmp_path / f"draw{seed}" / "results.json").write_text(json.dumps(record))
+        draws.append(str(tmp_path / f"draw{seed}"))
+    groups = compare.main([*draws, "--output", str(tmp_path / "report")])
+    assert len(groups) == 1 and groups[0].seeds == [3, 4]
+    shutil.copytree(tmp_path / "draw3", tmp_path / "copy3")
+    with pytest.raises(UserError, match=r"are both seed 3 of"):
+        compare.main([*draws, str(tmp_path / "copy3"), "--output", str(tmp_path / "report2")])
 
 
 def test_compare_refuses_metrics_no_evaluation_has(runs, tmp_path):

@@ -82,6 +82,12 @@ def test_sweep_finds_moved_runs_and_refuses_what_it_cannot_pair(tmp_path: Path) 
         sweep.main([*map(str, picked), "--param", "lr", "--output", str(tmp_path / "out")])
     arms = sweep.main([*map(str, picked), "--param", "lr", "--runs", str(moved), "--output", str(tmp_path / "out")])
     assert all(list(cells) == [1e-3, 2e-3] for cells in arms.values())
+    for ev in picked:  # evaluated with harness.eval's default --seed: the seeds come from the moved runs
+        record = json.loads((ev / "results.json").read_text())
+        record["config"]["seed"] = 0
+        (ev / "results.json").write_text(json.dumps(record))
+    arms = sweep.main([*map(str, picked), "--param", "lr", "--runs", str(moved), "--output", str(tmp_path / "out")])
+    assert all(g.seeds == list(SEEDS) for cells in arms.values() for g in cells.values())
     with pytest.raises(UserError, match="no training argument 'learning_rate'"):
         sweep.main([*map(str, picked), "--param", "learning_rate", "--runs", str(moved), "--output", str(tmp_path)])
     with pytest.raises(UserError, match=r"--shared 0\.0005: not every arm was run at lr=0\.0005"):

@@ -73,8 +73,8 @@ class CliParser(argparse.ArgumentParser):
         flag = head.removeprefix("argument ").split("/")[0]
         if head.startswith("argument ") and rest.startswith(flag + " "):
             message = rest  # the validator already names the flag
-        elif head.startswith("argument ") and rest == "expected one argument":
-            message += f" (a value that starts with '-' goes after '=': {flag}='...')"
+        elif head.startswith("argument ") and rest in ("expected one argument", "expected at least one argument"):
+            message += f"; give it after the flag, or as {flag}='...' when it starts with '-'"
         raise UserError(message)
 
     def parse_known_args(self, args=None, namespace=None):

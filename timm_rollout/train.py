@@ -139,11 +139,11 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--model", default="vit_tiny_cifar_rollout", help="any timm model name")
     g.add_argument("--num-classes", type=positive_int, default=None, help="default: the data set's class count")
     g.add_argument("--drop-path", type=fraction, default=None, help="stochastic depth rate (model default if unset)")
-    g.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
+    g.add_argument("--model-kwargs", nargs="+", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
                    help="extra timm.create_model arguments, e.g. depth=2")
     g.add_argument("--pool", choices=POOLS, default=None,
                    help="pool with this instead of the model's own pooling, on any timm ViT (timm_rollout.set_pooling)")
-    g.add_argument("--pool-kwargs", nargs="*", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
+    g.add_argument("--pool-kwargs", nargs="+", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
                    help="rollout options with --pool rollout: head_fusion=max discard_ratio=0.9 grad=True")
     g.add_argument("--pretrained-file", type=existing_path, default=None,
                    help="start from these weights (safetensors or a timm checkpoint, never unpickled); the head is "
