@@ -216,6 +216,31 @@ def test_input_size_mismatch_is_a_one_line_error_naming_both_sizes():
         check_input_size(model, torch.zeros(2, 3, 64, 48, dtype=torch.uint8), fix="fix it")
 
 
+@pytest.mark.parametrize("route", ["timm", "registered name", "checkpoint folder", "local-dir", "stock timm ViT"])
+def test_a_model_built_for_another_size_tells_timms_data_config_that_size(route, tmp_path):
+    """timm keeps the registered 32x32 in pretrained_cfg when img_size=64; the loaded model's data config must say
+    64 (else timm's transform resizes to 32 and the model refuses the input), the registry keeps 32."""
+    from PIL import Image
+    from timm.data import create_transform, resolve_data_config
+
+    kwargs = dict(num_classes=10, depth=1, img_size=64, patch_size=8)
+    save_for_hf(timm.create_model("vit_tiny_cifar_cls", **kwargs), tmp_path, safe_serialization=True,
+                model_args=dict(img_size=64, patch_size=8, depth=1))
+    model, info = {"timm": lambda: (timm.create_model("vit_tiny_cifar_cls", **kwargs).eval(), None),
+                   "registered name": lambda: load_model("vit_tiny_cifar_cls", **kwargs),
+                   "checkpoint folder": lambda: load_model("vit_tiny_cifar_cls", tmp_path),
+                   "local-dir": lambda: load_model(f"local-dir:{tmp_path}"),
+                   "stock timm ViT": lambda: load_model("vit_small_patch16_224", **kwargs)}[route]()
+    cfg = resolve_data_config(model=model)
+    assert cfg["input_size"] == (3, 64, 64) and (info is None or info["input_size"] == [3, 64, 64])
+    x = create_transform(**cfg, is_training=False)(Image.new("RGB", (100, 80)))
+    assert x.shape == (3, 64, 64)
+    with torch.inference_mode():
+        assert model(x[None]).shape == (1, 10)
+    assert model.default_cfg["input_size"] == (3, 64, 64)  # timm's alias of pretrained_cfg
+    assert timm.create_model("vit_tiny_cifar_cls", depth=1).pretrained_cfg["input_size"] == (3, 32, 32)
+
+
 def test_package_modules_import_each_other_without_a_cycle():
     """Every `from .x import` / `import timm_rollout.x` edge among the package's modules, at any depth in a file:
     the graph has no cycle (a cycle makes import order matter and hides behind function-level imports)."""

@@ -47,6 +47,8 @@ def test_clutter_study_reports_where_the_arm_pools_and_the_cost_of_clutter(clutt
     assert "knn_bank" in main and clean.get("knn_bank") is None  # no bank on the other set
     row = next(line for line in report.splitlines() if line.startswith("| top1 on c0 - top1 |"))
     assert float(row.strip("|").split("|")[1]) == pytest.approx(clean["top1"] - main["top1"], abs=1e-4)
+    for config in (out / "runs" / "rollout-s0" / "config.json", out / "hub" / "rollout" / "config.json"):
+        assert json.loads(config.read_text())["pretrained_cfg"]["input_size"] == [3, 64, 64], config
 
 
 def test_paired_tables_test_the_localisation_but_not_its_chance_levels() -> None:

@@ -25,11 +25,11 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-import timm
 import torch
 
 from .checkpoint import save_model
 from .errors import UserError
+from .loading import create_model
 
 __all__ = [
     "POOLING_MODELS",
@@ -197,7 +197,7 @@ def convert_checkpoint(
     args = infer_model_args(state, num_heads)
     if label_names and len(label_names) != args["num_classes"]:
         raise UserError(f"{len(label_names)} label names for a head with {args['num_classes']} classes")
-    model = timm.create_model(POOLING_MODELS[pooling], **args)
+    model = create_model(POOLING_MODELS[pooling], **args)
     expected = model.state_dict()
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or extra:

@@ -24,6 +24,7 @@ from timm.models import load_checkpoint, parse_model_name
 from torch import nn
 
 from .errors import UserError
+from .models import record_input_size
 from .online import hub_or_cache
 from .pooling import CONFIG_KEY, ROLLOUT, set_pooling
 from .records import CONFIG_FILE, WEIGHTS_FILE, sha256_file
@@ -58,9 +59,11 @@ def _rejected(arch: str, kwargs: dict[str, Any], error: Exception) -> UserError:
 def create_model(arch: str, **kwargs: Any) -> nn.Module:
     """``timm.create_model`` for a registered ``arch``; arguments the model rejects are a one-line UserError."""
     try:
-        return timm.create_model(arch, **kwargs)
+        net = timm.create_model(arch, **kwargs)
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:
         raise _rejected(arch, kwargs, e) from None
+    record_input_size(net)
+    return net
 
 
 def check_input_size(model: nn.Module, images: torch.Tensor, fix: str) -> None:

@@ -16,11 +16,13 @@ from functools import partial
 from timm.layers import LayerNorm
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
+from torch import nn
 
 from .dropout import use_fast_dropout
 from .pooling import ROLLOUT, RolloutPooling, check_rollout_options, register_pooled_class, switch_pooling_class
 
-__all__ = ["CIFAR100_MEAN", "CIFAR100_STD", "RolloutPooledVisionTransformer", "RolloutVisionTransformer"]
+__all__ = ["CIFAR100_MEAN", "CIFAR100_STD", "RolloutPooledVisionTransformer", "RolloutVisionTransformer",
+           "record_input_size"]
 
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)
@@ -121,16 +123,31 @@ _TINY_CIFAR = dict(
 )
 
 
+def record_input_size(net: nn.Module) -> nn.Module:
+    """Make ``net.pretrained_cfg["input_size"]`` the size a timm ViT was built for (its ``patch_embed``).
+
+    timm keeps the registered size there when ``img_size`` says otherwise, so its data config
+    (``resolve_data_config``), an exported config and every reader of them would resize images for another
+    model. Returns ``net``."""
+    embed = getattr(net, "patch_embed", None)
+    size, cfg = getattr(embed, "img_size", None), getattr(net, "pretrained_cfg", None)
+    if size is None or not isinstance(cfg, dict):
+        return net
+    chans = getattr(getattr(embed, "proj", None), "in_channels", None) or cfg.get("input_size", (3,))[0]
+    cfg["input_size"] = (int(chans), *(int(s) for s in size))  # in place: timm's default_cfg is the same dict
+    return net
+
+
 def _create(variant: str, pretrained: bool, default_pool: str, **kwargs) -> RolloutVisionTransformer:
     kwargs = {**_TINY_CIFAR, "global_pool": default_pool, **kwargs}
-    return build_model_with_cfg(
+    return record_input_size(build_model_with_cfg(
         RolloutVisionTransformer,
         variant,
         pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(out_indices=3, feature_cls="getter"),
         **kwargs,
-    )
+    ))
 
 
 @register_model

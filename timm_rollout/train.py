@@ -712,9 +712,6 @@ def _create_model(args: argparse.Namespace, data: RunData, device: torch.device)
         kwargs.update(pretrained=True, pretrained_cfg_overlay=pretrained_overlay(args.pretrained_file))
     model = create_model(args.model, num_classes=data.num_classes, **kwargs)
     check_input_size(model, data.train.images, fix=f"pass --model-kwargs img_size={data.train.images.shape[-1]}")
-    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
-    if size is not None:  # the exported config names the input size the model was built (and trained) for
-        model.pretrained_cfg = {**model.pretrained_cfg, "input_size": (data.train.images.shape[1], *size)}
     if args.pool is not None:
         set_pooling(model, args.pool, **args.pool_kwargs)
     use_fast_dropout(model)
