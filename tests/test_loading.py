@@ -150,11 +150,15 @@ def test_errors_name_the_mismatch_and_the_fix(cls_folder, tmp_path):
     assert "did you mean vit_tiny_cifar_rollout" in _error("vit_tiny_cifar_rolout")
     assert _error("vit_tiny_cifar_cls", folder, num_classes=100) == (
         "checkpoint has 10 classes, model built with 100; pass --num-classes 10 or drop it")
-    deeper = _error("vit_tiny_cifar_cls", folder / "model.safetensors")  # file has no config: depth 6 is built
-    assert "does not match vit_tiny_cifar_cls" in deeper and "blocks.2." in deeper
-    wider = _error("vit_tiny_cifar_cls", folder / "model.safetensors", depth=2, embed_dim=64)
-    assert "shapes differ (checkpoint vs model)" in wider and "blocks.0.attn.qkv.bias (384,) vs (192,)" in wider
     data = (folder / "model.safetensors").read_bytes()
+    bare = tmp_path / "bare.safetensors"  # no config.json beside it: the registered depth 6 is built
+    bare.write_bytes(data)
+    deeper = _error("vit_tiny_cifar_cls", bare)
+    assert "does not match vit_tiny_cifar_cls" in deeper and "blocks.2." in deeper
+    assert deeper.endswith("pass the training folder that holds it (its config.json builds the model), or the "
+                           "--model (and --model-kwargs, where the command has them) it was trained with")
+    wider = _error("vit_tiny_cifar_cls", folder / "model.safetensors", embed_dim=64)
+    assert "shapes differ (checkpoint vs model)" in wider and "blocks.0.attn.qkv.bias (384,) vs (192,)" in wider
     truncated = tmp_path / "truncated.safetensors"
     truncated.write_bytes(data[: len(data) // 2])
     assert "not a readable safetensors file" in _error("vit_tiny_cifar_cls", truncated)
@@ -206,6 +210,21 @@ def test_hf_hub_name_offline_and_not_cached(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     message = _error("hf-hub:nobody/not-a-cached-model")
     assert "not in the local Hugging Face cache" in message and "local-dir:PATH" in message
+
+
+def test_a_weights_file_in_its_run_folder_loads_as_the_folder_does(cls_folder):
+    """--checkpoint run/model.safetensors takes the run's config beside it (mean/std, label names, model arguments),
+    exactly as --checkpoint run does; the registered defaults were silently used before."""
+    _, folder = cls_folder
+    by_folder, info_folder = load_model("vit_tiny_cifar_cls", folder)
+    by_file, info_file = load_model("vit_tiny_cifar_cls", folder / "model.safetensors")
+    assert tuple(info_file["mean"]) == pytest.approx(MEAN) and tuple(info_file["std"]) == pytest.approx(STD)
+    assert info_file["label_names"] == LABELS
+    for key in ("mean", "std", "label_names", "model_args", "input_size", "sha256"):
+        assert info_file[key] == info_folder[key], key
+    x = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        assert torch.equal(by_file(x), by_folder(x))
 
 
 def test_input_size_mismatch_is_a_one_line_error_naming_both_sizes():

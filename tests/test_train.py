@@ -529,6 +529,48 @@ def test_attention_dropout_trains_on_the_explicit_path_on_every_device(device: s
         assert flags == {fused_on_gpu and device == "cuda"}
 
 
+@pytest.mark.parametrize("source", ["run folder", "its weights file", "a bare weights file"])
+def test_fine_tuning_normalises_as_the_pretrained_run_did(source: str, tmp_path: Path) -> None:
+    """--pretrained-file of a run, as its folder or its weights file: the data are normalised with the run's own
+    mean/std (its config.json), a bare file with the registered model's; a size mismatch names the run's patch."""
+    import shutil
+
+    from timm_rollout.checkpoint import save_model
+    from timm_rollout.models import CIFAR100_MEAN
+
+    mean, std = (0.1, 0.2, 0.3), (0.4, 0.5, 0.6)
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=1, embed_dim=64, patch_size=8)
+    save_model(tmp_path / "src", model, [f"c{i}" for i in range(10)], mean, std)
+    shutil.copy(tmp_path / "src" / "model.safetensors", tmp_path / "bare.safetensors")
+    path = {"run folder": tmp_path / "src", "its weights file": tmp_path / "src" / "model.safetensors",
+            "a bare weights file": tmp_path / "bare.safetensors"}[source]
+    args = [*TINY[:TINY.index("--model-kwargs")], "--workers", "1", "--no-progress", "--device", "cpu", *FP32,
+            "--epochs", "1", "--pretrained-file", str(path), "--model-kwargs", "depth=1", "embed_dim=64"]
+    if source != "a bare weights file":
+        fix = r"takes 16x16; pass --model-kwargs img_size=32 patch_size=8 \(the pretrained weights' patch size\)$"
+        with pytest.raises(UserError, match=fix):
+            train([*args, "img_size=16", "--output", str(tmp_path / "refused")])
+    run = train([*args, "patch_size=8", "--output", str(tmp_path / "run")])
+    saved = json.loads((run / "config.json").read_text())["pretrained_cfg"]
+    want = (mean, std) if source != "a bare weights file" else (CIFAR100_MEAN, timm_rollout.models.CIFAR100_STD)
+    assert tuple(saved["mean"]) == pytest.approx(want[0]) and tuple(saved["std"]) == pytest.approx(want[1])
+
+
+def test_a_local_dir_model_without_pretrained_file_says_it_starts_from_random_weights(tmp_path: Path, capsys) -> None:
+    """timm builds local-dir:/hf-hub: names with fresh weights unless pretrained=True; training says so."""
+    from timm_rollout.checkpoint import save_model
+
+    save_model(tmp_path / "src", timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=1, embed_dim=64),
+               [f"c{i}" for i in range(10)], (0.5,) * 3, (0.25,) * 3)
+    args = [*TINY[:TINY.index("--model-kwargs")], "--workers", "1", "--no-progress", "--device", "cpu", *FP32,
+            "--epochs", "1", "--model", f"local-dir:{tmp_path / 'src'}"]
+    train([*args, "--output", str(tmp_path / "scratch")])
+    assert "its architecture with fresh random weights" in capsys.readouterr().err
+    train([*args, "--pretrained-file", str(tmp_path / "src"), "--output", str(tmp_path / "tuned")])
+    assert "fresh random weights" not in capsys.readouterr().err
+
+
 def test_resume_state_keeps_tensors_in_param_groups(tmp_path: Path) -> None:
     """timm's LAMB keeps its step count as a tensor in the param group: the resume state stores it as a tensor (it
     used to fail the first save), and the restored optimizer takes the next step exactly as the uninterrupted one."""

@@ -29,7 +29,7 @@ from .online import hub_or_cache
 from .pooling import CONFIG_KEY, ROLLOUT, set_pooling
 from .records import CONFIG_FILE, WEIGHTS_FILE, sha256_file
 
-__all__ = ["check_input_size", "check_model", "create_model", "load_model", "pretrained_overlay"]
+__all__ = ["check_input_size", "check_model", "create_model", "load_model", "pretrained_config", "pretrained_overlay"]
 
 PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".tar", ".ckpt", ".pkl")
 CONVERT_HINT = "convert it with scripts/convert_checkpoint.py (pickled checkpoints are never loaded)"
@@ -178,6 +178,20 @@ def pretrained_overlay(path: str | Path) -> dict[str, Any]:
     return {"state_dict": state, **({"num_classes": heads[-1]} if heads else {})}
 
 
+def pretrained_config(path: str | Path, arch: str) -> dict[str, Any]:
+    """What the weights at ``path`` were trained with: the ``model_args`` and ``mean``/``std`` of their run's
+    config (a folder's ``config.json``, or the one beside a weights file), else ``arch``'s registered mean/std."""
+    path = Path(path)
+    config = (_read_config(path) if path.is_dir() else _config_beside(path)) or {}
+    saved, registered = config.get("pretrained_cfg") or {}, timm.models.get_pretrained_cfg(arch)
+    stats = {}
+    if "mean" in saved and "std" in saved:
+        stats = {"mean": tuple(saved["mean"]), "std": tuple(saved["std"])}
+    elif registered is not None:
+        stats = {"mean": tuple(registered.mean), "std": tuple(registered.std)}
+    return {"model_args": dict(config.get("model_args") or {}), **stats}
+
+
 def _checkpoint_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
     """Parameter shapes from the safetensors header; fails cleanly on corrupt or truncated files."""
     try:
@@ -208,7 +222,8 @@ def _check_match(model: nn.Module, shapes: dict[str, tuple[int, ...]], name: str
     if problems:
         raise UserError(
             f"checkpoint {weights} does not match {name}: {'; '.join(problems)}; "
-            "pass the --model (and model arguments) it was trained with"
+            "pass the training folder that holds it (its config.json builds the model), or the --model (and "
+            "--model-kwargs, where the command has them) it was trained with"
         )
 
 
@@ -270,13 +285,15 @@ def _resolve_source(model: str, checkpoint: str | Path | None) -> tuple[str, dic
 def _checkpoint_for(model: str, arch: str, own: dict[str, Any] | None,
                     checkpoint: str | Path) -> tuple[Path, dict[str, Any] | None]:
     """(weights file, config to build with) for ``checkpoint`` loaded into ``model`` (``own``: its config, for
-    ``hf-hub:``/``local-dir:`` names). A folder's config is used; a weights file takes ``own`` (built as
-    ``model`` says). With ``own``, the checkpoint folder's config, or the one beside a weights file, must build
-    the same model: architecture, model arguments and pooling."""
+    ``hf-hub:``/``local-dir:`` names). A folder's config is used, and so is the one beside a weights file (its run
+    folder's: model arguments, mean/std, label names) unless ``own`` builds the model. With ``own``, the
+    checkpoint's config must build the same model: architecture, model arguments and pooling."""
     weights, config = _resolve_checkpoint(checkpoint)
     folder = Path(checkpoint) if config is not None else weights.parent
-    trained = config if config is not None or own is None else _config_beside(weights)
-    if own is not None and trained is not None and _built_as(trained) != _built_as(own):
+    trained = config if config is not None else _config_beside(weights)
+    if own is None:
+        return weights, trained
+    if trained is not None and _built_as(trained) != _built_as(own):
         raise UserError(f"{model} is {_built_as(own)[0]} but --checkpoint {checkpoint} was trained as "
                         f"{_built_as(trained)[0]} (architecture, model arguments or pooling differ); evaluate "
                         f"it as local-dir:{folder}, or as --model {arch} --checkpoint {folder} for "

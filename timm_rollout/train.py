@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from timm.data import Mixup
+from timm.layers import to_2tuple
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -76,7 +77,7 @@ from .errors import (
     run_cli,
     seed_arg,
 )
-from .loading import check_input_size, check_model, create_model, pretrained_overlay
+from .loading import check_input_size, check_model, create_model, pretrained_config, pretrained_overlay
 from .packed import Stack, Streams, own_streams, seed_everything
 from .pooling import ROLLOUT, TIMM_POOLS, set_pooling
 from .progress import progress, tqdm
@@ -312,9 +313,9 @@ def _load_data(args: argparse.Namespace, loaded: dict[tuple, tuple]) -> tuple[Im
         loaded[key] = (train_set, load_image_set(args.dataset, eval_split, **cols),
                        *normalization_stats(args.dataset, train_set))
     train_set, eval_set, mean, std = loaded[key]
-    if args.pretrained_file:  # fine-tuning: the inputs the pretrained weights expect
-        cfg = timm.models.get_pretrained_cfg(args.model)
-        mean, std = (tuple(cfg.mean), tuple(cfg.std)) if cfg is not None else (mean, std)
+    if args.pretrained_file:  # fine-tuning: the inputs the pretrained weights expect (their run's, else the model's)
+        trained = pretrained_config(args.pretrained_file, args.model)
+        mean, std = trained.get("mean", mean), trained.get("std", std)
     if args.max_train_samples:
         train_set = train_set.subset(balanced_indices(train_set.labels, total=args.max_train_samples, seed=args.seed))
     if args.max_eval_samples:
@@ -710,8 +711,11 @@ def _create_model(args: argparse.Namespace, data: RunData, device: torch.device)
         kwargs["drop_path_rate"] = args.drop_path
     if args.pretrained_file:
         kwargs.update(pretrained=True, pretrained_cfg_overlay=pretrained_overlay(args.pretrained_file))
+    elif args.model.startswith(("hf-hub:", "local-dir:")):
+        print(f"{args.model}: its architecture with fresh random weights, as timm builds it without pretrained=True; "
+              "to start from its weights pass --pretrained-file with its folder", file=sys.stderr)
     model = create_model(args.model, num_classes=data.num_classes, **kwargs)
-    check_input_size(model, data.train.images, fix=f"pass --model-kwargs img_size={data.train.images.shape[-1]}")
+    check_input_size(model, data.train.images, fix=_size_fix(args, model, data.train.images.shape[-1]))
     if args.pool is not None:
         set_pooling(model, args.pool, **args.pool_kwargs)
     use_fast_dropout(model)
@@ -719,6 +723,20 @@ def _create_model(args: argparse.Namespace, data: RunData, device: torch.device)
     if device.type == "cpu" or attention_dropout:
         set_fused_attention(model, False)
     return model
+
+
+def _size_fix(args: argparse.Namespace, model: nn.Module, size: int) -> str:
+    """The --model-kwargs that build ``model`` for ``size``, with the pretrained weights' own patch size where it
+    differs (else timm would resample their patch embedding to another grid)."""
+    fix = f"pass --model-kwargs img_size={size}"
+    if not args.pretrained_file:
+        return fix
+    patch = pretrained_config(args.pretrained_file, args.model)["model_args"].get("patch_size")
+    own = getattr(getattr(model, "patch_embed", None), "patch_size", None)
+    if patch is None or own is None or to_2tuple(patch) == tuple(own):
+        return fix
+    shown = patch[0] if isinstance(patch, list | tuple) and len(set(patch)) == 1 else patch
+    return f"{fix} patch_size={shown} (the pretrained weights' patch size)"
 
 
 def _build(args: argparse.Namespace, data: RunData, d: Dist) -> Trainer:
