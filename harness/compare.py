@@ -175,11 +175,12 @@ def run_seed(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> int | N
 
 
 def evaluated_images(result: dict[str, Any]) -> tuple | None:
-    """Fingerprints of the images an evaluation scored and of its k-NN bank (None for records without them)."""
+    """Fingerprints of the data set an evaluation read, of the images it scored and of its k-NN bank (None for
+    records without them)."""
     data = result.get("data") or {}
     if "subset_fingerprint" not in data:
         return None
-    return data["subset_fingerprint"], (data.get("bank") or {}).get("fingerprint")
+    return data.get("fingerprint"), data["subset_fingerprint"], (data.get("bank") or {}).get("fingerprint")
 
 
 def check_distinct(results: Sequence[dict[str, Any]], label: Callable[[dict[str, Any]], str] = run_label,
@@ -282,9 +283,13 @@ def compare_groups(base: Group, other: Group, metrics: Sequence[str] = METRICS,
     for s in seeds:  # a paired difference compares two runs on the same images, or it compares the images
         a, b = base.images[base_at[s]] if base.images else None, other.images[other_at[s]] if other.images else None
         if a is not None and b is not None and a != b:
-            raise UserError(f"seed {s} of {base.label} and of {other.label} was evaluated on different images or "
-                            f"k-NN banks ({base.runs[base_at[s]]}, {other.runs[other_at[s]]}); evaluate both with "
-                            "the same --split, --classes, --per-class, --bank-split, --bank-per-class and --seed")
+            where = f"seed {s} of {base.label} and of {other.label} was evaluated on different"
+            runs = f"({base.runs[base_at[s]]}, {other.runs[other_at[s]]})"
+            if a[0] != b[0]:
+                raise UserError(f"{where} data (another data set or split) {runs}; compare evaluations of the "
+                                "same --dataset and --split")
+            raise UserError(f"{where} images or k-NN banks {runs}; evaluate both with the same --split, --classes, "
+                            "--per-class, --bank-split, --bank-per-class and --seed")
     rows = []
     for metric in metrics:
         x, y = base.values.get(metric, [None] * base.n), other.values.get(metric, [None] * other.n)

@@ -88,6 +88,7 @@ from timm_rollout.records import (
     STUDY_FILE,
     SUMMARY_FILE,
     WEIGHTS_FILE,
+    data_card_title,
     sha256_file,
 )
 from timm_rollout.train import build_parser as train_parser
@@ -762,10 +763,9 @@ def data_section(args: argparse.Namespace) -> list[str]:
     """The data sets' cards (a folder's README.md, as scripts/make_cluttered.py writes it): title and path."""
     lines = []
     for role, dataset in (("trained and evaluated on", args.dataset), ("also evaluated on", args.also_eval)):
-        card = Path(dataset) / CARD_FILE if dataset else None
-        if card is not None and card.is_file():
-            title = next((t[2:] for t in card.read_text(encoding="utf-8").splitlines() if t.startswith("# ")), "")
-            lines.append(f"- {role} `{dataset}`: data card `{card}` ({title})")
+        title = data_card_title(dataset) if dataset else None
+        if title is not None:
+            lines.append(f"- {role} `{dataset}`: data card `{Path(dataset) / CARD_FILE}` ({title})")
     return ["## Data", "", *lines, ""] if lines else []
 
 

@@ -292,6 +292,28 @@ def test_card_tolerates_missing_optional_files():
     assert hub.render_card(hub.model_card("me/tiny", facts), "me/tiny").count("## Evaluation") == 0
 
 
+@pytest.mark.parametrize(("dataset", "listed", "argument"), [
+    ("cifar10", "cifar10", "cifar10"),  # an alias of a Hub data set
+    ("uoft-cs/cifar10", "uoft-cs/cifar10", "uoft-cs/cifar10"),  # a Hub id
+    ("{tmp}/cifar10", "cifar10", "cifar10"),  # a local copy named as the alias
+    ("{tmp}/cifar10-clutter16", None, "PATH/cifar10-clutter16"),  # a local data set of its own, with a card
+    ("cifar10-sample", None, "PATH/cifar10-sample"),  # the package's sample: no Hub data set
+])
+def test_card_lists_only_hub_data_sets_and_evaluates_on_the_training_data(dataset, listed, argument, tmp_path):
+    """The card's `datasets:` metadata names Hub data sets only; its harness.eval line names the training data
+    (a 64x64 clutter model cannot be evaluated on CIFAR-10)."""
+    for name in ("cifar10", "cifar10-clutter16"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "cifar10-clutter16" / "README.md").write_text("---\npretty_name: x\n---\n# cifar10 cluttered (16)\n")
+    facts = hub.describe_model(timm.create_model("vit_tiny_cifar_cls", depth=1))
+    dataset = dataset.format(tmp=tmp_path)
+    text = hub.render_card(hub.model_card("me/tiny", facts, {"dataset": dataset}), "me/tiny")
+    assert (f"datasets:\n- {listed}\n" in text) if listed else ("datasets:" not in text)
+    assert f"--model\nhf-hub:me/tiny --dataset {argument}`" in text
+    if "clutter" in dataset:
+        assert "a local data set folder, cifar10-clutter16 (cifar10 cluttered (16))" in text
+
+
 @pytest.mark.parametrize(
     ("name", "kwargs", "pooling", "words"),
     [

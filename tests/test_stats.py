@@ -176,3 +176,7 @@ def test_compare_refuses_seeds_evaluated_on_different_images(tmp_path):
     for other in (c, d):
         with pytest.raises(UserError, match=r"seed 0 of .* was evaluated on different images"):
             compare.compare_groups(a, other, ["top1"])
+    found[1]["data"].update(fingerprint="another data set")  # e.g. the clutter-free canvases
+    a, b, *_ = compare.summarise(found, ["top1"])
+    with pytest.raises(UserError, match=r"evaluated on different data \(another data set or split\) .*same --dataset"):
+        compare.compare_groups(a, b, ["top1"])

@@ -22,9 +22,19 @@ from timm.models._hub import generate_readme
 
 from . import online
 from .atomic import atomic_path, write_text
+from .data import ALIASES
 from .errors import UserError
 from .loading import load_model
-from .records import ARGS_FILE, CARD_FILE, CONFIG_FILE, RESULTS_FILE, SUMMARY_FILE, WEIGHTS_FILE, sha256_file
+from .records import (
+    ARGS_FILE,
+    CARD_FILE,
+    CONFIG_FILE,
+    RESULTS_FILE,
+    SUMMARY_FILE,
+    WEIGHTS_FILE,
+    data_card_title,
+    sha256_file,
+)
 
 __all__ = [
     "METRIC_DEFAULTS",
@@ -227,10 +237,29 @@ def _phrase(args: dict[str, Any], parts: list[tuple[str, str]]) -> str | None:
     return ", ".join(found) or None
 
 
+def _is_local(dataset: str) -> bool:
+    return dataset.startswith((".", "/", "~")) or ("/" in dataset and Path(dataset).exists())
+
+
 def _dataset_id(dataset: str) -> str:
     """Hub-style data set name: a local folder path is reduced to its folder name."""
-    local = dataset.startswith((".", "/", "~")) or ("/" in dataset and Path(dataset).exists())
-    return Path(dataset).name if local else dataset
+    return Path(dataset).name if _is_local(dataset) else dataset
+
+
+def _hub_dataset(dataset: str) -> str | None:
+    """The Hub data set a training ``--dataset`` names (the card's ``datasets:``), or None for a local one; a local
+    folder named as an alias of a Hub set (``../data/cifar10``) is a copy of that set."""
+    if _is_local(dataset):
+        dataset = Path(dataset).name
+        return dataset if dataset in ALIASES and not _is_local(ALIASES[dataset].path) else None
+    return None if dataset in ALIASES and _is_local(ALIASES[dataset].path) else dataset
+
+
+def _dataset_arg(dataset: str | None) -> str:
+    """The ``--dataset`` that evaluates the model on the data it was trained on, for a card's reader."""
+    if not dataset:
+        return "DATASET"
+    return _hub_dataset(dataset) or f"PATH/{Path(dataset).name}"
 
 
 def _recipe(train_args: dict[str, Any]) -> dict[str, str]:
@@ -318,8 +347,12 @@ def model_card(
     }
     if selection:
         details["Selection"] = selection
-    if train_args.get("dataset"):
-        details["Dataset"] = _dataset_id(str(train_args["dataset"]))
+    dataset = str(train_args.get("dataset") or "")
+    if dataset and _hub_dataset(dataset):
+        details["Dataset"] = _hub_dataset(dataset)
+    elif dataset:  # not a Hub data set: kept out of the card's `datasets:` metadata
+        title = data_card_title(dataset) if _is_local(dataset) else None
+        details["Training data"] = f"a local data set folder, {Path(dataset).name}" + (f" ({title})" if title else "")
     recipe = _recipe(train_args)
     if recipe:
         details["Training recipe"] = recipe
@@ -340,11 +373,11 @@ def model_card(
             "patch mean, rollout-weighted patch tokens and learned attention pooling, differing only in pooling."
         ),
         "details": details,
-        "usage": _usage(repo_id),
+        "usage": _usage(repo_id, train_args.get("dataset")),
     }
 
 
-def _usage(repo_id: str) -> str:
+def _usage(repo_id: str, dataset: str | None) -> str:
     return f"""The architecture lives in the `timm_rollout` package: import it before creating the model, so that
 timm knows `vit_tiny_cifar_cls` / `vit_tiny_cifar_gap` / `vit_tiny_cifar_rollout`.
 
@@ -362,7 +395,8 @@ with torch.no_grad():
     features = model.forward_head(model.forward_features(transform(img).unsqueeze(0)), pre_logits=True)
 ```
 
-Evaluate it with the project's harness: `python -m harness.eval --model hf-hub:{repo_id} --dataset cifar10`.
+Evaluate it with the project's harness on the data it was trained on: `python -m harness.eval --model
+hf-hub:{repo_id} --dataset {_dataset_arg(dataset)}`.
 """
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "STUDY_FILE",
     "SUMMARY_FILE",
     "WEIGHTS_FILE",
+    "data_card_title",
     "sha256_file",
     "versions",
 ]
@@ -64,10 +65,19 @@ POOLING_FILE = "pooling.png"  # a study's pooling diagnostics per arm
 LOCALISATION_FILE = "localisation.png"  # a study's pooling weight inside and outside the object's box per arm
 HUB_DIR = "hub"  # a study's Hub exports: hub/<arm>, the best run of each arm
 NOTES_FILE = "notes.md"  # hand-written notes in a study folder, included in its report.md
-# The model card of a Hub upload.
+# The model card of a Hub upload, and a data set folder's card (scripts/make_cluttered.py writes one).
 CARD_FILE = "README.md"
 
 PACKAGES = ("torch", "timm", "datasets", "faiss-cpu", "scikit-learn", "numpy", "safetensors", "timm-rollout")
+
+
+def data_card_title(folder: str | Path) -> str | None:
+    """The title (first ``# `` line) of a data set folder's card, or None when it has none."""
+    card = Path(folder) / CARD_FILE
+    if not card.is_file():
+        return None
+    return next((line[2:].strip() for line in card.read_text(encoding="utf-8").splitlines()
+                 if line.startswith("# ")), None)
 
 
 def versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
