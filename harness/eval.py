@@ -217,7 +217,8 @@ def _heatmap_figure(model, data: ImageSet, info: dict, args, device, amp_dtype, 
     pred = [names[int(i)] if int(i) < len(names) else str(int(i)) for i in found.logits.argmax(dim=1)]
     maps = {f"{MAP_LABELS[k]}\n(readout {found.readout})": v for k, v in found.maps.items()}
     title = f"{info['name']}: maps of its readout ({found.readout}, {data.split})"
-    return plot_heatmaps(images, maps, true, pred, out / HEATMAPS_FILE, title)
+    boxes = data.boxes[pick] if data.boxes is not None else None
+    return plot_heatmaps(images, maps, true, pred, out / HEATMAPS_FILE, title, boxes)
 
 
 def _predictions(feats: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,

@@ -23,7 +23,7 @@ from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 from timm.utils import ParseKwargs
 
-from harness.figures import UNIFORM_SCALE_LABEL, relative_to_uniform, shared_range
+from harness.figures import BOX_NOTE, UNIFORM_SCALE_LABEL, draw_box, relative_to_uniform, shared_range
 from timm_rollout.atomic import save_figure
 from timm_rollout.data import dataset_arg
 from timm_rollout.device import device_arg, resolve_device
@@ -98,8 +98,8 @@ def denormalize(x: torch.Tensor, mean, std) -> np.ndarray:
     return (x.cpu() * s + m).clamp(0, 1).permute(1, 2, 0).numpy()
 
 
-def _load_input(args: argparse.Namespace) -> tuple[Image.Image, str, str, list[str] | None]:
-    """(PIL image, source description, file stem, class names or None)."""
+def _load_input(args: argparse.Namespace) -> tuple[Image.Image, str, str, list[str] | None, torch.Tensor | None]:
+    """(PIL image, source description, file stem, class names or None, the object's box ``[x, y, w, h]`` or None)."""
     if args.image:
         path = Path(args.image)
         try:
@@ -109,17 +109,18 @@ def _load_input(args: argparse.Namespace) -> tuple[Image.Image, str, str, list[s
             raise UserError(f"--image {path} does not exist; pass an image file") from None
         except (UnidentifiedImageError, OSError) as e:
             raise UserError(f"--image {path} is not an image PIL can read ({e}); pass a JPEG, PNG, ...") from None
-        return image, path.name, path.stem, None
+        return image, path.name, path.stem, None, None
     from timm_rollout.data import load_image_set
 
-    data = load_image_set(args.dataset, args.split)
+    data = load_image_set(args.dataset, args.split, boxes=True)
     if not -len(data) <= args.index < len(data):
         raise UserError(f"--index {args.index} is outside {args.split} ({len(data)} images); pass 0..{len(data) - 1}")
     label = data.class_names[int(data.labels[args.index])]
     array = data.images[args.index].permute(1, 2, 0).numpy()
     stem = f"{Path(args.dataset).name}_{args.split}_{args.index}"
+    box = data.boxes[args.index] if data.boxes is not None else None
     return Image.fromarray(array), f"{args.dataset} {args.split} #{args.index} (label: {label})", stem, \
-        data.class_names
+        data.class_names, box
 
 
 def _class_name(names: list[str] | None, index: int) -> str:
@@ -131,16 +132,18 @@ def _overlay(fig: Figure, ax, rgb: np.ndarray, values: torch.Tensor, grid: tuple
     h, w = rgb.shape[:2]
     ax.imshow(rgb, interpolation="nearest")
     im = ax.imshow(values.view(grid).numpy(), cmap="inferno", alpha=0.6, interpolation="nearest",
-                   extent=(0, w, h, 0), vmin=vrange[0], vmax=vrange[1])
+                   extent=(-0.5, w - 0.5, h - 0.5, -0.5), vmin=vrange[0], vmax=vrange[1])  # the image's pixel edges
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label(UNIFORM_SCALE_LABEL, fontsize=7)
     ax.set_title(title, fontsize=8)
     ax.set_xticks([])
     ax.set_yticks([])
 
 
-def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: str, path: str | Path) -> Path:
+def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: str, path: str | Path,
+                     box: torch.Tensor | None = None) -> Path:
     """One figure: the input, every map of ``ex`` (image 0) and its rollout build-up, each with a colour bar; all
-    maps on the scale of :func:`~harness.figures.relative_to_uniform` with one colour range."""
+    maps on the scale of :func:`~harness.figures.relative_to_uniform` with one colour range; ``box`` (the object's
+    ``[x, y, w, h]`` in the input's pixels) outlined on every panel."""
     panels = [(name, values[0]) for name, values in ex.maps.items()]
     panels += [(f"rollout through layer {i + 1}", ex.buildup[0, i]) for i in range(ex.buildup.shape[1])]
     panels = [(name, relative_to_uniform(values.float().cpu())) for name, values in panels]
@@ -156,6 +159,10 @@ def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: 
         _overlay(fig, ax, rgb, values, ex.grid, name, vrange)
     for ax in axes[len(panels) + 1:]:
         ax.axis("off")
+    if box is not None:
+        for ax in axes[:len(panels) + 1]:
+            draw_box(ax, box)
+        title += f" ({BOX_NOTE})"
     fig.suptitle(title)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))  # keep the suptitle clear of the panels
     return save_figure(fig, path)
@@ -164,7 +171,7 @@ def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     device = resolve_device(args.device)
-    image, source, stem, class_names = _load_input(args)
+    image, source, stem, class_names, box = _load_input(args)
     prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
     num_classes = len(class_names) if class_names and not args.checkpoint and not prefixed else None
     model, info = load_model(args.model, args.checkpoint, num_classes=num_classes, device=device, **args.model_kwargs)
@@ -184,7 +191,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     input_title = (f"input: {source}\npred {_class_name(names, pred)} p={probs[pred]:.2f}; "
                    f"gradient map for {_class_name(names, target)}")
     title = f"{info['name']}: attention maps ({ex.grid[0]}x{ex.grid[1]} patches, readout {ex.readout})"
-    out = plot_explanation(ex, rgb, title, input_title, Path(args.output) / f"explain_{stem}.png")
+    as_is = (image.height, image.width) == tuple(x.shape[-2:])  # a resized image's box would be elsewhere
+    out = plot_explanation(ex, rgb, title, input_title, Path(args.output) / f"explain_{stem}.png",
+                           box if as_is else None)
     print(f"wrote {out} ({len(ex.maps) + ex.buildup.shape[1]} maps; predicted {_class_name(names, pred)}, "
           f"p={probs[pred]:.3f})")
     return {"figure": str(out), "predicted": pred, "target": target, "note": note, "maps": list(ex.maps)}

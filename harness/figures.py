@@ -14,8 +14,9 @@ from matplotlib.figure import Figure
 
 from timm_rollout.atomic import save_figure
 
-__all__ = ["UNIFORM_SCALE_LABEL", "plot_comparison", "plot_cosine_matrix", "plot_heatmaps", "plot_object_weights",
-           "plot_pooling_diagnostics", "relative_to_uniform", "shared_range", "upsample_patch_map"]
+__all__ = ["BOX_NOTE", "UNIFORM_SCALE_LABEL", "draw_box", "plot_comparison", "plot_cosine_matrix", "plot_heatmaps",
+           "plot_object_weights", "plot_pooling_diagnostics", "relative_to_uniform", "shared_range",
+           "upsample_patch_map"]
 
 # Colour-bar label of maps drawn on the scale of relative_to_uniform.
 UNIFORM_SCALE_LABEL = "weight x number of patches (1 = uniform)"
@@ -66,6 +67,19 @@ def upsample_patch_map(weights: torch.Tensor, size: tuple[int, int]) -> np.ndarr
     return F.interpolate(grid, size=size, mode="bilinear", align_corners=False)[0, 0].numpy()
 
 
+BOX_COLOUR = "cyan"
+BOX_NOTE = f"{BOX_COLOUR} outline: the object's box"
+
+
+def draw_box(ax, box: Sequence[float] | torch.Tensor) -> None:
+    """Outline an object box ``[x, y, w, h]`` in pixels (COCO order) on an ``imshow`` axis: pixel ``x`` spans
+    ``x - 0.5 .. x + 0.5`` there, so the outline runs along the box's outer pixel edges."""
+    from matplotlib.patches import Rectangle
+
+    x, y, w, h = (float(v) for v in box)
+    ax.add_patch(Rectangle((x - 0.5, y - 0.5), w, h, fill=False, edgecolor=BOX_COLOUR, linewidth=1.2))
+
+
 def plot_heatmaps(
     images: torch.Tensor,
     maps: Mapping[str, torch.Tensor],
@@ -73,12 +87,14 @@ def plot_heatmaps(
     pred_names: Sequence[str] | Mapping[str, Sequence[str]],
     path: str | Path,
     title: str,
+    boxes: torch.Tensor | None = None,
 ) -> Path:
     """One row per image: the image, then each named map overlaid (columns in the order of ``maps``, named on top).
 
     ``images`` are uint8 (B, 3, H, W) (the de-normalised inputs); maps are (B, P) over the patch grid, drawn on
     the :func:`relative_to_uniform` scale with one colour range and one colour bar for the whole figure.
     ``pred_names``: one prediction per image, or per map name when the columns come from different models.
+    ``boxes``: (B, 4) object boxes ``[x, y, w, h]``, outlined on every panel of their row.
     The layout is fixed in inches (no tight_layout pass over dozens of axes), so a large grid renders quickly.
     """
     per_column = isinstance(pred_names, Mapping)
@@ -103,6 +119,9 @@ def plot_heatmaps(
             im = ax.imshow(upsample_patch_map(values[i], (h, w)), cmap="inferno", alpha=0.6, vmin=vmin, vmax=vmax)
             pred = f"pred: {pred_names[name][i]}" if per_column else ""
             ax.set_title(f"{heads[name]}\n{pred}" if i == 0 else pred, fontsize=8)
+        if boxes is not None:
+            for ax in axes[i]:
+                draw_box(ax, boxes[i])
     for ax in axes[-1]:
         ax.set_xlabel("x (pixels)", fontsize=7)
     for ax in axes[:, 0]:
@@ -112,7 +131,7 @@ def plot_heatmaps(
     grid_h = fig_h - top - bottom  # the colour bar: half the grid's height, centred beside it
     bar = fig.add_axes((1 - (right - 0.25) / fig_w, (bottom + grid_h / 4) / fig_h, 0.18 / fig_w, grid_h / 2 / fig_h))
     fig.colorbar(im, cax=bar).set_label(UNIFORM_SCALE_LABEL, fontsize=8)
-    fig.suptitle(title, y=1 - 0.2 / fig_h, va="top")
+    fig.suptitle(title + (f" ({BOX_NOTE})" if boxes is not None else ""), y=1 - 0.2 / fig_h, va="top")
     return save_figure(fig, path)
 
 

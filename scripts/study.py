@@ -555,7 +555,7 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
     """The same test images under every arm (``arm -> (model, run folder, pooling or None for its own)``): the
     attention rollout and gradient-weighted rollout of the readout the arm classifies from, as weight x number of
     patches (1 = uniform) with one colour range for the whole grid."""
-    data = load_image_set(args.dataset, "test")
+    data = load_image_set(args.dataset, "test", boxes=True)
     gen = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(data.labels), generator=gen)[: args.heatmaps].sort().values
     images, labels = data.images[pick], data.labels[pick]
@@ -571,7 +571,8 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
         maps[column] = found[short].maps[key]
         preds[column] = [names[int(j)] for j in found[short].logits.argmax(dim=1)]
     return plot_heatmaps(images, maps, [names[int(y)] for y in labels], preds, path,
-                         f"Same test images under every arm, maps of each arm's own readout (seed {seed})")
+                         f"Same test images under every arm, maps of each arm's own readout (seed {seed})",
+                         data.boxes[pick] if data.boxes is not None else None)
 
 
 def _report_tables(groups: dict[str, Group], extra: list[str]) -> list[str]:

@@ -16,7 +16,7 @@ from timm.models import save_for_hf
 from harness import compare
 from harness import eval as harness_eval
 from harness.features import saliency_maps
-from harness.figures import plot_object_weights
+from harness.figures import draw_box, plot_heatmaps, plot_object_weights
 from harness.localisation import (
     LOCALISATION,
     box_coverage,
@@ -193,10 +193,22 @@ def test_eval_with_boxes_end_to_end(tmp_path, tmp_path_factory, monkeypatch):
         data = load_image_set(*args, **kwargs)
         return dataclasses.replace(data, boxes=torch.tensor([_box_of(i) for i in range(len(data))]))
 
+    drawn = []
+
+    def recorded(images, *args):  # the heatmaps' images and the boxes outlined on them
+        drawn.append((images, args[-1]))
+        return plot_heatmaps(images, *args)
+
     monkeypatch.setattr(harness_eval, "load_image_set", with_boxes)
+    monkeypatch.setattr(harness_eval, "plot_heatmaps", recorded)
     results = harness_eval.main(["--model", "vit_tiny_cifar_gap", "--checkpoint", str(run), "--dataset", SAMPLE,
-                                 "--per-class", "2", "--heatmaps", "0", "--device", "cpu", "--amp", "none",
+                                 "--per-class", "2", "--heatmaps", "3", "--device", "cpu", "--amp", "none",
                                  "--output", str(tmp_path)])
+    sample = load_image_set(SAMPLE, "test")
+    (images, boxes), = drawn
+    for image, box in zip(images, boxes, strict=True):  # each outline is the box of the image it is drawn on
+        index = next(i for i in range(len(sample)) if torch.equal(sample.images[i], image))
+        assert box.tolist() == pytest.approx(list(_box_of(index)))
     found = results["metrics"]
     assert set(LOCALISATION) <= set(found) and all(found[k] is not None for k in LOCALISATION)
     areas = []
@@ -213,6 +225,18 @@ def test_eval_with_boxes_end_to_end(tmp_path, tmp_path_factory, monkeypatch):
     assert summary[0].mean["object_area_fraction"] == found["object_area_fraction"]
     assert compare.build_parser().parse_args([str(tmp_path), "--output", str(tmp_path / "cmp"), "--metrics",
                                               *LOCALISATION]).metrics == list(LOCALISATION)
+
+
+def test_box_outline_runs_along_the_boxs_outer_pixel_edges():
+    """imshow puts pixel (x, y) at x - 0.5 .. x + 0.5: a box [2, 3, 4, 5] covers pixels 2..5 and 3..7."""
+    from matplotlib.figure import Figure
+
+    ax = Figure().subplots()
+    ax.imshow(np.zeros((10, 10)))
+    draw_box(ax, torch.tensor([2.0, 3.0, 4.0, 5.0]))
+    (outline,) = ax.patches
+    corners = outline.get_patch_transform().transform([(0, 0), (1, 1)])
+    assert corners.tolist() == [[1.5, 2.5], [5.5, 7.5]] and not outline.get_fill()
 
 
 def test_object_weights_figure(tmp_path):
