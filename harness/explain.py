@@ -13,6 +13,7 @@ skips it), and the rollout after each layer. Writes ``explain_<image>.png`` into
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from timm.utils import ParseKwargs
 
 from harness.figures import BOX_NOTE, UNIFORM_SCALE_LABEL, draw_box, relative_to_uniform, shared_range
 from timm_rollout.atomic import save_figure
-from timm_rollout.data import dataset_arg
+from timm_rollout.data import BoxColumnError, dataset_arg, load_image_set
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import (
     CliParser,
@@ -75,20 +76,24 @@ def _check_args(args: argparse.Namespace) -> None:
     check_model(args.model, None if prefixed or args.checkpoint else args.model_kwargs)
 
 
-def prepare_image(image: Image.Image, model: torch.nn.Module) -> tuple[torch.Tensor, str]:
-    """RGB-convert and resize/crop ``image`` with timm's eval transform for ``model``: ((3, H, W), note)."""
+def prepare_image(image: Image.Image, model: torch.nn.Module) -> tuple[torch.Tensor, str, bool]:
+    """RGB-convert and resize/crop ``image`` with timm's eval transform for ``model``: ((3, H, W), note, whether
+    the pixels are the image's own: no resize or crop moved them)."""
     cfg = resolve_data_config(model=model)
     transform = create_transform(**cfg, is_training=False)
     _, h, w = cfg["input_size"]
+    scale = (math.floor(h / cfg["crop_pct"]), math.floor(w / cfg["crop_pct"]))  # timm's eval resize, then crop
     steps = []
     if image.mode != "RGB":
         steps.append(f"converted {image.mode} to RGB" + (" (alpha dropped)" if "A" in image.mode else ""))
         image = image.convert("RGB")
-    if image.size != (w, h):
-        steps.append(f"resized {image.width}x{image.height} (shorter side to {int(h / cfg['crop_pct'])}, "
-                     f"{cfg['interpolation']}) and centre-cropped to {w}x{h} with timm's eval transform")
+    moved = image.size != (w, h) or scale != (h, w)
+    if moved:
+        steps.append(f"resized {image.width}x{image.height} (shorter side to {scale[0]}, crop_pct "
+                     f"{cfg['crop_pct']:g}, {cfg['interpolation']}) and centre-cropped to {w}x{h} with timm's eval "
+                     "transform")
     note = "; ".join(steps) if steps else f"RGB {w}x{h}, the model's input size: used as is"
-    return transform(image), note
+    return transform(image), note, not moved
 
 
 def denormalize(x: torch.Tensor, mean, std) -> np.ndarray:
@@ -110,9 +115,11 @@ def _load_input(args: argparse.Namespace) -> tuple[Image.Image, str, str, list[s
         except (UnidentifiedImageError, OSError) as e:
             raise UserError(f"--image {path} is not an image PIL can read ({e}); pass a JPEG, PNG, ...") from None
         return image, path.name, path.stem, None, None
-    from timm_rollout.data import load_image_set
-
-    data = load_image_set(args.dataset, args.split, boxes=True)
+    try:
+        data = load_image_set(args.dataset, args.split, boxes=True)
+    except BoxColumnError as e:  # boxes only outline the object here: a column the metrics refuse is drawn nowhere
+        print(f"no box outlined: {e}")
+        data = load_image_set(args.dataset, args.split)
     if not -len(data) <= args.index < len(data):
         raise UserError(f"--index {args.index} is outside {args.split} ({len(data)} images); pass 0..{len(data) - 1}")
     label = data.class_names[int(data.labels[args.index])]
@@ -179,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.target_class is not None and not 0 <= args.target_class < info["num_classes"]:
         raise UserError(f"--target-class {args.target_class} is outside the model's {info['num_classes']} classes; "
                         f"pass 0..{info['num_classes'] - 1}")
-    x, note = prepare_image(image, model)
+    x, note, as_is = prepare_image(image, model)
     print(f"{source}: {note}")
     try:
         ex = explain(model, x[None].to(device), target_class=args.target_class, flow=not args.no_flow)
@@ -191,7 +198,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     input_title = (f"input: {source}\npred {_class_name(names, pred)} p={probs[pred]:.2f}; "
                    f"gradient map for {_class_name(names, target)}")
     title = f"{info['name']}: attention maps ({ex.grid[0]}x{ex.grid[1]} patches, readout {ex.readout})"
-    as_is = (image.height, image.width) == tuple(x.shape[-2:])  # a resized image's box would be elsewhere
     out = plot_explanation(ex, rgb, title, input_title, Path(args.output) / f"explain_{stem}.png",
                            box if as_is else None)
     print(f"wrote {out} ({len(ex.maps) + ex.buildup.shape[1]} maps; predicted {_class_name(names, pred)}, "

@@ -220,14 +220,30 @@ def test_prepare_image_handles_odd_modes_and_sizes():
     gen = np.random.default_rng(0)
     gray = Image.fromarray(gen.integers(0, 255, (30, 50), dtype=np.uint8), "L")
     rgba = Image.fromarray(gen.integers(0, 255, (40, 24, 4), dtype=np.uint8), "RGBA")
-    x, note = prepare_image(gray, model)
-    assert x.shape == (3, 32, 32) and "L to RGB" in note and "50x30" in note and "32x32" in note
+    x, note, as_is = prepare_image(gray, model)
+    assert x.shape == (3, 32, 32) and "L to RGB" in note and "50x30" in note and "32x32" in note and not as_is
     rgb = denormalize(x, model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
     np.testing.assert_allclose(rgb[..., 0], rgb[..., 1], atol=1e-6)  # grey stays grey once de-normalised
-    x, note = prepare_image(rgba, model)
+    x, note, _ = prepare_image(rgba, model)
     assert x.shape == (3, 32, 32) and "alpha dropped" in note
-    x, note = prepare_image(Image.new("RGB", (32, 32)), model)
-    assert "used as is" in note
+    image = Image.fromarray(gen.integers(0, 255, (32, 32, 3), dtype=np.uint8))
+    x, note, as_is = prepare_image(image, model)
+    assert "used as is" in note and as_is
+    cfg = model.pretrained_cfg
+    np.testing.assert_allclose(denormalize(x, cfg["mean"], cfg["std"]), np.asarray(image) / 255, atol=1e-6)
+
+
+def test_a_stock_vits_crop_pct_moves_an_image_of_its_own_size():
+    """timm's eval transform resizes to size / crop_pct and crops back: a 64x64 image for a 64x64 stock ViT
+    (crop_pct 0.9) is zoomed, not used as is (a box drawn on it would be off)."""
+    from timm_rollout.loading import load_model
+
+    model, _ = load_model("vit_small_patch16_224", img_size=64, patch_size=8, depth=1)
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 255, (64, 64, 3), dtype=np.uint8))
+    x, note, as_is = prepare_image(image, model)
+    assert not as_is and "shorter side to 71, crop_pct 0.9" in note
+    cfg = model.pretrained_cfg
+    assert np.abs(denormalize(x, cfg["mean"], cfg["std"]) - np.asarray(image) / 255).max() > 0.1
 
 
 def test_explain_cli_on_ours_with_the_sample(tmp_path, capsys):
@@ -283,8 +299,16 @@ def test_explaining_a_boxed_data_set_image_outlines_its_box_on_every_panel(tmp_p
     want = datasets.load_dataset(str(tmp_path / "c4"), split="test")[3]["bbox"]
     panels = 1 + len(result["maps"]) + 1  # the input, every map, the rollout build-up of the one layer
     assert outlined == [want] * panels
-    Image.new("RGB", (64, 64)).save(tmp_path / "plain.png")
+    clutter = datasets.load_dataset(str(tmp_path / "c4"), split="test")
+    boxes = [[box] * (1 + (i == 1)) for i, box in enumerate(clutter["bbox"])]
+    several = clutter.remove_columns("bbox").add_column("bbox", boxes)
+    (tmp_path / "several").mkdir()
+    several.to_parquet(str(tmp_path / "several" / "test.parquet"))  # row 1 has two boxes: explained, not outlined
     outlined.clear()
+    main(["--model", f"local-dir:{tmp_path / 'run'}", "--dataset", str(tmp_path / "several"), "--index", "3",
+          "--no-flow", "--device", "cpu", "--output", str(tmp_path / "out")])
+    assert outlined == []
+    Image.new("RGB", (64, 64)).save(tmp_path / "plain.png")
     main(["--model", f"local-dir:{tmp_path / 'run'}", "--image", str(tmp_path / "plain.png"), "--no-flow",
           "--device", "cpu", "--output", str(tmp_path / "out")])
     assert outlined == []

@@ -292,22 +292,26 @@ def test_card_tolerates_missing_optional_files():
     assert hub.render_card(hub.model_card("me/tiny", facts), "me/tiny").count("## Evaluation") == 0
 
 
-@pytest.mark.parametrize(("dataset", "listed", "argument"), [
-    ("cifar10", "cifar10", "cifar10"),  # an alias of a Hub data set
-    ("uoft-cs/cifar10", "uoft-cs/cifar10", "uoft-cs/cifar10"),  # a Hub id
-    ("{tmp}/cifar10", "cifar10", "cifar10"),  # a local copy named as the alias
-    ("{tmp}/cifar10-clutter16", None, "PATH/cifar10-clutter16"),  # a local data set of its own, with a card
-    ("cifar10-sample", None, "PATH/cifar10-sample"),  # the package's sample: no Hub data set
+@pytest.mark.parametrize(("dataset", "resolved", "listed", "argument"), [
+    ("cifar10", "uoft-cs/cifar10", "cifar10", "cifar10"),  # an alias of a Hub data set
+    ("uoft-cs/cifar10", "uoft-cs/cifar10", "uoft-cs/cifar10", "uoft-cs/cifar10"),  # a Hub id
+    ("{tmp}/cifar10", "{tmp}/cifar10", "cifar10", "cifar10"),  # a local copy named as the alias
+    ("../cifar10-clutter16", "{tmp}/cifar10-clutter16", None, "PATH/cifar10-clutter16"),  # a data set of its own
+    ("cifar10-clutter16", "{tmp}/cifar10-clutter16", None, "PATH/cifar10-clutter16"),  # named from where it trained
+    ("cifar10-sample", None, None, "cifar10-sample"),  # the package's sample: no Hub data set, an alias anywhere
 ])
-def test_card_lists_only_hub_data_sets_and_evaluates_on_the_training_data(dataset, listed, argument, tmp_path):
-    """The card's `datasets:` metadata names Hub data sets only; its harness.eval line names the training data
-    (a 64x64 clutter model cannot be evaluated on CIFAR-10)."""
+def test_card_lists_only_hub_data_sets_and_evaluates_on_the_training_data(dataset, resolved, listed, argument,
+                                                                          tmp_path, monkeypatch):
+    """The card's `datasets:` metadata names Hub data sets only, whatever directory training or the export ran in;
+    its harness.eval line names the training data (a 64x64 clutter model cannot be evaluated on CIFAR-10)."""
     for name in ("cifar10", "cifar10-clutter16"):
         (tmp_path / name).mkdir()
     (tmp_path / "cifar10-clutter16" / "README.md").write_text("---\npretty_name: x\n---\n# cifar10 cluttered (16)\n")
+    monkeypatch.chdir(tmp_path / "cifar10")  # the export runs elsewhere than training did
     facts = hub.describe_model(timm.create_model("vit_tiny_cifar_cls", depth=1))
-    dataset = dataset.format(tmp=tmp_path)
-    text = hub.render_card(hub.model_card("me/tiny", facts, {"dataset": dataset}), "me/tiny")
+    train_args = {"dataset": dataset.format(tmp=tmp_path),
+                  **({"dataset_resolved": resolved.format(tmp=tmp_path)} if resolved else {})}
+    text = hub.render_card(hub.model_card("me/tiny", facts, train_args), "me/tiny")
     assert (f"datasets:\n- {listed}\n" in text) if listed else ("datasets:" not in text)
     assert f"--model\nhf-hub:me/tiny --dataset {argument}`" in text
     if "clutter" in dataset:

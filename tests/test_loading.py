@@ -227,6 +227,48 @@ def test_a_weights_file_in_its_run_folder_loads_as_the_folder_does(cls_folder):
         assert torch.equal(by_file(x), by_folder(x))
 
 
+def test_a_weights_file_takes_its_own_run_config_under_a_local_dir_model_too(cls_folder, tmp_path):
+    """--model local-dir:A --checkpoint B/model.safetensors: B's mean/std and label names (A only builds alike)."""
+    import json
+    import shutil
+
+    _, folder = cls_folder
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    config = json.loads((other / "config.json").read_text())
+    config["pretrained_cfg"]["mean"], config["label_names"] = [0.1, 0.2, 0.3], [f"x{i}" for i in range(10)]
+    (other / "config.json").write_text(json.dumps(config))
+    for checkpoint in (other, other / "model.safetensors"):
+        _, info = load_model(f"local-dir:{folder}", checkpoint)
+        assert info["mean"] == pytest.approx([0.1, 0.2, 0.3]) and info["label_names"][0] == "x0", checkpoint
+    bare = tmp_path / "bare.safetensors"
+    shutil.copy(other / "model.safetensors", bare)
+    assert load_model(f"local-dir:{folder}", bare)[1]["mean"] == pytest.approx(MEAN)  # no config of its own
+
+
+def test_a_config_that_is_no_timm_config_and_weights_of_another_architecture_are_named(cls_folder, tmp_path):
+    import shutil
+
+    _, folder = cls_folder
+    (tmp_path / "list").mkdir()
+    shutil.copy(folder / "model.safetensors", tmp_path / "list")
+    (tmp_path / "list" / "config.json").write_text("[1, 2]")
+    listed = _error("vit_tiny_cifar_cls", tmp_path / "list" / "model.safetensors")
+    assert "holds a JSON list, not a timm config" in listed
+    small = tmp_path / "small"
+    save_for_hf(timm.create_model("vit_small_patch16_224", img_size=32, patch_size=8, depth=1, num_classes=10),
+                small, safe_serialization=True, model_args=dict(img_size=32, patch_size=8, depth=1))
+    message = _error("vit_tiny_cifar_cls", small / "model.safetensors", img_size=32, patch_size=8, depth=1)
+    assert message.endswith(f"it was saved as vit_small_patch16_224: evaluate it as --model vit_small_patch16_224 "
+                            f"(or local-dir:{small})")
+
+
+def test_a_hybrid_vit_keeps_three_image_channels():
+    """A hybrid ViT's patch projection takes its CNN's feature channels; the input is still RGB."""
+    model, info = load_model("vit_tiny_r_s16_p8_224", img_size=64)
+    assert model.patch_embed.proj.in_channels != 3 and info["input_size"] == [3, 64, 64]
+
+
 def test_input_size_mismatch_is_a_one_line_error_naming_both_sizes():
     model = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=1)
     check_input_size(model, torch.zeros(2, 3, 32, 32, dtype=torch.uint8), fix="unused")

@@ -26,6 +26,7 @@ from .errors import UserError
 __all__ = [
     "ALIASES",
     "SAMPLE_DIR",
+    "BoxColumnError",
     "ImageSet",
     "balanced_indices",
     "compute_stats",
@@ -267,6 +268,10 @@ def _box(cell: object) -> list[float] | None:
     return [float(v) for v in cell] if min(cell[2:]) > 0 else None
 
 
+class BoxColumnError(UserError):
+    """A ``bbox`` column that is not one box per image (the localisation metrics refuse it)."""
+
+
 def _boxes(split_ds, name: str) -> torch.Tensor | None:
     """float32 (N, 4) boxes of a split with a ``bbox`` column of one ``[x, y, w, h]`` per image (or ``[[x, y, w,
     h]]``); None without one. Anything else (several boxes, none, non-finite or non-positive sizes) is refused:
@@ -277,9 +282,9 @@ def _boxes(split_ds, name: str) -> torch.Tensor | None:
     boxes = [_box(c) for c in cells]
     bad = next((i for i, b in enumerate(boxes) if b is None), None)
     if bad is not None:
-        raise UserError(f"data set {name!r}: row {bad} of column {BOX_COLUMN!r} is {str(cells[bad])[:80]}, not one "
-                        "box [x, y, w, h] of finite numbers with w, h > 0; keep one box per image, or rename the "
-                        "column to evaluate without boxes")
+        raise BoxColumnError(f"data set {name!r}: row {bad} of column {BOX_COLUMN!r} is {str(cells[bad])[:80]}, "
+                             "not one box [x, y, w, h] of finite numbers with w, h > 0; keep one box per image, or "
+                             "rename the column to evaluate without boxes")
     return torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4)
 
 

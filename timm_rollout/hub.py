@@ -246,20 +246,28 @@ def _dataset_id(dataset: str) -> str:
     return Path(dataset).name if _is_local(dataset) else dataset
 
 
-def _hub_dataset(dataset: str) -> str | None:
-    """The Hub data set a training ``--dataset`` names (the card's ``datasets:``), or None for a local one; a local
-    folder named as an alias of a Hub set (``../data/cifar10``) is a copy of that set."""
-    if _is_local(dataset):
-        dataset = Path(dataset).name
-        return dataset if dataset in ALIASES and not _is_local(ALIASES[dataset].path) else None
-    return None if dataset in ALIASES and _is_local(ALIASES[dataset].path) else dataset
+def _hub_dataset(train_args: dict[str, Any]) -> str | None:
+    """The Hub data set a run trained on (the card's ``datasets:``), or None for a local one. Where training found
+    it (``dataset_resolved``: an absolute path for a local folder) decides; a local folder named as an alias of
+    a Hub set (``../data/cifar10``) is a copy of that set."""
+    dataset = str(train_args.get("dataset") or "")
+    where = str(train_args.get("dataset_resolved") or dataset)
+    if dataset in ALIASES:
+        return None if Path(ALIASES[dataset].path).is_absolute() else dataset
+    if Path(where).is_absolute() or _is_local(where):
+        name = Path(where).name
+        return name if name in ALIASES and not Path(ALIASES[name].path).is_absolute() else None
+    return where or None
 
 
-def _dataset_arg(dataset: str | None) -> str:
+def _dataset_arg(train_args: dict[str, Any]) -> str:
     """The ``--dataset`` that evaluates the model on the data it was trained on, for a card's reader."""
+    dataset = str(train_args.get("dataset") or "")
     if not dataset:
         return "DATASET"
-    return _hub_dataset(dataset) or f"PATH/{Path(dataset).name}"
+    if dataset in ALIASES:
+        return dataset
+    return _hub_dataset(train_args) or f"PATH/{Path(str(train_args.get('dataset_resolved') or dataset)).name}"
 
 
 def _recipe(train_args: dict[str, Any]) -> dict[str, str]:
@@ -347,12 +355,12 @@ def model_card(
     }
     if selection:
         details["Selection"] = selection
-    dataset = str(train_args.get("dataset") or "")
-    if dataset and _hub_dataset(dataset):
-        details["Dataset"] = _hub_dataset(dataset)
-    elif dataset:  # not a Hub data set: kept out of the card's `datasets:` metadata
-        title = data_card_title(dataset) if _is_local(dataset) else None
-        details["Training data"] = f"a local data set folder, {Path(dataset).name}" + (f" ({title})" if title else "")
+    where = str(train_args.get("dataset_resolved") or train_args.get("dataset") or "")
+    if _hub_dataset(train_args):
+        details["Dataset"] = _hub_dataset(train_args)
+    elif where:  # not a Hub data set: kept out of the card's `datasets:` metadata
+        title = data_card_title(where) if Path(where).is_dir() else None
+        details["Training data"] = f"a local data set folder, {Path(where).name}" + (f" ({title})" if title else "")
     recipe = _recipe(train_args)
     if recipe:
         details["Training recipe"] = recipe
@@ -373,11 +381,11 @@ def model_card(
             "patch mean, rollout-weighted patch tokens and learned attention pooling, differing only in pooling."
         ),
         "details": details,
-        "usage": _usage(repo_id, train_args.get("dataset")),
+        "usage": _usage(repo_id, _dataset_arg(train_args)),
     }
 
 
-def _usage(repo_id: str, dataset: str | None) -> str:
+def _usage(repo_id: str, dataset: str) -> str:
     return f"""The architecture lives in the `timm_rollout` package: import it before creating the model, so that
 timm knows `vit_tiny_cifar_cls` / `vit_tiny_cifar_gap` / `vit_tiny_cifar_rollout`.
 
@@ -396,7 +404,7 @@ with torch.no_grad():
 ```
 
 Evaluate it with the project's harness on the data it was trained on: `python -m harness.eval --model
-hf-hub:{repo_id} --dataset {_dataset_arg(dataset)}`.
+hf-hub:{repo_id} --dataset {dataset}`.
 """
 
 

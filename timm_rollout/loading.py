@@ -128,11 +128,15 @@ def _hub_folder(repo: str) -> Path:
 def _read_config(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG_FILE
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"{folder} has no {CONFIG_FILE}; pass its {WEIGHTS_FILE} file as the checkpoint") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e}); re-export the model with timm.models.save_for_hf") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} holds a JSON {type(config).__name__}, not a timm config; re-export the model with "
+                        "timm.models.save_for_hf")
+    return config
 
 
 def _weights_in(folder: Path) -> Path:
@@ -206,7 +210,8 @@ def _head_classes(shapes: dict[str, tuple[int, ...]], classifier: str) -> int | 
     return shape[0] if shape else None
 
 
-def _check_match(model: nn.Module, shapes: dict[str, tuple[int, ...]], name: str, weights: Path) -> None:
+def _check_match(model: nn.Module, shapes: dict[str, tuple[int, ...]], name: str, weights: Path,
+                 config: dict[str, Any] | None) -> None:
     """One-line description of every way the checkpoint's parameters differ from the model's."""
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = sorted(own.keys() - shapes.keys())
@@ -219,12 +224,13 @@ def _check_match(model: nn.Module, shapes: dict[str, tuple[int, ...]], name: str
         problems.append(f"{len(unexpected)} unexpected in it (e.g. {', '.join(unexpected[:3])})")
     if resized:
         problems.append(f"shapes differ (checkpoint vs model): {'; '.join(resized[:3])}")
+    trained = (config or {}).get("architecture")
+    fix = (f"it was saved as {trained}: evaluate it as --model {trained} (or local-dir:{weights.parent})"
+           if trained and trained != name else
+           "pass the training folder that holds it (its config.json builds the model), or the --model (and "
+           "--model-kwargs, where the command has them) it was trained with")
     if problems:
-        raise UserError(
-            f"checkpoint {weights} does not match {name}: {'; '.join(problems)}; "
-            "pass the training folder that holds it (its config.json builds the model), or the --model (and "
-            "--model-kwargs, where the command has them) it was trained with"
-        )
+        raise UserError(f"checkpoint {weights} does not match {name}: {'; '.join(problems)}; {fix}")
 
 
 def _model_args(config: dict[str, Any] | None, arch: str) -> dict[str, Any]:
@@ -286,7 +292,7 @@ def _checkpoint_for(model: str, arch: str, own: dict[str, Any] | None,
                     checkpoint: str | Path) -> tuple[Path, dict[str, Any] | None]:
     """(weights file, config to build with) for ``checkpoint`` loaded into ``model`` (``own``: its config, for
     ``hf-hub:``/``local-dir:`` names). A folder's config is used, and so is the one beside a weights file (its run
-    folder's: model arguments, mean/std, label names) unless ``own`` builds the model. With ``own``, the
+    folder's: model arguments, mean/std, label names); ``own`` only for a file without one. With ``own``, the
     checkpoint's config must build the same model: architecture, model arguments and pooling."""
     weights, config = _resolve_checkpoint(checkpoint)
     folder = Path(checkpoint) if config is not None else weights.parent
@@ -298,7 +304,7 @@ def _checkpoint_for(model: str, arch: str, own: dict[str, Any] | None,
                         f"{_built_as(trained)[0]} (architecture, model arguments or pooling differ); evaluate "
                         f"it as local-dir:{folder}, or as --model {arch} --checkpoint {folder} for "
                         f"a readout with {arch}'s own pooling")
-    return weights, config if config is not None else own
+    return weights, trained if trained is not None else own
 
 
 def _config_beside(weights: Path) -> dict[str, Any] | None:
@@ -347,7 +353,7 @@ def load_model(
 
     net = create_model(arch, pretrained=False, pretrained_cfg_overlay=_cfg_overlay(config, num_classes), **kwargs)
     if weights is not None:
-        _check_match(net, shapes, arch, weights)
+        _check_match(net, shapes, arch, weights, config)
         load_checkpoint(net, str(weights), strict=True)
     if config and CONFIG_KEY in config:  # a stock timm ViT trained with set_pooling(model, "rollout", ...)
         set_pooling(net, ROLLOUT, **config[CONFIG_KEY])

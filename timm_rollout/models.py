@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from timm.layers import LayerNorm
+from timm.layers import LayerNorm, PatchEmbed
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch import nn
@@ -133,7 +133,8 @@ def record_input_size(net: nn.Module) -> nn.Module:
     size, cfg = getattr(embed, "img_size", None), getattr(net, "pretrained_cfg", None)
     if size is None or not isinstance(cfg, dict):
         return net
-    chans = getattr(getattr(embed, "proj", None), "in_channels", None) or cfg.get("input_size", (3,))[0]
+    # a hybrid ViT's proj takes its CNN backbone's feature channels, not the image's: keep the registered count
+    chans = embed.proj.in_channels if isinstance(embed, PatchEmbed) else cfg.get("input_size", (3,))[0]
     cfg["input_size"] = (int(chans), *(int(s) for s in size))  # in place: timm's default_cfg is the same dict
     return net
 
