@@ -355,9 +355,10 @@ def model_card(
     }
     if selection:
         details["Selection"] = selection
+    hub_set = _hub_dataset(train_args)
     where = str(train_args.get("dataset_resolved") or train_args.get("dataset") or "")
-    if _hub_dataset(train_args):
-        details["Dataset"] = _hub_dataset(train_args)
+    if hub_set:
+        details["Dataset"] = hub_set
     elif where:  # not a Hub data set: kept out of the card's `datasets:` metadata
         title = data_card_title(where) if Path(where).is_dir() else None
         details["Training data"] = f"a local data set folder, {Path(where).name}" + (f" ({title})" if title else "")

@@ -224,13 +224,14 @@ def _check_match(model: nn.Module, shapes: dict[str, tuple[int, ...]], name: str
         problems.append(f"{len(unexpected)} unexpected in it (e.g. {', '.join(unexpected[:3])})")
     if resized:
         problems.append(f"shapes differ (checkpoint vs model): {'; '.join(resized[:3])}")
+    if not problems:
+        return
     trained = (config or {}).get("architecture")
     fix = (f"it was saved as {trained}: evaluate it as --model {trained} (or local-dir:{weights.parent})"
            if trained and trained != name else
            "pass the training folder that holds it (its config.json builds the model), or the --model (and "
            "--model-kwargs, where the command has them) it was trained with")
-    if problems:
-        raise UserError(f"checkpoint {weights} does not match {name}: {'; '.join(problems)}; {fix}")
+    raise UserError(f"checkpoint {weights} does not match {name}: {'; '.join(problems)}; {fix}")
 
 
 def _model_args(config: dict[str, Any] | None, arch: str) -> dict[str, Any]:
@@ -304,7 +305,7 @@ def _checkpoint_for(model: str, arch: str, own: dict[str, Any] | None,
                         f"{_built_as(trained)[0]} (architecture, model arguments or pooling differ); evaluate "
                         f"it as local-dir:{folder}, or as --model {arch} --checkpoint {folder} for "
                         f"a readout with {arch}'s own pooling")
-    return weights, trained if trained is not None else own
+    return weights, trained or own
 
 
 def _config_beside(weights: Path) -> dict[str, Any] | None:
