@@ -571,6 +571,22 @@ def test_a_local_dir_model_without_pretrained_file_says_it_starts_from_random_we
     assert "fresh random weights" not in capsys.readouterr().err
 
 
+def test_the_machine_record_names_compilation_and_processes() -> None:
+    """summary.json's machines tell epochs compiled (and in which mode) from eager ones on the same device."""
+    from types import SimpleNamespace
+
+    from timm_rollout import train as train_module
+
+    d, data = SimpleNamespace(device=torch.device("cpu"), world=1), SimpleNamespace(amp_dtype=None)
+    eager = train_module._machine(d, data, SimpleNamespace(compile=False, compile_mode="default"))
+    compiled = train_module._machine(d, data, SimpleNamespace(compile=True, compile_mode="reduce-overhead"))
+    assert eager.startswith("CPU ") and eager.endswith(", float32")
+    assert compiled == f"{eager}, torch.compile mode reduce-overhead"
+    two = train_module._machine(SimpleNamespace(device=d.device, world=2), data,
+                                SimpleNamespace(compile=False, compile_mode="default"))
+    assert two == f"{eager}, 2 processes"
+
+
 def test_resume_state_keeps_tensors_in_param_groups(tmp_path: Path) -> None:
     """timm's LAMB keeps its step count as a tensor in the param group: the resume state stores it as a tensor (it
     used to fail the first save), and the restored optimizer takes the next step exactly as the uninterrupted one."""

@@ -544,7 +544,7 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, l
     run = _open(args, parser, d, loaded)
     if run is None:
         return Path(args.output)
-    machine = _machine(d, run.data)
+    machine = _machine(d, run.data, run.args)
     for epoch in range(run.t.epoch, run.args.epochs):
         t0 = time.perf_counter()
         train_loss, lr = _train_epoch(run, d, epoch)
@@ -587,7 +587,7 @@ def _train_stacked(runs: list[argparse.Namespace], parser: argparse.ArgumentPars
         t0 = time.perf_counter()
         losses, lr = _stacked_epoch(group, stack, d, epoch)
         runs_stacked = f"{len(group)} run{'s' if len(group) > 1 else ''} stacked"
-        seconds, machine = time.perf_counter() - t0, f"{_machine(d, group[0].data)}, {runs_stacked}"
+        seconds, machine = time.perf_counter() - t0, f"{_machine(d, group[0].data, group[0].args)}, {runs_stacked}"
         for run, loss in zip(group, losses, strict=True):
             _end_epoch(run, d, loss, lr, seconds, machine)
     for run in active:
@@ -887,10 +887,12 @@ def _report_epoch(r: dict[str, float], epochs: int) -> None:
                file=sys.stderr)
 
 
-def _machine(d: Dist, data: RunData) -> str:
-    """What trains this session's epochs, for ``summary.json``: a resumed run may continue on another machine."""
+def _machine(d: Dist, data: RunData, args: argparse.Namespace) -> str:
+    """What trains this session's epochs, for ``summary.json``: a resumed run may continue on another machine,
+    precision or compilation."""
+    compiled = f", torch.compile mode {args.compile_mode}" if args.compile else ""
     processes = f", {d.world} processes" if d.world > 1 else ""
-    return f"{device_name(d.device)}, {precision_name(data.amp_dtype)}{processes}"
+    return f"{device_name(d.device)}, {precision_name(data.amp_dtype)}{compiled}{processes}"
 
 
 def _write_summary(out: Path, args: argparse.Namespace, data: RunData, t: Trainer) -> None:
