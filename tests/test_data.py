@@ -173,6 +173,15 @@ def test_balanced_indices() -> None:
         balanced_indices(labels, per_class=25)
 
 
+def test_a_subsets_fingerprint_names_its_images_not_only_their_number(sample_test) -> None:
+    """Two draws of one size (two seeds) are other images: their fingerprints differ; the same draw agrees."""
+    draws = [balanced_indices(sample_test.labels, per_class=5, seed=seed) for seed in (0, 1, 0)]
+    a, b, again = (sample_test.subset(i).fingerprint for i in draws)
+    assert len(draws[0]) == len(draws[1]) and not torch.equal(draws[0], draws[1])
+    assert a != b and a == again and a.startswith(f"{sample_test.fingerprint}[50:")
+    assert sample_test.subset(torch.arange(len(sample_test))).fingerprint == sample_test.fingerprint
+
+
 def test_known_stats_match_the_full_test_split(cifar_test) -> None:
     """The known CIFAR-10 std is close to the full test split's computed one (a JPEG copy)."""
     np.testing.assert_allclose(compute_stats(cifar_test.images)[1], KNOWN_STATS["cifar10"][1], atol=4e-3)

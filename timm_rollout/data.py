@@ -9,6 +9,7 @@ tensors in batches on the training device (:mod:`timm_rollout.augment`), never i
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import os
@@ -96,10 +97,13 @@ class ImageSet:
         return len(self.class_names)
 
     def subset(self, indices: torch.Tensor) -> ImageSet:
-        """The images at ``indices``; provenance is kept and the fingerprint notes the subset size."""
+        """The images at ``indices``; provenance is kept and the fingerprint names the subset (its size and a hash
+        of its indices), so two draws of one size, e.g. with two seeds, never pass for the same images."""
+        indices = torch.as_tensor(indices, dtype=torch.int64)
+        drawn = hashlib.sha256(indices.numpy().tobytes()).hexdigest()[:16]
         return ImageSet(
             self.images[indices], self.labels[indices], list(self.class_names), self.dataset, self.split,
-            f"{self.fingerprint}[{len(indices)}]" if len(indices) != len(self) else self.fingerprint,
+            f"{self.fingerprint}[{len(indices)}:{drawn}]" if len(indices) != len(self) else self.fingerprint,
             None if self.boxes is None else self.boxes[indices],
         )
 
