@@ -319,8 +319,9 @@ def _p(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def render_comparison(rows: Sequence[MetricComparison], primary: str = PRIMARY) -> str:
-    """Markdown table of :func:`compare_groups` rows (metrics without paired values are left out)."""
+def render_comparison(rows: Sequence[MetricComparison], primary: str = PRIMARY, primary_label: str = "primary") -> str:
+    """Markdown table of :func:`compare_groups` rows (metrics without paired values are left out); the
+    ``primary`` metric's Holm cells read ``primary_label`` (it is left out of the correction)."""
     lines = ["| metric | seeds | Δ mean | 95% CI | p | p Holm | MDE | per image: base only / other only | "
              "per-image Δ | per-image p | per-image p Holm |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -328,10 +329,10 @@ def render_comparison(rows: Sequence[MetricComparison], primary: str = PRIMARY) 
             continue
         d, img = r.delta, r.per_image
         ci = "-" if d.low is None else f"[{d.low:+.4f}, {d.high:+.4f}]"
-        holm = "primary" if r.metric == primary else _p(r.p_holm)
+        holm = primary_label if r.metric == primary else _p(r.p_holm)
         img_cells = ["-"] * 4 if img is None else [
             f"{img.base_only} / {img.other_only}", _num(img.delta, True), _p(img.p),
-            "primary" if r.metric == primary else _p(r.per_image_p_holm)]
+            primary_label if r.metric == primary else _p(r.per_image_p_holm)]
         lines.append(f"| {r.metric} | {d.n} | {_num(d.mean, True)} | {ci} | {_p(d.p)} | {holm} | {_num(d.mde)} | "
                      + " | ".join(img_cells) + " |")
     return "\n".join(lines)

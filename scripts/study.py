@@ -44,6 +44,7 @@ from timm.utils import ParseKwargs
 from harness.compare import (
     METRICS,
     ORIGINAL_METRICS,
+    PRIMARY,
     STATISTICS_NOTE,
     Group,
     compare_groups,
@@ -145,6 +146,17 @@ query as its own neighbour, so it is not our `knn_loo`):
 | ratio_original | 1.40 | 1.53 |
 | silhouette | 0.143 | 0.134 |
 | k-NN@5 (query included) | 0.845 | 0.850 |"""
+def primary_arg(value: str) -> tuple[str, str]:
+    """``BASE:ARM`` of two study arms, for ``--primary``."""
+    base, _, arm = value.partition(":")
+    unknown = [a for a in (base, arm) if a not in ARMS and a not in POSTHOC]
+    if not arm or unknown or base == arm:
+        raise UserError(f"expected BASE:ARM of two arms ({', '.join([*ARMS, *POSTHOC])}), e.g. gap:rollout")
+    return base, arm
+
+
+# Report settings a folder remembers once given: a later command inherits them, or must repeat them unchanged.
+REMEMBERED = ("also_eval", "primary")
 # Study flags that change what is computed: a re-run must repeat them to reuse the folder (arms and seeds may grow).
 IDENTITY = ("model", "dataset", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class",
             "faithfulness_images")
@@ -175,7 +187,11 @@ def build_parser() -> CliParser:
     p.add_argument("--also-eval", type=as_type(dataset_arg), metavar="DATASET",
                    help="also evaluate every run on this data set's test split (the same classes, e.g. the same "
                         "objects without clutter; no k-NN bank or faithfulness there): the report adds each arm's "
-                        "top-1 on it and the paired change")
+                        "top-1 on it and the paired change; remembered by the folder")
+    p.add_argument("--primary", type=as_type(primary_arg), metavar="BASE:ARM",
+                   help="the comparison named before the runs, e.g. gap:rollout for rollout - gap: its table comes "
+                        "first and only its top-1 is the primary test (the others' top-1 rows are uncorrected, "
+                        "secondary); remembered by the folder")
     p.add_argument("--heatmaps", type=non_negative_int, default=6,
                    help="test images in the side-by-side heatmap grid (0: no grid)")
     p.add_argument("--pack", type=positive_int, default=1,
@@ -311,10 +327,25 @@ def _check_identity(args: argparse.Namespace, out: Path) -> tuple[list[str], lis
             arms |= set(saved.get("arms", ()))
             seeds |= set(saved.get("seeds", ()))
             commands = saved.get("commands", [saved["command"]] if "command" in saved else [])
+        _remember(args, saved, out)
     commands += [] if args.command in commands else [args.command]
     write_json(path, {"identity": wanted, "arms": [a for a in ARMS if a in arms], "seeds": sorted(seeds),
-                      "commands": commands})
+                      "commands": commands, **{k: getattr(args, k) for k in REMEMBERED}})
     return [a for a in ARMS if a in arms], sorted(seeds), commands
+
+
+def _remember(args: argparse.Namespace, saved: dict[str, Any], out: Path) -> None:
+    """``args`` takes the report settings the folder recorded (:data:`REMEMBERED`) where the command left them
+    out; one given otherwise is refused."""
+    for key in REMEMBERED:
+        was, now = saved.get(key), getattr(args, key)
+        was = tuple(was) if isinstance(was, list) else was
+        flag = f"--{key.replace('_', '-')}"
+        if now is not None and was is not None and now != was:
+            shown = ":".join(was) if isinstance(was, tuple) else was
+            raise UserError(f"{out} was run with {flag} {shown}; repeat it, or leave {flag} out to keep it")
+        if now is None:
+            setattr(args, key, was)
 
 
 def merge_model_kwargs(argv: Sequence[str], extra: Sequence[str]) -> list[str]:
@@ -499,15 +530,21 @@ def means_table(groups: dict[str, Group], metrics: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def delta_tables(groups: dict[str, Group], metrics: Sequence[str]) -> str:
+def delta_tables(groups: dict[str, Group], metrics: Sequence[str], primary: tuple[str, str] | None = None) -> str:
     """Paired statistics of every arm against each of ``REFERENCES`` the study has (``cls``, ``gap``,
-    ``rollout``), one table per comparison; a pair already shown against an earlier reference is not repeated."""
+    ``rollout``), one table per comparison; a pair already shown against an earlier reference is not repeated.
+    ``primary`` (base, arm): that comparison first, the only one whose top-1 is marked primary (the others' top-1
+    rows read "uncorrected")."""
+    pairs = [(ref, arm) for ref in REFERENCES if ref in groups for arm in groups
+             if arm not in REFERENCES[: REFERENCES.index(ref) + 1]]
+    if primary is not None and all(a in groups for a in primary):
+        pairs = [primary, *[p for p in pairs if p != primary and p != primary[::-1]]]
     parts = []
-    for ref in (r for r in REFERENCES if r in groups):
-        for arm, group in groups.items():
-            if arm in REFERENCES[: REFERENCES.index(ref) + 1]:
-                continue
-            parts += [f"### {arm} - {ref}", "", render_comparison(compare_groups(groups[ref], group, metrics)), ""]
+    for base, arm in pairs:
+        first = primary is not None and (base, arm) == primary
+        label = "primary" if primary is None or first else "uncorrected"
+        parts += [f"### {arm} - {base}" + (" (the primary comparison)" if first else ""), "",
+                  render_comparison(compare_groups(groups[base], groups[arm], metrics), primary_label=label), ""]
     return "\n".join(parts)
 
 
@@ -575,12 +612,12 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
                          data.boxes[pick] if data.boxes is not None else None)
 
 
-def _report_tables(groups: dict[str, Group], extra: list[str]) -> list[str]:
+def _report_tables(groups: dict[str, Group], extra: list[str], primary: tuple[str, str] | None) -> list[str]:
     """The report's statistics: means per arm, paired differences, and the original study's geometry."""
     shown = [*METRICS, *POOLING_DIAGNOSTICS, *extra]
     # the random-order baseline is no hypothesis, the diagnostics describe the weights: shown, not tested
     tested = [m for m in shown if not m.startswith("random ") and m not in POOLING_DIAGNOSTICS]
-    tested += [m for m in LOCALISATION if m not in CHANCE_LEVELS]  # shown in their own section
+    tested += [m for m in LOCALISATION if m not in (*CHANCE_LEVELS, *DESCRIPTIVE)]  # shown in their own section
     lines = ["## Metrics per arm", "", "Mean ± sample std over seeds. Learning-curve rows come from each run's "
              "`log.csv` (eval top-1 on the test split after every epoch; trained arms only): its mean over all "
              "epochs (the area under the curve, higher = learns faster) and its value after a quarter of the epochs. "
@@ -590,7 +627,10 @@ def _report_tables(groups: dict[str, Group], extra: list[str]) -> list[str]:
              "`rollout_cosine_to_mean` describe each backbone's rollout pooling weights (see Pooling diagnostics); "
              "they are shown, not tested.", "", means_table(groups, shown), ""]
     if len(groups) > 1:
-        lines += ["## Paired differences", "", STATISTICS_NOTE, "", delta_tables(groups, tested)]
+        named = "" if primary is None else (
+            f" The primary comparison, named before the runs, is {primary[1]} - {primary[0]} in {PRIMARY} (the first "
+            f"table); the {PRIMARY} rows of the other comparisons are secondary, and uncorrected too.")
+        lines += ["## Paired differences", "", STATISTICS_NOTE + named, "", delta_tables(groups, tested, primary)]
     if any(g.mean.get(m) is not None for g in groups.values() for m in ORIGINAL_METRICS):
         lines += ["## The original study's geometry", "",
                   "Its mixed units (Euclidean intra, cosine-distance inter), only to set these runs beside its table; "
@@ -735,7 +775,7 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         "linear-probe training set (definitions in harness/README.md).", "",
         *data_section(args),
         *notes_section(out),
-        *_report_tables(groups, extra),
+        *_report_tables(groups, extra, args.primary),
         *localisation_section(out, groups, seeds, results),
         "## Training curves", "", "![training curves](curves.png)", "",
         *(["## Pooling diagnostics", "", POOLING_NOTE, "", f"![pooling diagnostics]({POOLING_FILE})", "",
@@ -789,11 +829,19 @@ LOCALISATION_NOTE = (
     "weight x number of patches over the box and over the rest (1 = uniform). The weights are those the arm pools "
     "with: its own rollout weights, the attention of the learned pool (map, mean over heads), uniform for gap, "
     "and the post-hoc rollout row for cls. `<map>_box_mass` and `<map>_pointing` score each saliency map: its mass "
-    "on the box and the pointing-game hit rate (its maximum patch inside the box). Their paired differences are in "
-    "the tables above.")
+    "on the box and the pointing-game hit rate (its maximum patch inside the box). The paired tables above test "
+    "`pooling_object_mass` and the maps' box mass and pointing; the chance levels, the inside/outside weights "
+    "(which restate the object mass) and `pooling_effective_patches` are shown, not tested. A map explains the "
+    "arm's own readout, so the maps of patch-mean and rollout readouts start from near-uniform weights over the "
+    "patches (gradient-weighted rollout most of all): their box mass compares readouts as much as localisation. "
+    "The chance level is that of uniform weights over the whole canvas; about half of it is plain background, so "
+    "weights that only avoid the background already beat it, and nothing here measures the weight on the clutter "
+    "fragments apart from the background.")
 
 
 CHANCE_LEVELS = ("object_area_fraction", "pointing_chance")  # the same for every arm: shown, not tested
+# restate the object mass (the mean weight over the box and over the rest) or describe the weights: shown only
+DESCRIPTIVE = ("pooling_weight_inside", "pooling_weight_outside", "pooling_effective_patches")
 
 
 def localisation_section(out: Path, groups: dict[str, Group], seeds: Sequence[int],

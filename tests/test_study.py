@@ -389,6 +389,26 @@ def test_recorded_settings_are_replaced_until_a_run_has_trained(tmp_path):
     assert json.loads((out / "study.json").read_text())["identity"]["epochs"] == 2
 
 
+def test_the_folder_remembers_also_eval_and_the_primary_comparison(tmp_path):
+    """--also-eval and --primary, once given, are inherited by a command that leaves them out (a report would
+    otherwise drop their rows silently) and refused when given otherwise."""
+    out = tmp_path / "study"
+    base = ["--dataset", "cifar10-sample", "--epochs", "2", "--output", str(out), "--report-only"]
+    with pytest.raises(UserError, match=r"no seed of .* is finished"):
+        study.main([*base, "--also-eval", "cifar10-sample", "--primary", "gap:rollout"])
+    saved = json.loads((out / "study.json").read_text())
+    assert saved["also_eval"] == "cifar10-sample" and saved["primary"] == ["gap", "rollout"]
+    args = study.build_parser().parse_args(base)
+    args.command = "python scripts/study.py ..."
+    study._check_identity(args, out)
+    assert args.also_eval == "cifar10-sample" and args.primary == ("gap", "rollout")
+    with pytest.raises(UserError, match=r"was run with --primary gap:rollout; repeat it, or leave --primary out"):
+        study.main([*base, "--primary", "cls:rollout"])
+    for wrong in ("gap", "gap:gap", "gap:nope"):
+        with pytest.raises(UserError, match=r"--primary: expected BASE:ARM of two arms \(cls, gap, .*gap:rollout$"):
+            study.build_parser().parse_args([*base, "--primary", wrong])
+
+
 def test_each_arm_is_compared_with_cls_gap_and_rollout():
     """Four arms, three seeds: every arm against cls, the others against gap and rollout too, each pair once."""
     def result(arm, seed, top1):

@@ -55,12 +55,24 @@ def test_paired_tables_test_the_localisation_but_not_its_chance_levels() -> None
     """Two arms over three seeds: pooling_object_mass is paired (its delta is the mean of the per-seed differences,
     by hand), object_area_fraction, the same chance level for every arm, is shown but not tested."""
     def group(label: str, mass: list[float]) -> Group:
-        values = {"pooling_object_mass": mass, "object_area_fraction": [0.25] * 3}
+        values = {"pooling_object_mass": mass, "object_area_fraction": [0.25] * 3, "top1": [0.5, 0.6, 0.7],
+                  "pooling_weight_inside": [4 * m for m in mass], "pooling_effective_patches": [60.0, 61.0, 62.0]}
         return Group(label, [f"eval/{label}-s{s}" for s in range(3)], [0, 1, 2], [None] * 3, values,
                      {k: sum(v) / 3 for k, v in values.items()}, {k: 0.0 for k in values}, dict.fromkeys(values, 3))
 
-    groups = {"gap": group("gap", [0.25, 0.25, 0.25]), "rollout": group("rollout", [0.26, 0.28, 0.27])}
-    section = "\n".join(study._report_tables(groups, [])).split("### rollout - gap", 1)[1]
+    groups = {"cls": group("cls", [0.3, 0.3, 0.3]), "gap": group("gap", [0.25, 0.25, 0.25]),
+              "rollout": group("rollout", [0.26, 0.28, 0.27])}
+    report = "\n".join(study._report_tables(groups, [], None))
+    section = report.split("### rollout - gap", 1)[1]
     row = next(line for line in section.splitlines() if line.startswith("| pooling_object_mass |"))
     assert row.split("|")[3].strip() == "+0.0200"  # (0.01 + 0.03 + 0.02) / 3
-    assert "| object_area_fraction |" not in section
+    for shown_only in ("object_area_fraction", "pooling_weight_inside", "pooling_effective_patches"):
+        assert f"| {shown_only} |" not in section
+    assert report.count("| top1 | 3 |") == 3 and report.count("| primary |") == 3 and "uncorrected" not in report
+    named = "\n".join(study._report_tables(groups, [], ("gap", "rollout")))
+    tables = named.split("\n### ")[1:]
+    assert [t.splitlines()[0] for t in tables] == ["rollout - gap (the primary comparison)", "gap - cls",
+                                                   "rollout - cls"]
+    assert ["| primary |" in t for t in tables] == [True, False, False]
+    assert all("| uncorrected |" in t for t in tables[1:])
+    assert "The primary comparison, named before the runs, is rollout - gap in top1" in named
