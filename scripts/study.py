@@ -77,6 +77,7 @@ from timm_rollout.loading import load_model
 from timm_rollout.records import (
     CARD_FILE,
     CURVES_FILE,
+    DATA_DIR,
     HEATMAPS_FILE,
     HUB_DIR,
     LOCALISATION_FILE,
@@ -773,7 +774,7 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         "`cls-posthoc-*` are the `cls` runs read out with another pooling, untrained (`harness.eval --pool`). "
         "Metrics are from `python -m harness.eval` on the test split with the train split as k-NN bank and "
         "linear-probe training set (definitions in harness/README.md).", "",
-        *data_section(args),
+        *data_section(args, out),
         *notes_section(out),
         *_report_tables(groups, extra, args.primary),
         *localisation_section(out, groups, seeds, results),
@@ -800,13 +801,17 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
     return write_text(out / REPORT_FILE, "\n".join(lines) + "\n")
 
 
-def data_section(args: argparse.Namespace) -> list[str]:
-    """The data sets' cards (a folder's README.md, as scripts/make_cluttered.py writes it): title and path."""
+def data_section(args: argparse.Namespace, out: Path) -> list[str]:
+    """The data sets' cards (a folder's README.md, as scripts/make_cluttered.py writes it): title, and a copy in
+    ``out/data/`` (committed with the report: the data sets themselves are not, and are made again from it)."""
     lines = []
     for role, dataset in (("trained and evaluated on", args.dataset), ("also evaluated on", args.also_eval)):
         title = data_card_title(dataset) if dataset else None
         if title is not None:
-            lines.append(f"- {role} `{dataset}`: data card `{Path(dataset) / CARD_FILE}` ({title})")
+            copy = write_text(out / DATA_DIR / f"{Path(dataset).name}.md",
+                              (Path(dataset) / CARD_FILE).read_text(encoding="utf-8"))
+            lines.append(f"- {role} `{dataset}` ({title}): its data card, as made, in "
+                         f"[`{DATA_DIR}/{copy.name}`]({DATA_DIR}/{copy.name})")
     return ["## Data", "", *lines, ""] if lines else []
 
 
@@ -931,7 +936,8 @@ def main(argv: list[str] | None = None) -> Path | None:
                         "study command without --report-only to train what is missing")
     report = write_report(args, out, scope, commands, runs, evals)
     if args.commit:
-        names = (STUDY_FILE, REPORT_FILE, CURVES_FILE, HEATMAPS_FILE, POOLING_FILE, LOCALISATION_FILE, HUB_DIR)
+        names = (STUDY_FILE, REPORT_FILE, CURVES_FILE, HEATMAPS_FILE, POOLING_FILE, LOCALISATION_FILE, HUB_DIR,
+                 DATA_DIR)
         commit_paths([out / name for name in names if (out / name).exists()],
                      f"study: report ({', '.join(scope[0])}; seeds {' '.join(map(str, scope[1]))})")
     print(f"study finished: {len(todo)} runs trained or checked on {args.dataset}; report over seeds "

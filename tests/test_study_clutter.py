@@ -39,7 +39,10 @@ def _metrics(folder: Path) -> dict:
 def test_clutter_study_reports_where_the_arm_pools_and_the_cost_of_clutter(clutter_study) -> None:
     out, c16, c0 = clutter_study
     report = (out / "report.md").read_text()
-    assert f"data card `{c16}/README.md` (cifar10-sample cluttered (16 fragments, seed 0))" in report
+    assert (f"trained and evaluated on `{c16}` (cifar10-sample cluttered (16 fragments, seed 0)): its data card, "
+            f"as made, in [`data/c16.md`](data/c16.md)") in report
+    for name, folder in (("c16", c16), ("c0", c0)):  # the cards travel with the study: the data sets do not
+        assert (out / "data" / f"{name}.md").read_text() == (folder / "README.md").read_text()
     assert f"also evaluated on `{c0}`" in report
     assert "## Localisation" in report and (out / "localisation.png").stat().st_size > 10_000
     main, clean = _metrics(out / "eval" / "rollout-s0"), _metrics(out / "eval-c0" / "rollout-s0")

@@ -18,6 +18,7 @@ __all__ = [
     "CONFIG_FILE",
     "COSINE_FILE",
     "CURVES_FILE",
+    "DATA_DIR",
     "FAITHFULNESS_FILE",
     "FEATURES_FILE",
     "HEATMAPS_FILE",
@@ -64,6 +65,7 @@ STUDY_FILE = "study.json"
 POOLING_FILE = "pooling.png"  # a study's pooling diagnostics per arm
 LOCALISATION_FILE = "localisation.png"  # a study's pooling weight inside and outside the object's box per arm
 HUB_DIR = "hub"  # a study's Hub exports: hub/<arm>, the best run of each arm
+DATA_DIR = "data"  # a study's copies of its data sets' cards: data/<data set folder name>.md
 NOTES_FILE = "notes.md"  # hand-written notes in a study folder, included in its report.md
 # The model card of a Hub upload, and a data set folder's card (scripts/make_cluttered.py writes one).
 CARD_FILE = "README.md"
