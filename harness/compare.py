@@ -45,6 +45,9 @@ __all__ = [
     "compare_groups",
     "correct_per_image",
     "evaluated_images",
+    "format_ci",
+    "format_number",
+    "format_p",
     "load_results",
     "main",
     "render_comparison",
@@ -311,11 +314,18 @@ def compare_groups(base: Group, other: Group, metrics: Sequence[str] = METRICS,
     return rows
 
 
-def _num(x: float | None, signed: bool = False) -> str:
+def format_number(x: float | None, signed: bool = False) -> str:
+    """A table cell: 4 decimals (``signed``: with its sign), ``-`` for none."""
     return "-" if x is None else f"{x:+.4f}" if signed else f"{x:.4f}"
 
 
-def _p(x: float | None) -> str:
+def format_ci(d: stats.TInterval) -> str:
+    """A 95% interval cell, ``-`` without one (one seed)."""
+    return "-" if d.low is None else f"[{d.low:+.4f}, {d.high:+.4f}]"
+
+
+def format_p(x: float | None) -> str:
+    """A p-value cell: 3 significant digits, ``-`` for none."""
     return "-" if x is None else f"{x:.3g}"
 
 
@@ -328,13 +338,12 @@ def render_comparison(rows: Sequence[MetricComparison], primary: str = PRIMARY, 
         if r.delta is None:
             continue
         d, img = r.delta, r.per_image
-        ci = "-" if d.low is None else f"[{d.low:+.4f}, {d.high:+.4f}]"
-        holm = primary_label if r.metric == primary else _p(r.p_holm)
+        holm = primary_label if r.metric == primary else format_p(r.p_holm)
         img_cells = ["-"] * 4 if img is None else [
-            f"{img.base_only} / {img.other_only}", _num(img.delta, True), _p(img.p),
-            primary_label if r.metric == primary else _p(r.per_image_p_holm)]
-        lines.append(f"| {r.metric} | {d.n} | {_num(d.mean, True)} | {ci} | {_p(d.p)} | {holm} | {_num(d.mde)} | "
-                     + " | ".join(img_cells) + " |")
+            f"{img.base_only} / {img.other_only}", format_number(img.delta, True), format_p(img.p),
+            primary_label if r.metric == primary else format_p(r.per_image_p_holm)]
+        lines.append(f"| {r.metric} | {d.n} | {format_number(d.mean, True)} | {format_ci(d)} | {format_p(d.p)} | "
+                     f"{holm} | {format_number(d.mde)} | " + " | ".join(img_cells) + " |")
     return "\n".join(lines)
 
 

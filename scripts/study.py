@@ -41,6 +41,7 @@ import torch
 from matplotlib.figure import Figure
 from timm.utils import ParseKwargs
 
+from harness import stats
 from harness.compare import (
     METRICS,
     ORIGINAL_METRICS,
@@ -48,6 +49,10 @@ from harness.compare import (
     STATISTICS_NOTE,
     Group,
     compare_groups,
+    evaluated_images,
+    format_ci,
+    format_number,
+    format_p,
     load_results,
     render_comparison,
     summarise,
@@ -157,7 +162,9 @@ def primary_arg(value: str) -> tuple[str, str]:
 
 
 # Report settings a folder remembers once given: a later command inherits them, or must repeat them unchanged.
-REMEMBERED = ("also_eval", "primary")
+REMEMBERED = ("also_eval", "primary", "interaction")
+# Study flags that make two studies the same recipe, so that their primary comparisons can be set against each other.
+SAME_RECIPE = ("model", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class")
 # Study flags that change what is computed: a re-run must repeat them to reuse the folder (arms and seeds may grow).
 IDENTITY = ("model", "dataset", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class",
             "faithfulness_images")
@@ -193,6 +200,10 @@ def build_parser() -> CliParser:
                    help="the comparison named before the runs, e.g. gap:rollout for rollout - gap: its table comes "
                         "first and only its top-1 is the primary test (the others' top-1 rows are uncorrected, "
                         "secondary); remembered by the folder")
+    p.add_argument("--interaction", metavar="FOLDER",
+                   help="another study folder, of the same recipe and --primary arms on another data set (e.g. the "
+                        "objects without clutter): the report adds the primary comparison's difference between the "
+                        "two studies, paired by seed; remembered by the folder")
     p.add_argument("--heatmaps", type=non_negative_int, default=6,
                    help="test images in the side-by-side heatmap grid (0: no grid)")
     p.add_argument("--pack", type=positive_int, default=1,
@@ -329,6 +340,7 @@ def _check_identity(args: argparse.Namespace, out: Path) -> tuple[list[str], lis
             seeds |= set(saved.get("seeds", ()))
             commands = saved.get("commands", [saved["command"]] if "command" in saved else [])
         _remember(args, saved, out)
+    check_interaction(args, out)
     commands += [] if args.command in commands else [args.command]
     write_json(path, {"identity": wanted, "arms": [a for a in ARMS if a in arms], "seeds": sorted(seeds),
                       "commands": commands, **{k: getattr(args, k) for k in REMEMBERED}})
@@ -347,6 +359,34 @@ def _remember(args: argparse.Namespace, saved: dict[str, Any], out: Path) -> Non
             raise UserError(f"{out} was run with {flag} {shown}; repeat it, or leave {flag} out to keep it")
         if now is None:
             setattr(args, key, was)
+
+
+def check_interaction(args: argparse.Namespace, out: Path) -> None:
+    """``--interaction FOLDER`` names a study of the same recipe (:data:`SAME_RECIPE`) on another data set, and
+    the comparison to set against it is ``--primary``'s."""
+    if args.interaction is None:
+        return
+    other = Path(args.interaction)
+    if args.primary is None:
+        raise UserError("--interaction sets the primary comparison of two studies against each other; add "
+                        "--primary BASE:ARM")
+    if other.resolve() == out.resolve():
+        raise UserError("--interaction names this study's own --output; name the study of the same recipe on "
+                        "another data set")
+    try:
+        saved = json.loads((other / STUDY_FILE).read_text(encoding="utf-8"))["identity"]
+    except (FileNotFoundError, NotADirectoryError):
+        raise UserError(f"{other} holds no {STUDY_FILE}; name a folder written by scripts/study.py --output") from None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise UserError(f"{other / STUDY_FILE} is not a study record; name a folder written by scripts/study.py "
+                        "--output") from None
+    diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} (here {getattr(args, k)!r})" for k in SAME_RECIPE
+            if saved.get(k) != getattr(args, k)]
+    if diff:
+        raise UserError(f"{other} was run with {', '.join(diff)}; an interaction needs the same recipe on another "
+                        "--dataset")
+    if saved.get("dataset") == args.dataset:
+        raise UserError(f"{other} is a study of the same --dataset {args.dataset}; an interaction needs another one")
 
 
 def merge_model_kwargs(argv: Sequence[str], extra: Sequence[str]) -> list[str]:
@@ -613,12 +653,18 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
                          data.boxes[pick] if data.boxes is not None else None)
 
 
+def tested_metrics(extra: Sequence[str]) -> list[str]:
+    """The metrics the paired tables test: the harness metrics, ``extra`` and the localisation scores; the
+    random-order baseline (no hypothesis), the pooling diagnostics (they describe the weights), the chance levels
+    and the descriptive localisation rows are shown, not tested."""
+    tested = [m for m in (*METRICS, *extra) if not m.startswith("random ")]
+    return tested + [m for m in LOCALISATION if m not in (*CHANCE_LEVELS, *DESCRIPTIVE)]
+
+
 def _report_tables(groups: dict[str, Group], extra: list[str], primary: tuple[str, str] | None) -> list[str]:
     """The report's statistics: means per arm, paired differences, and the original study's geometry."""
     shown = [*METRICS, *POOLING_DIAGNOSTICS, *extra]
-    # the random-order baseline is no hypothesis, the diagnostics describe the weights: shown, not tested
-    tested = [m for m in shown if not m.startswith("random ") and m not in POOLING_DIAGNOSTICS]
-    tested += [m for m in LOCALISATION if m not in (*CHANCE_LEVELS, *DESCRIPTIVE)]  # shown in their own section
+    tested = tested_metrics(extra)
     lines = ["## Metrics per arm", "", "Mean ± sample std over seeds. Learning-curve rows come from each run's "
              "`log.csv` (eval top-1 on the test split after every epoch; trained arms only): its mean over all "
              "epochs (the area under the curve, higher = learns faster) and its value after a quarter of the epochs. "
@@ -778,6 +824,7 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         *notes_section(out),
         *_report_tables(groups, extra, args.primary),
         *localisation_section(out, groups, seeds, results),
+        *interaction_section(args, out, dict(zip(pairs, results, strict=True)), tested_metrics(extra)),
         "## Training curves", "", "![training curves](curves.png)", "",
         *(["## Pooling diagnostics", "", POOLING_NOTE, "", f"![pooling diagnostics]({POOLING_FILE})", "",
            LAYERS_NOTE, "", pooling_table(dict(zip(pairs, loaded, strict=True)), [a for a in arms if a in ARMS],
@@ -864,6 +911,52 @@ def localisation_section(out: Path, groups: dict[str, Group], seeds: Sequence[in
                         f"(test split, seeds {' '.join(map(str, seeds))})")
     return ["## Localisation", "", LOCALISATION_NOTE, "", means_table(groups, LOCALISATION), "",
             f"![pooling weight inside and outside the box]({LOCALISATION_FILE})", ""]
+
+
+INTERACTION_NOTE = (
+    "Whether the primary comparison depends on the data set: per seed, ({arm} - {base} in this study) - ({arm} - "
+    "{base} in the other), the same recipe trained and evaluated on the other study's data set; mean over the seeds "
+    "both studies finished, 95% t-interval, p and MDE as in the paired tables. {primary} is the interaction named "
+    "before the runs, the p-values of the other metrics are Holm-adjusted together.")
+
+
+def interaction_section(args: argparse.Namespace, out: Path, here: dict[tuple[str, int], dict[str, Any]],
+                        metrics: Sequence[str]) -> list[str]:
+    """``--interaction``: the primary comparison here against the same comparison in the other study, per
+    metric, paired by seed (the seeds whose base and arm are evaluated in both)."""
+    if args.interaction is None:
+        return []
+    (base, arm), other = args.primary, Path(args.interaction)
+    there = {(a, s): load_results([other / "eval" / f"{a}-s{s}"])[0] for a, s in here
+             if a in (base, arm) and (other / "eval" / f"{a}-s{s}" / RESULTS_FILE).is_file()}
+    seeds = sorted({s for _, s in here if all((a, s) in here and (a, s) in there for a in (base, arm))})
+    link = Path(os.path.relpath(other / REPORT_FILE, out)).as_posix()
+    lines = [f"## Interaction with `{other}`", "",
+             INTERACTION_NOTE.format(arm=arm, base=base, primary=PRIMARY) + f" Its report: [{link}]({link}).", ""]
+    if not seeds:
+        return [*lines, f"No seed has {base} and {arm} evaluated in both studies yet.", ""]
+    for a, s in ((a, s) for a in (base, arm) for s in seeds):
+        data = [(evaluated_images(r) or (None,))[0] for r in (here[a, s], there[a, s])]
+        if None not in data and data[0] == data[1]:
+            raise UserError(f"{a} seed {s} was evaluated on the same data in {out} and {other}; --interaction needs "
+                            "a study on another data set")
+    rows = []
+    for metric in metrics:
+        diffs = [[r[arm, s]["metrics"].get(metric, None) for s in seeds] for r in (here, there)]
+        bases = [[r[base, s]["metrics"].get(metric, None) for s in seeds] for r in (here, there)]
+        if any(v is None for v in (*diffs[0], *diffs[1], *bases[0], *bases[1])):
+            continue
+        d_here, d_there = (np.subtract(d, b) for d, b in zip(diffs, bases, strict=True))
+        rows.append((metric, d_here.mean(), d_there.mean(), stats.paired_delta(d_there, d_here)))
+    secondary = [i for i, r in enumerate(rows) if r[0] != PRIMARY]
+    adjusted = dict(zip(secondary, stats.holm([rows[i][3].p for i in secondary]), strict=True))
+    lines += [f"| metric | seeds | {arm} - {base} here | there | interaction | 95% CI | p | p Holm | MDE |",
+              "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for i, (metric, d_here, d_there, d) in enumerate(rows):
+        holm = "primary" if metric == PRIMARY else format_p(adjusted[i])
+        lines.append(f"| {metric} | {d.n} | {d_here:+.4f} | {d_there:+.4f} | {d.mean:+.4f} | {format_ci(d)} | "
+                     f"{format_p(d.p)} | {holm} | {format_number(d.mde)} |")
+    return [*lines, ""]
 
 
 def notes_section(out: Path) -> list[str]:

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+from scipy import stats as sps
 
 from harness.compare import Group
 from timm_rollout.clutter import ClutterRecipe, make_cluttered
+from timm_rollout.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("study", ROOT / "scripts" / "study.py")
@@ -20,13 +24,14 @@ _spec.loader.exec_module(study)
 
 @pytest.fixture(scope="module")
 def clutter_study(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """The rollout arm, one seed, one epoch, on 20 + 20 cluttered sample images; also evaluated without clutter."""
+    """The gap and rollout arms, one seed, one epoch, on 20 + 20 cluttered sample images; also evaluated without
+    clutter."""
     tmp = tmp_path_factory.mktemp("clutter")
     for k in (16, 0):
         make_cluttered("cifar10-sample", tmp / f"c{k}", ClutterRecipe(fragments=k, seed=0), per_class=2)
     out = tmp / "study"
     study.main(["--dataset", str(tmp / "c16"), "--also-eval", str(tmp / "c0"), "--epochs", "1", "--seeds", "0",
-                "--arms", "rollout", "--heatmaps", "0", "--device", "cpu", "--output", str(out),
+                "--arms", "gap", "rollout", "--heatmaps", "0", "--device", "cpu", "--output", str(out),
                 "--train-args", "--batch-size 10 --warmup-epochs 0 --no-progress --model-kwargs img_size=64 "
                 "patch_size=8 depth=1"])
     return out, tmp / "c16", tmp / "c0"
@@ -79,3 +84,110 @@ def test_paired_tables_test_the_localisation_but_not_its_chance_levels() -> None
     assert ["| primary |" in t for t in tables] == [True, False, False]
     assert all("| uncorrected |" in t for t in tables[1:])
     assert "The primary comparison, named before the runs, is rollout - gap in top1" in named
+
+
+def _record(folder: Path, metrics: dict, data: str) -> None:
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps({"model": {}, "metrics": metrics, "data": {
+        "fingerprint": data, "subset_fingerprint": "all"}}))
+
+
+def _row(report: str, metric: str) -> list[str]:
+    return next(line for line in report.splitlines() if line.startswith(f"| {metric} |")).strip("|").split("|")
+
+
+def test_interaction_sets_the_primary_comparison_against_another_study(tmp_path) -> None:
+    """(rollout - gap here) - (rollout - gap there), paired by seed, against a by-hand difference, scipy's paired t
+    (interval and p) and Holm by hand; a seed one study lacks is left out."""
+    here_top1 = {("gap", 0): 0.50, ("rollout", 0): 0.53, ("gap", 1): 0.52, ("rollout", 1): 0.53,
+                 ("gap", 2): 0.49, ("rollout", 2): 0.54, ("gap", 3): 0.4, ("rollout", 3): 0.6}
+    there_top1 = {("gap", 0): 0.60, ("rollout", 0): 0.61, ("gap", 1): 0.61, ("rollout", 1): 0.60,
+                  ("gap", 2): 0.58, ("rollout", 2): 0.60}
+    probe = {("gap", s): 0.5 for s in range(4)} | {("rollout", s): 0.5 + 0.01 * s * s for s in range(4)}
+    knn = {("gap", s): 0.4 for s in range(4)} | {("rollout", s): 0.4 + 0.01 * s for s in range(4)}
+    other = tmp_path / "clean"
+    (other).mkdir()
+    (other / "study.json").write_text(json.dumps({"identity": {"dataset": "clean", "epochs": 1}}))
+    for key, top1 in there_top1.items():
+        _record(other / "eval" / f"{key[0]}-s{key[1]}", {"top1": top1, "linear_probe": 0.5, "knn_bank": 0.4},
+                "clean-data")
+    data = {"fingerprint": "clutter-data", "subset_fingerprint": "all"}
+    here = {key: {"metrics": {"top1": top1, "linear_probe": probe[key], "knn_bank": knn[key]}, "data": data}
+            for key, top1 in here_top1.items()}
+    args = study.build_parser().parse_args(["--dataset", "cluttered", "--epochs", "1", "--output", str(tmp_path / "o"),
+                                            "--primary", "gap:rollout", "--interaction", str(other)])
+    report = "\n".join(study.interaction_section(args, tmp_path / "o", here, ["top1", "linear_probe", "knn_bank"]))
+    by_seed = [(here_top1["rollout", s] - here_top1["gap", s]) - (there_top1["rollout", s] - there_top1["gap", s])
+               for s in range(3)]
+    row = _row(report, "top1")
+    assert row[1].strip() == "3" and float(row[2]) == pytest.approx(np.mean([0.03, 0.01, 0.05]), abs=1e-4)
+    assert float(row[3]) == pytest.approx(np.mean([0.01, -0.01, 0.02]), abs=1e-4)
+    assert float(row[4]) == pytest.approx(np.mean(by_seed), abs=1e-4)
+    low, high = sps.t.interval(0.95, 2, loc=np.mean(by_seed), scale=sps.sem(by_seed))
+    assert row[5].strip() == f"[{low:+.4f}, {high:+.4f}]"
+    here_d = [here_top1["rollout", s] - here_top1["gap", s] for s in range(3)]
+    there_d = [there_top1["rollout", s] - there_top1["gap", s] for s in range(3)]
+    assert float(row[6]) == pytest.approx(sps.ttest_rel(here_d, there_d).pvalue, rel=1e-2)
+    assert row[7].strip() == "primary"
+    p_probe = sps.ttest_1samp([0.0, 0.01, 0.04], 0).pvalue
+    p_knn = sps.ttest_1samp([0.0, 0.01, 0.02], 0).pvalue
+    low_p, high_p = sorted([p_probe, p_knn])
+    holm = {p_probe: None, p_knn: None}
+    holm[low_p] = 2 * low_p
+    holm[high_p] = max(2 * low_p, high_p)
+    assert float(_row(report, "linear_probe")[7]) == pytest.approx(holm[p_probe], rel=1e-2)
+    assert float(_row(report, "knn_bank")[7]) == pytest.approx(holm[p_knn], rel=1e-2)
+    assert "[../clean/report.md](../clean/report.md)" in report
+    here_same = {k: {**v, "data": {"fingerprint": "clean-data", "subset_fingerprint": "all"}} for k, v in here.items()}
+    with pytest.raises(UserError, match=r"gap seed 0 was evaluated on the same data in .* another data set"):
+        study.interaction_section(args, tmp_path / "o", here_same, ["top1"])
+    none_yet = study.interaction_section(args, tmp_path / "o", {("gap", 3): here["gap", 3]}, ["top1"])
+    assert "No seed has gap and rollout evaluated in both studies yet." in none_yet
+
+
+def test_interaction_in_the_report_and_its_refusals(clutter_study, tmp_path) -> None:
+    """--interaction end to end on a copy of the clutter study, against a doctored copy as the other study (other
+    data, top-1 shifted by hand); a study of another recipe, of the same data set, or no study is refused."""
+    out, c16, c0 = clutter_study
+    here, other = tmp_path / "here", tmp_path / "other"
+    shutil.copytree(out, here)
+    shutil.copytree(out, other)
+    saved = json.loads((other / "study.json").read_text())
+    saved["identity"]["dataset"] = str(c0)
+    (other / "study.json").write_text(json.dumps(saved))
+    for arm, shift in (("gap", 0.1), ("rollout", 0.3)):
+        path = other / "eval" / f"{arm}-s0" / "results.json"
+        result = json.loads(path.read_text())
+        result["metrics"]["top1"] += shift
+        result["data"]["fingerprint"] = "another data set"
+        path.write_text(json.dumps(result))
+    argv = ["--dataset", str(c16), "--epochs", "1", "--arms", "gap", "rollout", "--heatmaps", "0", "--device", "cpu",
+            "--output", str(here), "--report-only", "--train-args", "--batch-size 10 --warmup-epochs 0 --no-progress "
+            "--model-kwargs img_size=64 patch_size=8 depth=1"]
+    study.main([*argv, "--primary", "gap:rollout", "--interaction", str(other)])
+    report = (here / "report.md").read_text()
+    assert f"## Interaction with `{other}`" in report
+    mine = {a: _metrics(here / "eval" / f"{a}-s0")["top1"] for a in ("gap", "rollout")}
+    row = _row(report.split("## Interaction", 1)[1], "top1")
+    assert float(row[2]) == pytest.approx(mine["rollout"] - mine["gap"], abs=1e-4)
+    assert float(row[3]) == pytest.approx(mine["rollout"] - mine["gap"] + 0.2, abs=1e-4)
+    assert float(row[4]) == pytest.approx(-0.2, abs=1e-4) and row[5].strip() == "-"  # one seed: no interval
+    assert json.loads((here / "study.json").read_text())["interaction"] == str(other)
+    study.main(argv)  # remembered
+    assert f"## Interaction with `{other}`" in (here / "report.md").read_text()
+    saved["identity"]["epochs"] = 2
+    (other / "study.json").write_text(json.dumps(saved))
+    with pytest.raises(UserError, match=r"was run with --epochs 2 \(here 1\); an interaction needs the same recipe"):
+        study.main(argv)
+    saved["identity"].update(epochs=1, dataset=str(c16))
+    (other / "study.json").write_text(json.dumps(saved))
+    with pytest.raises(UserError, match=r"is a study of the same --dataset"):
+        study.main(argv)
+    fresh = tmp_path / "fresh"
+    for flags, message in (([], r"add --primary BASE:ARM"), (["--primary", "gap:rollout"], r"holds no study.json"),
+                           (["--primary", "gap:rollout", "--interaction", str(fresh)], r"this study's own --output")):
+        target = fresh if "own" in message else other / "runs"
+        with pytest.raises(UserError, match=message):
+            study.main([*argv[:argv.index("--output")], "--output", str(fresh), "--report-only",
+                        "--interaction", str(target), *flags])
+        assert not (fresh / "study.json").exists()
