@@ -517,8 +517,7 @@ def run_arm(args: argparse.Namespace, arm: str, seeds: Sequence[int], runs: dict
         for name, folder in zip((arm, *posthoc), also, strict=False):
             eval_run(args, model, seed, run, folder, pool=POSTHOC.get(name), dataset=args.also_eval)
         if args.commit:
-            commit_paths([run, evals[arm, seed], *(evals[name, seed] for name in posthoc), *also,
-                          Path(args.output) / STUDY_FILE],
+            commit_paths([run, evals[arm, seed], *(evals[name, seed] for name in posthoc), *also],
                          _commit_message(arm, seed, evals[arm, seed], [POSTHOC[name] for name in posthoc]))
 
 
@@ -1020,6 +1019,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     if args.commit:
         check_commit(out)
     arms, seeds, commands = _check_identity(args, out)
+    if args.commit:  # on its own, before any run: the settings (and a named --primary) precede the results
+        commit_paths([out / STUDY_FILE], f"study: settings and commands of {out.name} ({STUDY_FILE})")
     runs = {(arm, seed): out / "runs" / f"{arm}-s{seed}" for seed in seeds for arm in ARMS}
     evals = {(arm, seed): out / "eval" / f"{arm}-s{seed}" for seed in seeds for arm in (*ARMS, *POSTHOC)}
     # Seed by seed, so the arms of a seed finish close together and pair up early.

@@ -250,9 +250,11 @@ def test_each_finished_run_is_committed_with_its_weights(repo, finished):
             assert f"(top1 {top1:.4f}, linear_probe " in message
             assert message.endswith("; post-hoc readouts rollout, avg)") == (arm == "cls")
     assert log[0].startswith("study: report (cls, gap, rollout-grad, cls-posthoc-rollout, cls-posthoc-avg;")
-    # The study's identity is committed with its first run, so a fresh clone refuses a re-run with other flags.
-    first = _git(repo, "log", "--reverse", "--format=%s", "--", "results/toy/study.json").splitlines()[0]
-    assert first == log[-1] and " seed 0 (top1 " in first
+    # The study's identity is committed on its own before the first run, so a fresh clone refuses a re-run with
+    # other flags, and no run's commit carries a change of settings.
+    touched = _git(repo, "log", "--reverse", "--format=%s", "--", "results/toy/study.json").splitlines()
+    assert touched[0] == log[-1] == "study: settings and commands of toy (study.json)"
+    assert not any(" seed " in message for message in touched)
     tracked = set(_git(repo, "ls-files").splitlines())
     assert {"results/toy/runs/cls-s0/model.safetensors", "results/toy/eval/cls-posthoc-avg-s1/predictions.json.gz",
             "results/toy/runs/gap-s1/log.csv", "results/toy/report.md"} <= tracked
