@@ -23,6 +23,8 @@ matrices and a heatmap grid of the same test images under every arm.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import queue
@@ -249,9 +251,13 @@ def _train_flags(tokens: list[str]) -> tuple[frozenset[str], dict[str, Any]]:
         if not isinstance(action, ParseKwargs):
             action.type = action.choices = None
     try:
-        parsed, extras = probe.parse_known_args(tokens)
+        with contextlib.redirect_stdout(io.StringIO()):  # -h would print the trainer's help and exit mid-check
+            parsed, extras = probe.parse_known_args(tokens)
     except UserError as e:
         raise UserError(f"--train-args: {e}") from None
+    except SystemExit:
+        raise UserError("--train-args asks for the trainer's help; read it with python -m timm_rollout.train "
+                        "--help") from None
     if extras:
         raise UserError(f"--train-args: unrecognized training flags {' '.join(extras)}; see python -m "
                         "timm_rollout.train --help")

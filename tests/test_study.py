@@ -339,6 +339,8 @@ def test_rerun_with_other_study_flags_is_refused(finished, tmp_path, repo):
     # and must be shell words the trainer accepts, for every arm
     (["--train-args", "--lr '1e-3"], "does not split as shell words (No closing quotation); balance its quotes"),
     (["--train-args", "--lr -1"], "arm cls would not train: argument --lr: must be a number > 0, got -1 (check --tr"),
+    (["--train-args=-h"], "--train-args asks for the trainer's help; read it with python -m timm_rollout.train --he"),
+    (["--train-args", "--lr 1e-3 --hel"], "--train-args asks for the trainer's help; read it with python -m timm_ro"),
     (["--train-args", "--frobnicate 3"], "--train-args: unrecognized training flags --frobnicate 3; see python -m t"),
     (["--arms", "map", "--train-args", "--model-kwargs dpeth=2"], "arm map would not train: vit_tiny_cifar_cls cann"),
 ])
