@@ -847,7 +847,7 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         "## Runs", "",
         "Each run's folders, wall time and the machine and precision it ran on, as its `summary.json` (epochs "
         "trained on each machine: a resumed run may change machines) and `results.json` recorded them.", "",
-        *[run_line(out, arm, seed, runs[backbone(arm), seed], evals[arm, seed], r) for (arm, seed), r in
+        *[run_line(args, out, arm, seed, runs[backbone(arm), seed], evals[arm, seed], r) for (arm, seed), r in
           zip(pairs, loaded, strict=True)],
     ]
     return write_text(out / REPORT_FILE, "\n".join(lines) + "\n")
@@ -870,10 +870,10 @@ def data_section(args: argparse.Namespace, out: Path) -> list[str]:
 def also_metrics(args: argparse.Namespace, arm: str, seed: int, result: dict[str, Any]) -> dict[str, float]:
     """``--also-eval``: the run's top-1 on the other data set's test split and its paired change from the study's
     (e.g. the top-1 a model loses to clutter, when the other set holds the same objects without it)."""
-    folder = also_folder(args, arm, seed) if args.also_eval else None
-    if folder is None or not (folder / RESULTS_FILE).is_file():
+    found = also_results(args, arm, seed)[1]
+    if not found:
         return {}
-    other = json.loads((folder / RESULTS_FILE).read_text(encoding="utf-8"))["metrics"]["top1"]
+    other = found[0]["metrics"]["top1"]
     name = Path(args.also_eval).name
     return {f"top1 on {name}": other, f"top1 on {name} - top1": other - result["metrics"]["top1"]}
 
@@ -971,17 +971,30 @@ def notes_section(out: Path) -> list[str]:
     return ["## Notes", "", path.read_text(encoding="utf-8").strip(), ""] if path.is_file() else []
 
 
-def run_line(out: Path, arm: str, seed: int, run: Path, evaluation: Path, result: dict[str, Any]) -> str:
+def run_line(args: argparse.Namespace, out: Path, arm: str, seed: int, run: Path, evaluation: Path,
+             result: dict[str, Any]) -> str:
     """The report's line for one run: its folders, wall times and machines (runs from before machines were
-    recorded say so)."""
+    recorded say so), of training and of each evaluation (the study's, then ``--also-eval``'s)."""
     summary = json.loads((run / SUMMARY_FILE).read_text(encoding="utf-8"))
     machines = "; ".join(f"{m}: {n} epoch{'s' if n != 1 else ''}" for m, n in summary.get("machines", {}).items())
     trained = (f"{summary['wall_seconds'] / 60:.1f} min, {machines or 'machine not recorded'}" if arm in ARMS
                else f"the `{backbone(arm)}` run")
-    env = result["environment"]
-    evaluated = f"{result['timing']['total'] / 60:.1f} min, {env.get('machine', env['device'])}, {env['dtype']}"
+    folders, found = also_results(args, arm, seed)
+    evaluated = []
+    for folder, record in zip([evaluation, *folders], [result, *found], strict=True):
+        env = record["environment"]
+        evaluated.append(f"`{folder.relative_to(out)}` ({record['timing']['total'] / 60:.1f} min, "
+                         f"{env.get('machine', env['device'])}, {env['dtype']})")
     return (f"- {arm}, seed {seed}: training `{run.relative_to(out)}` ({trained}); evaluation "
-            f"`{evaluation.relative_to(out)}` ({evaluated})")
+            + ", ".join(evaluated))
+
+
+def also_results(args: argparse.Namespace, arm: str, seed: int) -> tuple[list[Path], list[dict[str, Any]]]:
+    """The ``--also-eval`` evaluation of ``arm``'s seed, when there is one: ([folder], [results]), else empty."""
+    folder = also_folder(args, arm, seed) if args.also_eval else None
+    if folder is None or not (folder / RESULTS_FILE).is_file():
+        return [], []
+    return [folder], load_results([folder])
 
 
 def run_short(path: str) -> str:

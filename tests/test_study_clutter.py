@@ -55,6 +55,11 @@ def test_clutter_study_reports_where_the_arm_pools_and_the_cost_of_clutter(clutt
     assert "knn_bank" in main and clean.get("knn_bank") is None  # no bank on the other set
     row = next(line for line in report.splitlines() if line.startswith("| top1 on c0 - top1 |"))
     assert float(row.strip("|").split("|")[1]) == pytest.approx(clean["top1"] - main["top1"], abs=1e-4)
+    line = next(line for line in report.splitlines() if line.startswith("- rollout, seed 0: training"))
+    records = [json.loads((out / e / "rollout-s0" / "results.json").read_text()) for e in ("eval", "eval-c0")]
+    shown = [f"`{e}/rollout-s0` ({r['timing']['total'] / 60:.1f} min, {r['environment']['machine']}, float32)"
+             for e, r in zip(("eval", "eval-c0"), records, strict=True)]
+    assert line.endswith(f"evaluation {shown[0]}, {shown[1]}"), line
     for config in (out / "runs" / "rollout-s0" / "config.json", out / "hub" / "rollout" / "config.json"):
         assert json.loads(config.read_text())["pretrained_cfg"]["input_size"] == [3, 64, 64], config
 
