@@ -166,7 +166,8 @@ def primary_arg(value: str) -> tuple[str, str]:
 # Report settings a folder remembers once given: a later command inherits them, or must repeat them unchanged.
 REMEMBERED = ("also_eval", "primary", "interaction")
 # Study flags that make two studies the same recipe, so that their primary comparisons can be set against each other.
-SAME_RECIPE = ("model", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class")
+SAME_RECIPE = ("model", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class",
+               "faithfulness_images")
 # Study flags that change what is computed: a re-run must repeat them to reuse the folder (arms and seeds may grow).
 IDENTITY = ("model", "dataset", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class",
             "faithfulness_images")
@@ -202,7 +203,7 @@ def build_parser() -> CliParser:
                    help="the comparison named before the runs, e.g. gap:rollout for rollout - gap: its table comes "
                         "first and only its top-1 is the primary test (the others' top-1 rows are uncorrected, "
                         "secondary); remembered by the folder")
-    p.add_argument("--interaction", metavar="FOLDER",
+    p.add_argument("--interaction", metavar="FOLDER", type=os.path.normpath,
                    help="another study folder, of the same recipe and --primary arms on another data set (e.g. the "
                         "objects without clutter): the report adds the primary comparison's difference between the "
                         "two studies, paired by seed; remembered by the folder")
@@ -332,6 +333,7 @@ def _check_identity(args: argparse.Namespace, out: Path) -> tuple[list[str], lis
     path = out / STUDY_FILE
     wanted = {k: getattr(args, k) for k in IDENTITY}
     arms, seeds, commands = set(args.arms), set(args.seeds), []
+    typed = args.interaction is not None
     if path.exists():
         saved = json.loads(path.read_text(encoding="utf-8"))
         diff = [f"--{k.replace('_', '-')} {saved['identity'].get(k)!r} (now {v!r})" for k, v in wanted.items()
@@ -346,7 +348,7 @@ def _check_identity(args: argparse.Namespace, out: Path) -> tuple[list[str], lis
             seeds |= set(saved.get("seeds", ()))
             commands = saved.get("commands", [saved["command"]] if "command" in saved else [])
         _remember(args, saved, out)
-    check_interaction(args, out)
+    check_interaction(args, out, typed)
     commands += [] if args.command in commands else [args.command]
     write_json(path, {"identity": wanted, "arms": [a for a in ARMS if a in arms], "seeds": sorted(seeds),
                       "commands": commands, **{k: getattr(args, k) for k in REMEMBERED}})
@@ -367,12 +369,14 @@ def _remember(args: argparse.Namespace, saved: dict[str, Any], out: Path) -> Non
             setattr(args, key, was)
 
 
-def check_interaction(args: argparse.Namespace, out: Path) -> None:
+def check_interaction(args: argparse.Namespace, out: Path, typed: bool) -> None:
     """``--interaction FOLDER`` names a study of the same recipe (:data:`SAME_RECIPE`) on another data set, and
-    the comparison to set against it is ``--primary``'s."""
+    the comparison to set against it is ``--primary``'s; checked before anything is recorded. ``typed``: the flag
+    is on this command (else the folder remembered it)."""
     if args.interaction is None:
         return
     other = Path(args.interaction)
+    given = "" if typed else f" (--interaction as {out / STUDY_FILE} remembers it, read from the current directory)"
     if args.primary is None:
         raise UserError("--interaction sets the primary comparison of two studies against each other; add "
                         "--primary BASE:ARM")
@@ -382,17 +386,27 @@ def check_interaction(args: argparse.Namespace, out: Path) -> None:
     try:
         saved = json.loads((other / STUDY_FILE).read_text(encoding="utf-8"))["identity"]
     except (FileNotFoundError, NotADirectoryError):
-        raise UserError(f"{other} holds no {STUDY_FILE}; name a folder written by scripts/study.py --output") from None
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise UserError(f"{other / STUDY_FILE} is not a study record; name a folder written by scripts/study.py "
+        raise UserError(f"{other} holds no {STUDY_FILE}{given}; name a folder written by scripts/study.py "
                         "--output") from None
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise UserError(f"{other / STUDY_FILE} is not a study record{given}; name a folder written by "
+                        "scripts/study.py --output") from None
     diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} (here {getattr(args, k)!r})" for k in SAME_RECIPE
             if saved.get(k) != getattr(args, k)]
     if diff:
-        raise UserError(f"{other} was run with {', '.join(diff)}; an interaction needs the same recipe on another "
-                        "--dataset")
-    if saved.get("dataset") == args.dataset:
-        raise UserError(f"{other} is a study of the same --dataset {args.dataset}; an interaction needs another one")
+        raise UserError(f"{other} was run with {', '.join(diff)}{given}; an interaction needs the same recipe on "
+                        "another --dataset")
+    there = data_fingerprints(other)
+    here = (data_fingerprints(out) or {load_image_set(args.dataset, "test").fingerprint}) if there else set()
+    if saved.get("dataset") == args.dataset or here & there:
+        raise UserError(f"{other} is a study of the same data set as this one{given}; an interaction needs a study "
+                        "on another --dataset")
+
+
+def data_fingerprints(folder: Path) -> set[str]:
+    """The fingerprints of the data a study folder's evaluations read (its own ``eval/``, not ``--also-eval``'s)."""
+    records = (json.loads(path.read_text(encoding="utf-8")) for path in folder.glob(f"eval/*/{RESULTS_FILE}"))
+    return {found[0] for found in map(evaluated_images, records) if found is not None and found[0] is not None}
 
 
 def merge_model_kwargs(argv: Sequence[str], extra: Sequence[str]) -> list[str]:
@@ -920,48 +934,62 @@ def localisation_section(out: Path, groups: dict[str, Group], seeds: Sequence[in
 
 INTERACTION_NOTE = (
     "Whether the primary comparison depends on the data set: per seed, ({arm} - {base} in this study) - ({arm} - "
-    "{base} in the other), the same recipe trained and evaluated on the other study's data set; mean over the seeds "
-    "both studies finished, 95% t-interval, p and MDE as in the paired tables. {primary} is the interaction named "
-    "before the runs, the p-values of the other metrics are Holm-adjusted together.")
+    "{base} in the other), the same recipe trained and evaluated on the other study's data set; the mean over the "
+    "seeds whose {base} and {arm} both studies evaluated (those with the metric), 95% t-interval, p and MDE as in the "
+    "paired tables. Secondary, like every comparison but the primary one: the {primary} row is uncorrected, the "
+    "p-values of the other metrics are Holm-adjusted together.")
 
 
 def interaction_section(args: argparse.Namespace, out: Path, here: dict[tuple[str, int], dict[str, Any]],
                         metrics: Sequence[str]) -> list[str]:
     """``--interaction``: the primary comparison here against the same comparison in the other study, per
-    metric, paired by seed (the seeds whose base and arm are evaluated in both)."""
+    metric, paired by seed. ``here``: this study's results (with the metrics the report adds) by (arm, seed)."""
     if args.interaction is None:
         return []
     (base, arm), other = args.primary, Path(args.interaction)
-    there = {(a, s): load_results([other / "eval" / f"{a}-s{s}"])[0] for a, s in here
-             if a in (base, arm) and (other / "eval" / f"{a}-s{s}" / RESULTS_FILE).is_file()}
+    there = other_results(args, other, [(a, s) for a, s in here if a in (base, arm)])
     seeds = sorted({s for _, s in here if all((a, s) in here and (a, s) in there for a in (base, arm))})
     link = Path(os.path.relpath(other / REPORT_FILE, out)).as_posix()
     lines = [f"## Interaction with `{other}`", "",
              INTERACTION_NOTE.format(arm=arm, base=base, primary=PRIMARY) + f" Its report: [{link}]({link}).", ""]
-    if not seeds:
-        return [*lines, f"No seed has {base} and {arm} evaluated in both studies yet.", ""]
-    for a, s in ((a, s) for a in (base, arm) for s in seeds):
-        data = [(evaluated_images(r) or (None,))[0] for r in (here[a, s], there[a, s])]
-        if None not in data and data[0] == data[1]:
-            raise UserError(f"{a} seed {s} was evaluated on the same data in {out} and {other}; --interaction needs "
-                            "a study on another data set")
+    same = [f"{a} seed {s}" for a in (base, arm) for s in seeds
+            if None not in (data := [(evaluated_images(r[a, s]) or (None,))[0] for r in (here, there)])
+            and data[0] == data[1]]
+    if not seeds or same:
+        return [*lines, f"Not computed: {', '.join(same)} read the same data in both studies; name a study on "
+                        "another data set." if same else f"No seed has {base} and {arm} evaluated in both studies "
+                        "yet.", ""]
     rows = []
     for metric in metrics:
-        diffs = [[r[arm, s]["metrics"].get(metric, None) for s in seeds] for r in (here, there)]
-        bases = [[r[base, s]["metrics"].get(metric, None) for s in seeds] for r in (here, there)]
-        if any(v is None for v in (*diffs[0], *diffs[1], *bases[0], *bases[1])):
-            continue
-        d_here, d_there = (np.subtract(d, b) for d, b in zip(diffs, bases, strict=True))
-        rows.append((metric, d_here.mean(), d_there.mean(), stats.paired_delta(d_there, d_here)))
-    secondary = [i for i, r in enumerate(rows) if r[0] != PRIMARY]
-    adjusted = dict(zip(secondary, stats.holm([rows[i][3].p for i in secondary]), strict=True))
+        value = {(k, r): v[k]["metrics"].get(metric) for r, v in (("here", here), ("there", there)) for k in v}
+        paired = [s for s in seeds if all(value.get(((a, s), r)) is not None for a in (base, arm)
+                                          for r in ("here", "there"))]
+        if paired:
+            d_here, d_there = ([value[(arm, s), r] - value[(base, s), r] for s in paired] for r in ("here", "there"))
+            rows.append((metric, np.mean(d_here), np.mean(d_there), stats.paired_delta(d_there, d_here)))
+    adjusted = iter(stats.holm([d.p for metric, *_, d in rows if metric != PRIMARY]))
     lines += [f"| metric | seeds | {arm} - {base} here | there | interaction | 95% CI | p | p Holm | MDE |",
               "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
-    for i, (metric, d_here, d_there, d) in enumerate(rows):
-        holm = "primary" if metric == PRIMARY else format_p(adjusted[i])
+    for metric, d_here, d_there, d in rows:
+        holm = "uncorrected" if metric == PRIMARY else format_p(next(adjusted))
         lines.append(f"| {metric} | {d.n} | {d_here:+.4f} | {d_there:+.4f} | {d.mean:+.4f} | {format_ci(d)} | "
                      f"{format_p(d.p)} | {holm} | {format_number(d.mde)} |")
     return [*lines, ""]
+
+
+def other_results(args: argparse.Namespace, other: Path, pairs: Sequence[tuple[str, int]]
+                  ) -> dict[tuple[str, int], dict[str, Any]]:
+    """The other study's evaluations of ``pairs`` (arm, seed) that exist, with the metrics this report adds to its
+    own (learning curves, faithfulness)."""
+    found = {}
+    for arm, seed in pairs:
+        folder, run = other / "eval" / f"{arm}-s{seed}", other / "runs" / f"{backbone(arm)}-s{seed}"
+        if (folder / RESULTS_FILE).is_file():
+            result = load_results([folder])[0]
+            added = {**(curve_metrics(run, args.epochs) if arm in ARMS and (run / LOG_FILE).is_file() else {}),
+                     **faithfulness_metrics(result)}
+            found[arm, seed] = {**result, "metrics": {**result["metrics"], **added}}
+    return found
 
 
 def notes_section(out: Path) -> list[str]:

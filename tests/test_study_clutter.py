@@ -133,7 +133,7 @@ def test_interaction_sets_the_primary_comparison_against_another_study(tmp_path)
     here_d = [here_top1["rollout", s] - here_top1["gap", s] for s in range(3)]
     there_d = [there_top1["rollout", s] - there_top1["gap", s] for s in range(3)]
     assert float(row[6]) == pytest.approx(sps.ttest_rel(here_d, there_d).pvalue, rel=1e-2)
-    assert row[7].strip() == "primary"
+    assert row[7].strip() == "uncorrected"  # secondary, as the design named it; not in the Holm family
     p_probe = sps.ttest_1samp([0.0, 0.01, 0.04], 0).pvalue
     p_knn = sps.ttest_1samp([0.0, 0.01, 0.02], 0).pvalue
     low_p, high_p = sorted([p_probe, p_knn])
@@ -144,8 +144,12 @@ def test_interaction_sets_the_primary_comparison_against_another_study(tmp_path)
     assert float(_row(report, "knn_bank")[7]) == pytest.approx(holm[p_knn], rel=1e-2)
     assert "[../clean/report.md](../clean/report.md)" in report
     here_same = {k: {**v, "data": {"fingerprint": "clean-data", "subset_fingerprint": "all"}} for k, v in here.items()}
-    with pytest.raises(UserError, match=r"gap seed 0 was evaluated on the same data in .* another data set"):
-        study.interaction_section(args, tmp_path / "o", here_same, ["top1"])
+    same = "\n".join(study.interaction_section(args, tmp_path / "o", here_same, ["top1"]))
+    assert "Not computed: gap seed 0, gap seed 1, gap seed 2, rollout seed 0" in same and "| top1 |" not in same
+    del here["rollout", 1]["metrics"]["knn_bank"]  # a metric one run lacks: that row pairs the other seeds
+    report = "\n".join(study.interaction_section(args, tmp_path / "o", here, ["top1", "knn_bank"]))
+    assert _row(report, "knn_bank")[1].strip() == "2" and _row(report, "top1")[1].strip() == "3"
+    assert float(_row(report, "knn_bank")[4]) == pytest.approx(0.01, abs=1e-4)  # seeds 0 and 2: (0 + 0.02) / 2
     none_yet = study.interaction_section(args, tmp_path / "o", {("gap", 3): here["gap", 3]}, ["top1"])
     assert "No seed has gap and rollout evaluated in both studies yet." in none_yet
 
@@ -166,10 +170,13 @@ def test_interaction_in_the_report_and_its_refusals(clutter_study, tmp_path) -> 
         result["metrics"]["top1"] += shift
         result["data"]["fingerprint"] = "another data set"
         path.write_text(json.dumps(result))
-    argv = ["--dataset", str(c16), "--epochs", "1", "--arms", "gap", "rollout", "--heatmaps", "0", "--device", "cpu",
-            "--output", str(here), "--report-only", "--train-args", "--batch-size 10 --warmup-epochs 0 --no-progress "
-            "--model-kwargs img_size=64 patch_size=8 depth=1"]
-    study.main([*argv, "--primary", "gap:rollout", "--interaction", str(other)])
+
+    def argv(output: Path, *flags: str) -> list[str]:
+        return ["--dataset", str(c16), "--epochs", "1", "--arms", "gap", "rollout", "--heatmaps", "0", "--device",
+                "cpu", "--output", str(output), "--report-only", "--train-args", "--batch-size 10 --warmup-epochs 0 "
+                "--no-progress --model-kwargs img_size=64 patch_size=8 depth=1", *flags]
+
+    study.main(argv(here, "--primary", "gap:rollout", "--interaction", str(other)))
     report = (here / "report.md").read_text()
     assert f"## Interaction with `{other}`" in report
     mine = {a: _metrics(here / "eval" / f"{a}-s0")["top1"] for a in ("gap", "rollout")}
@@ -178,21 +185,29 @@ def test_interaction_in_the_report_and_its_refusals(clutter_study, tmp_path) -> 
     assert float(row[3]) == pytest.approx(mine["rollout"] - mine["gap"] + 0.2, abs=1e-4)
     assert float(row[4]) == pytest.approx(-0.2, abs=1e-4) and row[5].strip() == "-"  # one seed: no interval
     assert json.loads((here / "study.json").read_text())["interaction"] == str(other)
-    study.main(argv)  # remembered
+    study.main(argv(here))  # remembered, and the same folder with a trailing slash is the same flag
+    study.main(argv(here, "--interaction", f"{other}/"))
     assert f"## Interaction with `{other}`" in (here / "report.md").read_text()
     saved["identity"]["epochs"] = 2
     (other / "study.json").write_text(json.dumps(saved))
-    with pytest.raises(UserError, match=r"was run with --epochs 2 \(here 1\); an interaction needs the same recipe"):
-        study.main(argv)
+    with pytest.raises(UserError, match=r"was run with --epochs 2 \(here 1\) \(--interaction as .* remembers it"):
+        study.main(argv(here))
     saved["identity"].update(epochs=1, dataset=str(c16))
     (other / "study.json").write_text(json.dumps(saved))
-    with pytest.raises(UserError, match=r"is a study of the same --dataset"):
-        study.main(argv)
-    fresh = tmp_path / "fresh"
-    for flags, message in (([], r"add --primary BASE:ARM"), (["--primary", "gap:rollout"], r"holds no study.json"),
-                           (["--primary", "gap:rollout", "--interaction", str(fresh)], r"this study's own --output")):
-        target = fresh if "own" in message else other / "runs"
+    with pytest.raises(UserError, match=r"is a study of the same data set as this one \(--interaction as .* remembers"):
+        study.main(argv(here))
+    # the same data typed another way (the evaluations read the same data): refused before anything is recorded
+    same, fresh = tmp_path / "same", tmp_path / "fresh"
+    shutil.copytree(out, same)
+    shutil.copytree(out, fresh)
+    saved["identity"]["dataset"] = f"{c16}/../{c16.name}"
+    (same / "study.json").write_text(json.dumps(saved))
+    recorded = (fresh / "study.json").read_text()
+    refusals = [(["--interaction", str(same)], r"is a study of the same data set as this one; an interaction needs"),
+                (["--interaction", str(other)], r"add --primary BASE:ARM"),
+                (["--interaction", str(other / "runs")], r"holds no study.json; name a folder written by"),
+                (["--interaction", str(fresh)], r"this study's own --output")]
+    for flags, message in refusals:
         with pytest.raises(UserError, match=message):
-            study.main([*argv[:argv.index("--output")], "--output", str(fresh), "--report-only",
-                        "--interaction", str(target), *flags])
-        assert not (fresh / "study.json").exists()
+            study.main(argv(fresh, *flags, *([] if "primary" in message else ["--primary", "gap:rollout"])))
+        assert (fresh / "study.json").read_text() == recorded
