@@ -1,4 +1,4 @@
-"""Shared test setup: where the full CIFAR-10 is found, and the ``slow`` and ``cuda`` markers.
+"""Shared test setup: where the full CIFAR-10 is found, the ``slow`` and ``cuda`` markers, threads per worker.
 
 Most tests use the CIFAR-10 sample shipped in the package (``cifar10-sample``). The few that need the full
 data set take the ``cifar10`` fixture: the folder named by ``TIMM_ROLLOUT_CIFAR10``, else ``../shared/data/cifar10``
@@ -16,6 +16,12 @@ import torch
 CIFAR10_ENV = "TIMM_ROLLOUT_CIFAR10"
 SLOW_ENV = "TIMM_ROLLOUT_SLOW_TESTS"
 SHARED_CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One torch thread per pytest-xdist worker (and per subprocess a test starts): with more threads than cores,
+    # OpenMP threads wait on a peer whose core another worker holds, and the suite runs slower than in one process.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def full_cifar10() -> Path | None:
