@@ -124,6 +124,9 @@ def test_bad_recipes_and_sources_are_one_line_errors(tmp_path: Path, capsys) -> 
 
     mixed = image_folder("mixed", {("train", "a"): 8, ("train", "b"): 9})
     across = image_folder("across", {("train", "a"): 8, ("train", "b"): 8, ("test", "a"): 9, ("test", "b"): 9})
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "README.md").write_text("a user's own notes")
     lonely = image_folder("lonely", {("train", "a"): 8, ("train", "b"): 8, ("test", "a"): 8})
     cases = [
         (["--dataset", "cifar10-sample", "--fragment-size", "65"], "larger than the 64-pixel canvas"),
@@ -134,7 +137,10 @@ def test_bad_recipes_and_sources_are_one_line_errors(tmp_path: Path, capsys) -> 
         (["--dataset", str(SAMPLE_DIR), "--output", str(SAMPLE_DIR / "clutter")], "inside the source data set"),
         (["--dataset", "cifar10-sample", "--output", str(SAMPLE_DIR / "clutter")], "inside the source data set"),
         (["--dataset", "cifar10-sample", "--fragments", "257"], "--fragments: must be an integer in [0, 256]"),
+        (["--dataset", "cifar10-sample", "--output", str(busy)], "holds files this script did not write"),
     ]
+    if Path("/proc/self").is_dir():  # a folder no one can create files in (as root too): the OS refuses
+        cases.append((["--dataset", "cifar10-sample", "--per-class", "1", "--output", "/proc/clutter"], "/proc"))
     for argv, message in cases:
         out = [] if "--output" in argv else ["--output", str(tmp_path / "out")]
         with pytest.raises(SystemExit) as exit_info:
@@ -143,12 +149,15 @@ def test_bad_recipes_and_sources_are_one_line_errors(tmp_path: Path, capsys) -> 
         assert exit_info.value.code == 2 and lines[-1].startswith("error: ") and message in lines[-1]
         assert not any("Traceback" in line for line in lines)
     assert not (SAMPLE_DIR / "clutter").exists() and not (tmp_path / "out").exists()  # nothing written
+    assert [f.name for f in busy.iterdir()] == ["README.md"]  # the user's own file is left as it was
+    assert (busy / "README.md").read_text() == "a user's own notes"
 
 
 def test_written_folder_is_byte_deterministic_and_loads_offline_with_boxes(tmp_path: Path) -> None:
     recipe = ClutterRecipe(canvas=48, fragments=4, fragment_size=6, seed=1)
     counts = make_cluttered("cifar10-sample", tmp_path / "a", recipe, per_class=3)
     make_cluttered("cifar10-sample", tmp_path / "b", recipe, per_class=3)
+    make_cluttered("cifar10-sample", tmp_path / "b", recipe, per_class=3)  # a folder it wrote is overwritten
     assert counts == {"train": 30, "test": 30}
     for name in ("train.parquet", "test.parquet", "README.md"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
@@ -210,8 +219,12 @@ def test_loader_keeps_one_box_per_image_and_refuses_others(tmp_path: Path) -> No
 
     nested = load_image_set(write("nested", [[[1, 2, 3, 4]], [[0, 0, 8, 8]]]), "train", boxes=True)
     assert nested.boxes.tolist() == [[1, 2, 3, 4], [0, 0, 8, 8]]
+    edge = load_image_set(write("edge", [[[0.5, 0, 8, 8]], [[-0.5, 7, 1, 1.5]]]), "train", boxes=True)
+    assert edge.boxes.tolist() == [[0.5, 0, 8, 8], [-0.5, 7, 1, 1.5]]  # past the border by less than a pixel
     odd = (("two", [[0, 0, 8, 8], [1, 1, 2, 2]]), ("nan", [[0, 0, float("nan"), 8]]),
-           ("inf", [[0, 0, float("inf"), 8]]), ("flat", [[0, 0, 8, 0]]), ("none", None), ("three", [[1]]))
+           ("inf", [[0, 0, float("inf"), 8]]), ("flat", [[0, 0, 8, 0]]), ("none", None), ("three", [[1]]),
+           ("xyxy", [[2, 2, 8, 8]]), ("fraction", [[0.1, 0.2, 0.5, 0.5]]), ("left", [[-2, 0, 4, 4]]),
+           ("below", [[0, 5, 4, 5]]))  # the last four: another format's boxes, not inside the 8x8 image
     for name, second in odd:
         folder = write(name, [[[1, 2, 3, 4]], second])
         with pytest.raises(UserError, match="row 1 of column 'bbox'") as refused:

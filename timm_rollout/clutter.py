@@ -133,6 +133,7 @@ def content_hash(images: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor
     return digest.hexdigest()
 
 
+CARD_MARK = "Cluttered canvases made by `timm_rollout.clutter`"  # a folder holding it may be overwritten
 CARD = """---
 pretty_name: {name}
 configs:
@@ -142,12 +143,12 @@ configs:
 ---
 # {name}
 
-Cluttered canvases made by `timm_rollout.clutter` (the construction of cluttered translated MNIST, Mnih et al.
+{mark} (the construction of cluttered translated MNIST, Mnih et al.
 2014) from `{source}`:
 
     {command}
 
-Recipe: a {canvas}x{canvas} canvas filled with the source's mean colour RGB {fill} (of its `{fill_split}` split);
+Recipe: a {canvas}x{canvas} canvas filled with the mean colour RGB {fill} of the `{fill_split}` images it read;
 {fragments} crops of {fragment_size}x{fragment_size} pixels, each from a random spot of a random image of another
 class of the same split, pasted at uniform random positions; then the whole {height}x{width} source image (the
 object) pasted last at a uniform random integer position, never occluded, its pixels equal to the source's. Seed
@@ -198,6 +199,11 @@ def _check_output(source: str, output: Path) -> None:
     src = Path(resolve_dataset(source).path).expanduser()  # an alias names a folder too (cifar10-sample)
     if src.is_dir() and output.resolve().is_relative_to(src.resolve()):
         raise UserError(f"--output {output} is inside the source data set {source}; write the canvases elsewhere")
+    card = output / "README.md"
+    if output.is_dir() and any(output.iterdir()) and not (
+            card.is_file() and CARD_MARK in card.read_text(encoding="utf-8", errors="replace")):
+        raise UserError(f"--output {output} holds files this script did not write; pass a new or empty folder (one "
+                        "it wrote before is overwritten)")
 
 
 def _check_memory(images: int, canvas: int) -> None:
@@ -244,6 +250,7 @@ def make_cluttered(source: str, output: str | Path, recipe: ClutterRecipe, *, pe
                     f"{content_hash(canvases, data.labels, boxes)} |")
     first = next(iter(sets.values()))
     write_text(output / "README.md", CARD.format(
+        mark=CARD_MARK,
         name=f"{Path(source).name or source} cluttered ({recipe.fragments} fragments, seed {recipe.seed})",
         files="\n".join(f"  - split: {s}\n    path: {s}.parquet" for s in sets), source=source, command=command,
         canvas=recipe.canvas, fill=fill, fill_split=fill_split, fragments=recipe.fragments,

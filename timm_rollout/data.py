@@ -276,10 +276,12 @@ class BoxColumnError(UserError):
     """A ``bbox`` column that is not one box per image (the localisation metrics refuse it)."""
 
 
-def _boxes(split_ds, name: str) -> torch.Tensor | None:
+def _boxes(split_ds, name: str, size: tuple[int, int]) -> torch.Tensor | None:
     """float32 (N, 4) boxes of a split with a ``bbox`` column of one ``[x, y, w, h]`` per image (or ``[[x, y, w,
     h]]``); None without one. Anything else (several boxes, none, non-finite or non-positive sizes) is refused:
-    the harness scores one object per image."""
+    the harness scores one object per image. So is a box that is not at least a pixel wide and high and inside its
+    ``size`` = (H, W) image (to within a pixel): the sign of another format ([x1, y1, x2, y2], centres, fractions
+    of the image), which would otherwise give wrong localisation numbers."""
     if BOX_COLUMN not in split_ds.features:
         return None
     cells = split_ds.select_columns([BOX_COLUMN]).with_format("arrow")[:].column(BOX_COLUMN).to_pylist()
@@ -289,6 +291,13 @@ def _boxes(split_ds, name: str) -> torch.Tensor | None:
         raise BoxColumnError(f"data set {name!r}: row {bad} of column {BOX_COLUMN!r} is {str(cells[bad])[:80]}, "
                              "not one box [x, y, w, h] of finite numbers with w, h > 0; keep one box per image, or "
                              "rename the column to evaluate without boxes")
+    h, w = size
+    out = next((i for i, (x, y, bw, bh) in enumerate(boxes)
+                if min(bw, bh) < 1 or min(x, y) < -1 or x + bw > w + 1 or y + bh > h + 1), None)
+    if out is not None:
+        raise BoxColumnError(f"data set {name!r}: row {out} of column {BOX_COLUMN!r} is {cells[out]}, not a box "
+                             f"[x, y, w, h] in pixels (COCO order) inside its {h}x{w} image; convert the column to "
+                             "that format (not [x1, y1, x2, y2], centres or fractions of the image)")
     return torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4)
 
 
@@ -334,7 +343,7 @@ def load_image_set(
     else:
         class_names = [str(i) for i in range(int(labels.max()) + 1 if len(labels) else 0)]
     return ImageSet(images, labels, class_names, spec.path, split, ds._fingerprint,
-                    _boxes(ds, dataset) if boxes else None)
+                    _boxes(ds, dataset, tuple(images.shape[2:])) if boxes else None)
 
 
 def balanced_indices(

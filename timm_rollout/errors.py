@@ -43,12 +43,18 @@ class UserError(ValueError):
 
 
 def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
-    """Run ``main(argv)``; a :class:`UserError` prints one line and exits 2."""
+    """Run ``main(argv)``; a :class:`UserError`, or the file system refusing a path (permissions, a full disk, a
+    read-only or special folder), prints one line and exits 2."""
     try:
         main(argv)
     except UserError as e:
         message = " ".join(str(e).split("\n"))
         print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}; pass a path this machine can read and write (or free disk space) "
+              "and re-run", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:
         print("interrupted; finished work is kept on disk", file=sys.stderr)
