@@ -295,9 +295,9 @@ def _boxes(split_ds, name: str, size: tuple[int, int]) -> torch.Tensor | None:
     out = next((i for i, (x, y, bw, bh) in enumerate(boxes)
                 if min(bw, bh) < 1 or min(x, y) < -1 or x + bw > w + 1 or y + bh > h + 1), None)
     if out is not None:
-        raise BoxColumnError(f"data set {name!r}: row {out} of column {BOX_COLUMN!r} is {cells[out]}, not a box "
-                             f"[x, y, w, h] in pixels (COCO order) inside its {h}x{w} image; convert the column to "
-                             "that format (not [x1, y1, x2, y2], centres or fractions of the image)")
+        raise BoxColumnError(f"data set {name!r}: row {out} of column {BOX_COLUMN!r} is {str(cells[out])[:80]}, "
+                             f"not a box [x, y, w, h] in pixels (COCO order) inside its {h}x{w} image; convert the "
+                             "column to that format (not [x1, y1, x2, y2], centres or fractions of the image)")
     return torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4)
 
 
