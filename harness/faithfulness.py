@@ -214,11 +214,11 @@ def paired_score(map_auc: np.ndarray, random_auc: np.ndarray, p_intact: np.ndarr
     ok = drop >= min_drop
     v = (np.asarray(map_auc, dtype=np.float64) - np.asarray(random_auc, dtype=np.float64))[ok] / drop[ok]
     n = int(ok.sum())
-    out: dict[str, Any] = {"mean": round(float(v.mean()), 5) if n else None, "ci95": None, "n": n,
+    out: dict[str, Any] = {"mean": float(v.mean()) if n else None, "ci95": None, "n": n,
                            "excluded": int((~ok).sum())}
     if n > 1:
         half = float(stats.t.ppf(0.975, n - 1) * v.std(ddof=1) / math.sqrt(n))
-        out["ci95"] = [round(float(v.mean()) - half, 5), round(float(v.mean()) + half, 5)]
+        out["ci95"] = [float(v.mean()) - half, float(v.mean()) + half]
     return out
 
 
@@ -254,28 +254,28 @@ def _curves(model, tokens, fill, orders, pred, clean, empty, mode, **kw) -> dict
 
 
 def _mean_curve(curves: torch.Tensor, fractions: np.ndarray) -> dict[str, Any]:
-    return {"auc": round(float(_auc(curves, fractions).mean()), 5),
+    return {"auc": float(_auc(curves, fractions).mean()),
             "curve": [round(v, 5) for v in curves.mean(dim=0).tolist()]}
 
 
 def _fill_summary(curves: dict[str, dict[str, torch.Tensor]], maps: Sequence[str], seeds: Sequence[int],
                   clean: torch.Tensor, empty: torch.Tensor, fractions: np.ndarray, min_drop: float) -> dict[str, Any]:
     """Mean curves and AUCs of every map and of the random orders, and each map's paired score."""
-    summary: dict[str, Any] = {"all_removed_probability": round(float(empty.mean()), 5), "maps": {}, "paired": {}}
+    summary: dict[str, Any] = {"all_removed_probability": float(empty.mean()), "maps": {}, "paired": {}}
     random_auc = {}
     for kind in ("deletion", "insertion"):
         per_seed = np.stack([_auc(curves[f"random_{s}"][kind], fractions) for s in seeds])  # (seeds, B)
         random_auc[kind] = per_seed.mean(axis=0)
         summary["maps"].setdefault("random", {"per_seed": {}})
         rand = summary["maps"]["random"]
-        rand[f"{kind}_auc"] = round(float(per_seed.mean()), 5)
+        rand[f"{kind}_auc"] = float(per_seed.mean())
         ddof = int(len(seeds) > 1)  # sample std of the seeds (0 for one seed), as everywhere in the harness
-        rand[f"{kind}_auc_std"] = round(float(per_seed.mean(axis=1).std(ddof=ddof)), 5)  # spread of the seeds' means
+        rand[f"{kind}_auc_std"] = float(per_seed.mean(axis=1).std(ddof=ddof))  # spread of the seeds' means
         stacked = torch.stack([curves[f"random_{s}"][kind].mean(dim=0) for s in seeds])
         rand[f"{kind}_curve"] = [round(v, 5) for v in stacked.mean(dim=0).tolist()]
         rand[f"{kind}_curve_std"] = [round(v, 5) for v in stacked.std(dim=0, correction=ddof).tolist()]
         for i, s in enumerate(seeds):
-            rand["per_seed"].setdefault(str(s), {})[f"{kind}_auc"] = round(float(per_seed[i].mean()), 5)
+            rand["per_seed"].setdefault(str(s), {})[f"{kind}_auc"] = float(per_seed[i].mean())
     for name in maps:
         entry = summary["maps"][name] = {}
         for kind in ("deletion", "insertion"):
@@ -344,7 +344,7 @@ def faithfulness_curves(
         "score": "softmax probability of the class predicted on the intact image",
         "paired_score": "per image (AUC_map - mean AUC of the random orders) / (p_intact - p_all_removed); "
                         f"images with p_intact - p_all_removed < {min_drop} left out; mean and 95% t-interval",
-        "original_probability": round(float(clean.mean()), 5),
+        "original_probability": float(clean.mean()),
         "fills": result,
         "labels": {name: LABELS.get(name, name) for name in [*maps, "random"]},
         "forward_passes": {"perturbed": n * per_fill * len(fills), "all_removed": len(fills)},
