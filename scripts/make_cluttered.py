@@ -10,6 +10,7 @@ files byte for byte, and the same objects in the same places at any ``--fragment
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import sys
 import time
@@ -33,15 +34,24 @@ def build_parser() -> CliParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, int]:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     start = time.perf_counter()
-    command = shlex.join(["python", "scripts/make_cluttered.py", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "scripts/make_cluttered.py", *(sys.argv[1:] if argv is None else argv),
+                          *_defaults(args, parser.given)])
     recipe = ClutterRecipe(args.canvas, args.fragments, args.fragment_size, args.seed)
     counts = make_cluttered(args.dataset, args.output, recipe, per_class=args.per_class, command=command)
     shown = ", ".join(f"{split} {n}" for split, n in counts.items())
     print(f"wrote {args.output}: {shown} canvases of {args.canvas}x{args.canvas} with {args.fragments} fragments "
           f"in {time.perf_counter() - start:.0f} s")
     return counts
+
+
+def _defaults(args: argparse.Namespace, given: frozenset[str]) -> list[str]:
+    """The recipe's flags the command left out, with their values: the data card's command makes the same data
+    even if a default changes."""
+    keys = [k for k in ("fragments", "fragment_size", "canvas", "seed") if k not in given]
+    return [token for k in keys for token in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
 
 
 if __name__ == "__main__":

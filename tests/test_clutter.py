@@ -232,3 +232,21 @@ def test_loader_keeps_one_box_per_image_and_refuses_others(tmp_path: Path) -> No
         assert "\n" not in str(refused.value)
         assert load_image_set(folder, "train").boxes is None  # training and the rest leave the column alone
     assert load_image_set("cifar10-sample", "test", boxes=True).boxes is None
+
+
+def test_card_command_names_every_recipe_flag_and_remakes_the_same_files(tmp_path: Path) -> None:
+    """A command typed without --seed, --canvas or --fragment-size is written into the card with their values, and
+    running the card's command as written makes the same files byte for byte."""
+    import shlex
+
+    make_cli.main(["--dataset", "cifar10-sample", "--per-class", "1", "--fragments", "2",
+                   "--output", str(tmp_path / "a")])
+    card = (tmp_path / "a" / "README.md").read_text()
+    line = next(ln.strip() for ln in card.splitlines() if ln.strip().startswith("python scripts/make_cluttered.py"))
+    argv = shlex.split(line)[2:]
+    assert argv[argv.index("--seed") + 1] == "0" and argv[argv.index("--canvas") + 1] == "64"
+    assert argv[argv.index("--fragment-size") + 1] == "8" and argv.count("--fragments") == 1
+    argv[argv.index("--output") + 1] = str(tmp_path / "b")
+    make_cli.main(argv)
+    for name in ("train.parquet", "test.parquet"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
