@@ -631,3 +631,42 @@ def test_native_bf16_is_read_from_the_cpu_flags_not_onednn(tmp_path: Path) -> No
         (tmp_path / f"cpuinfo{i}").write_text(f"processor\t: 0\n{text}\n")
         assert cpu_supports_bf16(tmp_path / f"cpuinfo{i}") is native, text
     assert cpu_supports_bf16(tmp_path / "missing") is False
+
+
+def test_a_resumed_run_reads_the_images_it_trained_on(tmp_path: Path, monkeypatch) -> None:
+    """A relative --dataset is read from the current folder when a run resumes: a copy of the same files there
+    continues the run (datasets' fingerprint changes with the path; the decoded pixels and labels do not), a folder
+    of other images is refused, before anything of the run is written."""
+    import hashlib
+    import shutil
+
+    import datasets
+
+    from timm_rollout.data import SAMPLE_DIR
+
+    for name in ("a", "b"):
+        shutil.copytree(SAMPLE_DIR, tmp_path / name / "data")
+    (tmp_path / "c" / "data").mkdir(parents=True)
+    shutil.copy(SAMPLE_DIR / "test.parquet", tmp_path / "c" / "data")
+    train_split = datasets.load_dataset(str(SAMPLE_DIR), split="train")
+    relabelled = train_split.map(lambda row, i: {"label": (row["label"] + 1) % 10 if i == 0 else row["label"]},
+                                 with_indices=True)  # one label of 2,000 changed
+    relabelled.to_parquet(str(tmp_path / "c" / "data" / "train.parquet"))
+    out = tmp_path / "run"
+    run = [arg if arg != SAMPLE else "data" for arg in TINY_RUN]
+    monkeypatch.chdir(tmp_path / "a")
+    train([*run, "--epochs", "1", "--output", str(out)])
+    record = json.loads((out / "train_args.json").read_text())
+    used = load_image_set(str(tmp_path / "a" / "data"), "train")
+    used = used.subset(balanced_indices(used.labels, total=256, seed=0))
+    by_hand = hashlib.sha256(used.images.numpy().tobytes() + used.labels.numpy().astype("int64").tobytes())
+    assert record["content"]["train"] == by_hand.hexdigest()
+
+    monkeypatch.chdir(tmp_path / "c")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(UserError, match=r"--dataset data \(.*/c/data\) gives other train images \(train\) than"):
+        train([*run, "--epochs", "2", "--resume", "--output", str(out)])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    monkeypatch.chdir(tmp_path / "b")
+    train([*run, "--epochs", "2", "--resume", "--output", str(out)])
+    assert [r["epoch"] for r in read_log(out / "log.csv")] == [1, 2]

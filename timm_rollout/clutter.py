@@ -13,7 +13,6 @@ and test clutter never comes from training images.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import zlib
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import torch
 from .errors import UserError
 from .progress import progress
 
-__all__ = ["ClutterRecipe", "check_split", "clutter_split", "content_hash", "fill_colour", "make_cluttered",
+__all__ = ["ClutterRecipe", "check_split", "clutter_split", "fill_colour", "make_cluttered",
            "object_positions"]
 
 _OBJECTS, _CLUTTER = 0, 1  # the two random streams of a split
@@ -123,16 +122,6 @@ def fill_colour(images: torch.Tensor) -> tuple[int, int, int]:
     return tuple(round(m * 255) for m in mean)
 
 
-def content_hash(images: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor | None = None) -> str:
-    """sha256 of a split's decoded uint8 pixels, int64 labels and (when given) int64 boxes: what any machine
-    reproduces, whatever bytes its PNG encoder and parquet writer produce."""
-    digest = hashlib.sha256(images.contiguous().numpy().tobytes())
-    digest.update(labels.to(torch.int64).numpy().tobytes())
-    if boxes is not None:
-        digest.update(boxes.to(torch.int64).contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
 CARD_MARK = "Cluttered canvases made by `timm_rollout.clutter`"  # a folder holding it may be overwritten
 CARD = """---
 pretty_name: {name}
@@ -164,7 +153,7 @@ COCO order).
 
 The files are the same byte for byte for the same arguments and library versions; another PNG encoder or parquet
 writer gives other bytes, and the last column, a sha256 of the written data as decoded
-(`timm_rollout.clutter.content_hash`), says whether the data are the same. The source fingerprint is datasets'.
+(`timm_rollout.data.content_hash`), says whether the data are the same. The source fingerprint is datasets'.
 """
 
 
@@ -224,7 +213,7 @@ def make_cluttered(source: str, output: str | Path, recipe: ClutterRecipe, *, pe
     file per split and a README data card that ``datasets.load_dataset(output)`` reads offline. ``per_class``: a
     seeded class-balanced subset of each split (tests, quick looks). Returns the image count per split."""
     from .atomic import write_text
-    from .data import balanced_indices, load_image_set, split_names
+    from .data import balanced_indices, content_hash, load_image_set, split_names
 
     output = Path(output)
     _check_output(source, output)

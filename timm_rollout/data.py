@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,7 @@ __all__ = [
     "ImageSet",
     "balanced_indices",
     "compute_stats",
+    "content_hash",
     "dataset_arg",
     "load_image_set",
     "normalization_stats",
@@ -92,6 +93,12 @@ class ImageSet:
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
+    @cached_property
+    def content(self) -> str:
+        """:func:`content_hash` of the pixels and labels: the same data wherever its files lie (datasets'
+        fingerprint changes with the files' path and modification time)."""
+        return content_hash(self.images, self.labels)
+
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
@@ -106,6 +113,16 @@ class ImageSet:
             f"{self.fingerprint}[{len(indices)}:{drawn}]" if len(indices) != len(self) else self.fingerprint,
             None if self.boxes is None else self.boxes[indices],
         )
+
+
+def content_hash(images: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor | None = None) -> str:
+    """sha256 of a split's decoded uint8 pixels, int64 labels and (when given) int64 boxes: what any machine
+    reproduces, whatever bytes its PNG encoder and parquet writer produce."""
+    digest = hashlib.sha256(images.contiguous().numpy().tobytes())
+    digest.update(labels.to(torch.int64).numpy().tobytes())
+    if boxes is not None:
+        digest.update(boxes.to(torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def resolve_dataset(dataset: str) -> DatasetSpec:

@@ -366,6 +366,22 @@ def _merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) ->
     return argparse.Namespace(**merged)
 
 
+def _check_same_data(out: Path, args: argparse.Namespace, data: RunData) -> None:
+    """A resumed run reads the images it trained on: the same files (datasets' fingerprint), or a copy of them
+    elsewhere (the same decoded pixels and labels). A relative ``--dataset`` is read from the current folder, and
+    a folder may have been rewritten since."""
+    saved = _saved_args(out)
+    for split, now in (("train", data.train), ("eval", data.eval)):
+        fingerprint = (saved.get("fingerprints") or {}).get(split)
+        content = (saved.get("content") or {}).get(split)
+        if fingerprint in (None, now.fingerprint) or (content is not None and content == now.content):
+            continue
+        was = f"content sha256 {content[:12]}" if content else f"datasets fingerprint {fingerprint}"
+        raise UserError(f"--dataset {args.dataset} ({now.dataset}) gives other {split} images ({now.split}) than "
+                        f"{out} trained on ({was}, from {saved.get('dataset_resolved')}); pass the --dataset it "
+                        "trained on, or start a new --output")
+
+
 def _shown(value: object) -> str:
     if isinstance(value, dict):
         return " ".join(f"{k}={v}" for k, v in value.items()) or "(none)"
@@ -527,6 +543,8 @@ def _open(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, lo
         raise UserError(f"mixup/cutmix need an even --batch-size, got {args.batch_size}")
 
     data = _prepare_data(args, d, loaded)
+    if state == "resume":
+        _check_same_data(out, args, data)
     t = _build(args, data, d)
     if state == "resume":
         _restore(t, out / RESUME_FILE)
@@ -813,6 +831,7 @@ def _write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -
         **vars(args), "dataset_resolved": data.train.dataset, "train_split": data.train.split,
         "eval_split": data.eval.split, "fingerprints": {"train": data.train.fingerprint,
                                                         "eval": data.eval.fingerprint},
+        "content": {"train": data.train.content, "eval": data.eval.content},
         "class_names": data.train.class_names, "num_classes": data.num_classes, "mean": list(data.mean),
         "std": list(data.std), "train_images": len(data.train), "eval_images": len(data.eval),
         "warmup_epochs_used": data.warmup, "hflip_used": data.hflip, "steps_per_epoch": data.steps,
