@@ -13,7 +13,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import timm
@@ -633,25 +635,56 @@ def test_native_bf16_is_read_from_the_cpu_flags_not_onednn(tmp_path: Path) -> No
     assert cpu_supports_bf16(tmp_path / "missing") is False
 
 
-def test_a_resumed_run_reads_the_images_it_trained_on(tmp_path: Path, monkeypatch) -> None:
-    """A relative --dataset is read from the current folder when a run resumes: a copy of the same files there
-    continues the run (datasets' fingerprint changes with the path; the decoded pixels and labels do not), a folder
-    of other images is refused, before anything of the run is written."""
-    import hashlib
+def _sample_copy(folder: Path, column: str | None = None, changed: Callable[[int, Any], Any] | None = None) -> Path:
+    """A copy of the shipped sample (data card included) at ``folder``; ``changed(i, value)`` rewrites ``column``
+    of its train split with pyarrow, schema kept, so datasets' fingerprint of the copy stays the original's."""
     import shutil
 
-    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     from timm_rollout.data import SAMPLE_DIR
 
-    for name in ("a", "b"):
-        shutil.copytree(SAMPLE_DIR, tmp_path / name / "data")
-    (tmp_path / "c" / "data").mkdir(parents=True)
-    shutil.copy(SAMPLE_DIR / "test.parquet", tmp_path / "c" / "data")
-    train_split = datasets.load_dataset(str(SAMPLE_DIR), split="train")
-    relabelled = train_split.map(lambda row, i: {"label": (row["label"] + 1) % 10 if i == 0 else row["label"]},
-                                 with_indices=True)  # one label of 2,000 changed
-    relabelled.to_parquet(str(tmp_path / "c" / "data" / "train.parquet"))
+    shutil.copytree(SAMPLE_DIR, folder)
+    if changed is not None:
+        table = pq.read_table(folder / "train.parquet")
+        at = table.schema.get_field_index(column)
+        values = [changed(i, v) for i, v in enumerate(table.column(column).to_pylist())]
+        table = table.set_column(at, table.schema.field(at), pa.array(values, type=table.schema.field(at).type))
+        pq.write_table(table, folder / "train.parquet")
+    return folder
+
+
+def test_a_resumed_run_reads_the_images_it_trained_on(tmp_path: Path, monkeypatch) -> None:
+    """A relative --dataset is read from the current folder when a run resumes: a copy of the same files there
+    continues the run; a folder of the same name, data card and datasets fingerprint with one pixel changed, or
+    whose images outside the run's subset changed (other normalisation), is refused before anything is written."""
+    import hashlib
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    _sample_copy(tmp_path / "a" / "data")
+    _sample_copy(tmp_path / "b" / "data")
+    drawn = balanced_indices(load_image_set(SAMPLE, "train").labels, total=256, seed=0)
+    subset = set(drawn.tolist())
+
+    def png(image: Image.Image) -> dict:
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return {"bytes": buf.getvalue(), "path": None}
+
+    def one_pixel_off(i: int, img: dict) -> dict:  # one value of one image the run trains on, +1
+        if i != drawn[0]:
+            return img
+        pixels = np.array(Image.open(io.BytesIO(img["bytes"])).convert("RGB"))
+        pixels[0, 0, 0] ^= 1
+        return png(Image.fromarray(pixels))
+
+    _sample_copy(tmp_path / "c" / "data", "img", one_pixel_off)
+    white = png(Image.new("RGB", (32, 32), (255, 255, 255)))
+    _sample_copy(tmp_path / "d" / "data", "img", lambda i, img: img if i in subset else white)  # the run's kept
     out = tmp_path / "run"
     run = [arg if arg != SAMPLE else "data" for arg in TINY_RUN]
     monkeypatch.chdir(tmp_path / "a")
@@ -662,11 +695,44 @@ def test_a_resumed_run_reads_the_images_it_trained_on(tmp_path: Path, monkeypatc
     by_hand = hashlib.sha256(used.images.numpy().tobytes() + used.labels.numpy().astype("int64").tobytes())
     assert record["content"]["train"] == by_hand.hexdigest()
 
-    monkeypatch.chdir(tmp_path / "c")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.chdir(tmp_path / "c")
     with pytest.raises(UserError, match=r"--dataset data \(.*/c/data\) gives other train images \(train\) than"):
+        train([*run, "--epochs", "2", "--resume", "--output", str(out)])
+    monkeypatch.chdir(tmp_path / "d")
+    assert load_image_set("data", "train").subset(drawn).content == record["content"]["train"]  # the same subset
+    with pytest.raises(UserError, match=r"normalises with mean/std .* trained with"):
         train([*run, "--epochs", "2", "--resume", "--output", str(out)])
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     monkeypatch.chdir(tmp_path / "b")
     train([*run, "--epochs", "2", "--resume", "--output", str(out)])
     assert [r["epoch"] for r in read_log(out / "log.csv")] == [1, 2]
+
+
+def test_two_local_folders_of_one_name_and_card_load_their_own_images(tmp_path: Path) -> None:
+    """datasets caches a local folder under its name and data card: a second folder of that name, or the first
+    one written again, must still load its own images (labels read back with pyarrow, datasets aside)."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    flipped = _sample_copy(tmp_path / "x" / "data", "label", lambda i, label: (label + 1) % 10)
+    plain = _sample_copy(tmp_path / "y" / "data")
+    want = {folder: pq.read_table(folder / "train.parquet").column("label").to_pylist() for folder in (plain, flipped)}
+    assert want[plain] != want[flipped]
+    for folder in (plain, flipped):
+        assert load_image_set(str(folder), "train").labels.tolist() == want[folder]
+    shutil.copy(flipped / "train.parquet", plain / "train.parquet")  # the first folder written again
+    assert load_image_set(str(plain), "train").labels.tolist() == want[flipped]
+
+
+def test_a_refused_stacked_resume_writes_nothing(tmp_path: Path) -> None:
+    """--stack opens every run before it writes: a resume refused for the second run (trained with another
+    --lr, so not one recipe) leaves the first run as it was."""
+    for seed, lr in ((0, "2e-3"), (1, "1e-3")):
+        train([*TINY, *FP32, "--epochs", "1", "--lr", lr, "--seed", str(seed), "--output", str(tmp_path / "r{seed}")])
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    with pytest.raises(UserError, match=r"--stack trains runs of one recipe"):
+        train([*TINY, *FP32, "--epochs", "2", "--seed", "0", "1", "--stack", "--resume",
+               "--output", str(tmp_path / "r{seed}")])
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before

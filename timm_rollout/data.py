@@ -3,8 +3,9 @@
 ``load_image_set`` resolves an alias (``cifar10``, ``cifar100``, ``svhn``, ``cifar10-sample``), a Hub id or
 a local folder, finds the image and label columns, and decodes every image once into a (N, 3, H, W) uint8
 RGB tensor. The decoded tensor is cached as safetensors in the ``datasets`` cache, keyed by the split's
-fingerprint, so the second load of CIFAR-10 train takes a fraction of a second. Training augments these
-tensors in batches on the training device (:mod:`timm_rollout.augment`), never image by image.
+fingerprint and, for a local folder, its files (:func:`_files_key`), so the second load of CIFAR-10 train takes a
+fraction of a second. Training augments these tensors in batches on the training device
+(:mod:`timm_rollout.augment`), never image by image.
 """
 
 from __future__ import annotations
@@ -163,8 +164,23 @@ def _looks_like_dataset(folder: Path, max_depth: int = 3, max_entries: int = 10_
     return False
 
 
-def _load_local(spec: DatasetSpec, name: str):
-    """Splits of a local folder; anything ``datasets`` cannot make of it is a :class:`UserError`."""
+def _files_key(folder: Path) -> str:
+    """16 hex digits that change when a file under ``folder`` is added, removed or rewritten (its path, size,
+    modification time and inode; hidden paths aside), and when the folder moves. ``datasets`` caches a local folder
+    under its name and data card, not its files: two folders of one name, or a folder written again, would load
+    the first one's cached images."""
+    digest = hashlib.sha256(str(folder.resolve()).encode())
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if path.is_file() and not any(part.startswith(".") for part in rel.parts):
+            st = path.stat()
+            digest.update(f"{rel.as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def _load_local(spec: DatasetSpec, name: str, key: str):
+    """Splits of a local folder, ``datasets``' cache of it kept under ``key`` (:func:`_files_key`); anything
+    ``datasets`` cannot make of it is a :class:`UserError`."""
     import datasets
 
     local = Path(spec.path)
@@ -172,7 +188,8 @@ def _load_local(spec: DatasetSpec, name: str):
         if SAVED_MARKERS & {p.name for p in local.iterdir()}:
             loaded = datasets.load_from_disk(str(local))
             return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
-        return datasets.load_dataset(spec.path, spec.config)
+        cache = Path(datasets.config.HF_DATASETS_CACHE) / "timm_rollout_local" / key
+        return datasets.load_dataset(spec.path, spec.config, cache_dir=str(cache))
     except Exception as e:  # the folder is the user's: any failure to read it is theirs to fix, not a traceback
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise UserError(f"datasets cannot read the folder {name} ({type(e).__name__}: {reason}); pass a folder "
@@ -180,7 +197,8 @@ def _load_local(spec: DatasetSpec, name: str):
 
 
 def _load_splits(spec: DatasetSpec, name: str):
-    """``DatasetDict`` of every split: ``load_from_disk`` for saved data sets, ``load_dataset`` otherwise.
+    """``DatasetDict`` of every split (``load_from_disk`` for saved data sets, ``load_dataset`` otherwise) and the
+    key its decoded tensors are cached under besides the fingerprint (:func:`_files_key` of a local folder).
 
     Without network, a Hub data set loads from the local cache at once instead of after half a minute of retries.
     """
@@ -189,10 +207,11 @@ def _load_splits(spec: DatasetSpec, name: str):
     from .online import hub_or_cache
 
     if Path(spec.path).is_dir():
-        return _load_local(spec, name)
+        key = _files_key(Path(spec.path))
+        return _load_local(spec, name, key), key
     with hub_or_cache() as online:
         try:
-            return datasets.load_dataset(spec.path, spec.config)
+            return datasets.load_dataset(spec.path, spec.config), ""
         except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
             where, also = ("is found neither on the Hugging Face Hub nor in the local cache", ", an existing Hub id") \
                 if online else ("is not in the local cache and the Hugging Face Hub is offline or unreachable", "")
@@ -247,21 +266,21 @@ def _decode_rgb(cells: list[dict]) -> torch.Tensor:
     return torch.stack(decoded).contiguous()
 
 
-def _cache_file(fingerprint: str, image_column: str, label_column: str) -> Path:
+def _cache_file(key: str, image_column: str, label_column: str) -> Path:
     import datasets
 
-    name = f"v{CACHE_VERSION}-{fingerprint}-{image_column}-{label_column}.safetensors"
+    name = f"v{CACHE_VERSION}-{key}-{image_column}-{label_column}.safetensors"
     return Path(datasets.config.HF_DATASETS_CACHE) / "timm_rollout_decoded" / name
 
 
 def _decoded_tensors(
-    split_ds, fingerprint: str, image_column: str, label_column: str
+    split_ds, key: str, image_column: str, label_column: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images and labels of a split, from the decoded-tensor cache when it holds them."""
+    """Images and labels of a split, from the decoded-tensor cache when it holds them under ``key``."""
     import datasets
     from safetensors.torch import load_file, save_file
 
-    cache = _cache_file(fingerprint, image_column, label_column)
+    cache = _cache_file(key, image_column, label_column)
     if cache.exists():
         tensors = load_file(str(cache))
         return tensors["images"], tensors["labels"]
@@ -320,7 +339,7 @@ def _boxes(split_ds, name: str, size: tuple[int, int]) -> torch.Tensor | None:
 
 def split_names(dataset: str) -> list[str]:
     """The splits of ``dataset`` (alias, Hub id or local folder)."""
-    return list(_load_splits(resolve_dataset(dataset), dataset))
+    return list(_load_splits(resolve_dataset(dataset), dataset)[0])
 
 
 def load_image_set(
@@ -342,7 +361,7 @@ def load_image_set(
     import datasets
 
     spec = resolve_dataset(dataset)
-    splits = _load_splits(spec, dataset)
+    splits, key = _load_splits(spec, dataset)
     if split not in splits:
         raise UserError(f"data set {dataset!r} has no split {split!r}; its splits are {', '.join(splits)}")
     ds = splits[split]
@@ -353,7 +372,7 @@ def load_image_set(
                         "name the image column with --image-column")
     lbl_col = _pick_column(features, label_column or spec.label_column, LABEL_COLUMNS, "label",
                            datasets.ClassLabel, "--label-column")
-    images, labels = _decoded_tensors(ds, ds._fingerprint, img_col, lbl_col)
+    images, labels = _decoded_tensors(ds, f"{ds._fingerprint}{key and '-' + key}", img_col, lbl_col)
     feature = features[lbl_col]
     if isinstance(feature, datasets.ClassLabel):
         class_names = list(feature.names)

@@ -367,19 +367,24 @@ def _merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) ->
 
 
 def _check_same_data(out: Path, args: argparse.Namespace, data: RunData) -> None:
-    """A resumed run reads the images it trained on: the same files (datasets' fingerprint), or a copy of them
-    elsewhere (the same decoded pixels and labels). A relative ``--dataset`` is read from the current folder, and
-    a folder may have been rewritten since."""
+    """A resumed run reads the images it trained on, normalised as it was: the same decoded pixels and labels
+    (``content``, wherever the files lie now; runs recorded without it: the same datasets fingerprint) and the
+    same mean/std. A relative ``--dataset`` is read from the current folder, and a folder may have been rewritten
+    since."""
     saved = _saved_args(out)
     for split, now in (("train", data.train), ("eval", data.eval)):
-        fingerprint = (saved.get("fingerprints") or {}).get(split)
         content = (saved.get("content") or {}).get(split)
-        if fingerprint in (None, now.fingerprint) or (content is not None and content == now.content):
+        fingerprint = (saved.get("fingerprints") or {}).get(split)
+        if content == now.content if content is not None else fingerprint in (None, now.fingerprint):
             continue
         was = f"content sha256 {content[:12]}" if content else f"datasets fingerprint {fingerprint}"
         raise UserError(f"--dataset {args.dataset} ({now.dataset}) gives other {split} images ({now.split}) than "
                         f"{out} trained on ({was}, from {saved.get('dataset_resolved')}); pass the --dataset it "
                         "trained on, or start a new --output")
+    stats, was = [list(data.mean), list(data.std)], [saved.get("mean"), saved.get("std")]
+    if None not in was and stats != was:
+        raise UserError(f"--dataset {args.dataset} ({data.train.dataset}) normalises with mean/std {stats}, {out} "
+                        f"trained with {was}; pass the --dataset it trained on, or start a new --output")
 
 
 def _shown(value: object) -> str:
@@ -521,11 +526,12 @@ class Run:
     batches: Batches
     eval_images: torch.Tensor  # on the training device
     eval_labels: torch.Tensor
+    saved_epochs: int | None  # a resumed run's saved epoch count; None for a fresh run
 
 
 def _open(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, loaded: dict[tuple, tuple]) -> Run | None:
-    """Check the flags, load the data, build the trainer and restore or record the run; None when the run in
-    ``--output`` is finished and ``--epochs`` asks for no more."""
+    """Check the flags, load the data, build the trainer and restore a resumed run, writing nothing (:func:`_begin`
+    writes); None when the run in ``--output`` is finished and ``--epochs`` asks for no more."""
     out = Path(args.output)
     state = _prepare_output(out, args, d)
     saved_epochs = _saved_args(out)["epochs"] if state != "fresh" else args.epochs
@@ -548,20 +554,29 @@ def _open(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, lo
     t = _build(args, data, d)
     if state == "resume":
         _restore(t, out / RESUME_FILE)
-        if args.epochs > saved_epochs and d.main:
-            _record_extension(out, t.epoch, args.epochs, data.warmup)
-        if t.epoch == args.epochs:  # killed among the last epoch's writes: the resume state's come again
-            _save(out, t, args, data, d)
-    elif d.main:
-        _write_record(out, args, data, d)
     return Run(args, out, data, t, _batches(args, data, d), data.eval.images.to(d.device),
-               data.eval.labels.to(d.device))
+               data.eval.labels.to(d.device), saved_epochs if state == "resume" else None)
+
+
+def _begin(run: Run, d: Dist) -> None:
+    """What opening a run writes, once every run of the command is checked: a fresh run's record, a longer
+    schedule, or the files of a last epoch whose writes a kill interrupted."""
+    t, args = run.t, run.args
+    if run.saved_epochs is None:
+        if d.main:
+            _write_record(run.out, args, run.data, d)
+        return
+    if args.epochs > run.saved_epochs and d.main:
+        _record_extension(run.out, t.epoch, args.epochs, run.data.warmup)
+    if t.epoch == args.epochs:  # killed among the last epoch's writes: the resume state's come again
+        _save(run.out, t, args, run.data, d)
 
 
 def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, loaded: dict[tuple, tuple]) -> Path:
     run = _open(args, parser, d, loaded)
     if run is None:
         return Path(args.output)
+    _begin(run, d)
     machine = _machine(d, run.data, run.args)
     for epoch in range(run.t.epoch, run.args.epochs):
         t0 = time.perf_counter()
@@ -596,6 +611,8 @@ def _train_stacked(runs: list[argparse.Namespace], parser: argparse.ArgumentPars
     active = [run for run in opened if run is not None]
     if active:  # none when every run was finished (each said so)
         _check_stackable(active, d)
+    for run in active:
+        _begin(run, d)
     stack, stacked = None, []
     while pending := [run for run in active if run.t.epoch < run.args.epochs]:
         epoch = min(run.t.epoch for run in pending)
