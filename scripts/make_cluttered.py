@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import sys
 import time
 
 from timm_rollout.clutter import ClutterRecipe, make_cluttered
@@ -34,24 +33,23 @@ def build_parser() -> CliParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, int]:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     start = time.perf_counter()
-    command = shlex.join(["python", "scripts/make_cluttered.py", *(sys.argv[1:] if argv is None else argv),
-                          *_defaults(args, parser.given)])
     recipe = ClutterRecipe(args.canvas, args.fragments, args.fragment_size, args.seed)
-    counts = make_cluttered(args.dataset, args.output, recipe, per_class=args.per_class, command=command)
+    counts = make_cluttered(args.dataset, args.output, recipe, per_class=args.per_class, command=_command(args))
     shown = ", ".join(f"{split} {n}" for split, n in counts.items())
     print(f"wrote {args.output}: {shown} canvases of {args.canvas}x{args.canvas} with {args.fragments} fragments "
           f"in {time.perf_counter() - start:.0f} s")
     return counts
 
 
-def _defaults(args: argparse.Namespace, given: frozenset[str]) -> list[str]:
-    """The recipe's flags the command left out, with their values: the data card's command makes the same data
-    even if a default changes."""
-    keys = [k for k in ("fragments", "fragment_size", "canvas", "seed") if k not in given]
-    return [token for k in keys for token in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+def _command(args: argparse.Namespace) -> str:
+    """The command as the data card shows it: every recipe flag spelled out with its value, whatever was typed,
+    abbreviated or left to a default, so it makes the same data even if a default changes."""
+    recipe = ["--fragments", args.fragments, "--fragment-size", args.fragment_size, "--canvas", args.canvas,
+              "--seed", args.seed, *(["--per-class", args.per_class] if args.per_class is not None else [])]
+    return shlex.join(["python", "scripts/make_cluttered.py", "--dataset", args.dataset, *map(str, recipe),
+                       "--output", args.output])
 
 
 if __name__ == "__main__":

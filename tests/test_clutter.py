@@ -235,17 +235,19 @@ def test_loader_keeps_one_box_per_image_and_refuses_others(tmp_path: Path) -> No
 
 
 def test_card_command_names_every_recipe_flag_and_remakes_the_same_files(tmp_path: Path) -> None:
-    """A command typed without --seed, --canvas or --fragment-size is written into the card with their values, and
-    running the card's command as written makes the same files byte for byte."""
+    """A command typed with abbreviations (argparse takes unique prefixes) and without --seed or --fragment-size is
+    written into the card with every recipe flag spelled out, and running the card's command as written makes the
+    same files byte for byte."""
     import shlex
 
-    make_cli.main(["--dataset", "cifar10-sample", "--per-class", "1", "--fragments", "2",
+    make_cli.main(["--dataset", "cifar10-sample", "--per", "1", "--fragments=2", "--can", "40",
                    "--output", str(tmp_path / "a")])
     card = (tmp_path / "a" / "README.md").read_text()
     line = next(ln.strip() for ln in card.splitlines() if ln.strip().startswith("python scripts/make_cluttered.py"))
+    assert line == shlex.join(["python", "scripts/make_cluttered.py", "--dataset", "cifar10-sample", "--fragments", "2",
+                               "--fragment-size", "8", "--canvas", "40", "--seed", "0", "--per-class", "1",
+                               "--output", str(tmp_path / "a")])
     argv = shlex.split(line)[2:]
-    assert argv[argv.index("--seed") + 1] == "0" and argv[argv.index("--canvas") + 1] == "64"
-    assert argv[argv.index("--fragment-size") + 1] == "8" and argv.count("--fragments") == 1
     argv[argv.index("--output") + 1] = str(tmp_path / "b")
     make_cli.main(argv)
     for name in ("train.parquet", "test.parquet"):
