@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import timm_rollout
-from timm_rollout.data import balanced_indices, load_image_set, normalization_stats, normalize
+from timm_rollout.data import SAMPLE_DIR, balanced_indices, load_image_set, normalization_stats, normalize
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.records import RESUME_FILE
 from timm_rollout.train import build_parser, main, train
@@ -643,8 +643,6 @@ def _sample_copy(folder: Path, column: str | None = None, changed: Callable[[int
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from timm_rollout.data import SAMPLE_DIR
-
     shutil.copytree(SAMPLE_DIR, folder)
     if changed is not None:
         table = pq.read_table(folder / "train.parquet")
@@ -710,29 +708,58 @@ def test_a_resumed_run_reads_the_images_it_trained_on(tmp_path: Path, monkeypatc
 
 
 def test_two_local_folders_of_one_name_and_card_load_their_own_images(tmp_path: Path) -> None:
-    """datasets caches a local folder under its name and data card: a second folder of that name, or the first
-    one written again, must still load its own images (labels read back with pyarrow, datasets aside)."""
+    """datasets caches a local folder under its name and data card: a second folder of that name, the first one
+    written again (even with its old modification time put back), or a file in a linked folder its card names,
+    must still load their own images (labels read back with pyarrow, datasets aside)."""
+    import hashlib
     import shutil
 
     import pyarrow.parquet as pq
 
-    flipped = _sample_copy(tmp_path / "x" / "data", "label", lambda i, label: (label + 1) % 10)
-    plain = _sample_copy(tmp_path / "y" / "data")
-    want = {folder: pq.read_table(folder / "train.parquet").column("label").to_pylist() for folder in (plain, flipped)}
-    assert want[plain] != want[flipped]
+    def labels(parquet: Path) -> list[int]:
+        return pq.read_table(parquet).column("label").to_pylist()
+
+    first = labels(SAMPLE_DIR / "train.parquet")[:2]
+    flipped = _sample_copy(tmp_path / "x" / "data", "label", lambda i, label: first[1 - i] if i < 2 else label)
+    plain = _sample_copy(tmp_path / "y" / "data", "label", lambda i, label: label)  # the same writer
+    assert labels(plain / "train.parquet") != labels(flipped / "train.parquet")
+    assert (plain / "train.parquet").stat().st_size == (flipped / "train.parquet").stat().st_size
     for folder in (plain, flipped):
-        assert load_image_set(str(folder), "train").labels.tolist() == want[folder]
-    shutil.copy(flipped / "train.parquet", plain / "train.parquet")  # the first folder written again
-    assert load_image_set(str(plain), "train").labels.tolist() == want[flipped]
+        assert load_image_set(str(folder), "train").labels.tolist() == labels(folder / "train.parquet")
+    before = (plain / "train.parquet").stat()
+    shutil.copyfile(flipped / "train.parquet", plain / "train.parquet")  # written again: same size and inode
+    os.utime(plain / "train.parquet", ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert load_image_set(str(plain), "train").labels.tolist() == labels(flipped / "train.parquet")
+    import datasets
+
+    place = hashlib.sha256(str(plain.resolve()).encode()).hexdigest()[:16]  # the earlier files' caches are gone
+    cache = Path(datasets.config.HF_DATASETS_CACHE)
+    assert len(list((cache / "timm_rollout_local" / place).iterdir())) == 1
+    assert len(list((cache / "timm_rollout_decoded").glob(f"*-{place}-*"))) == 1
+
+    linked = tmp_path / "z" / "data"  # its card names split/train.parquet; split/ links to a folder elsewhere
+    _sample_copy(linked)
+    (tmp_path / "elsewhere").mkdir()
+    (linked / "train.parquet").rename(tmp_path / "elsewhere" / "train.parquet")
+    (linked / "split").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    card = (linked / "README.md").read_text()
+    (linked / "README.md").write_text(card.replace("path: train.parquet", "path: split/train.parquet", 1))
+    assert load_image_set(str(linked), "train").labels.tolist() == labels(SAMPLE_DIR / "train.parquet")
+    shutil.copy(flipped / "train.parquet", tmp_path / "elsewhere" / "train.parquet.new")
+    (tmp_path / "elsewhere" / "train.parquet.new").replace(tmp_path / "elsewhere" / "train.parquet")
+    assert load_image_set(str(linked), "train").labels.tolist() == labels(flipped / "train.parquet")
 
 
 def test_a_refused_stacked_resume_writes_nothing(tmp_path: Path) -> None:
     """--stack opens every run before it writes: a resume refused for the second run (trained with another
-    --lr, so not one recipe) leaves the first run as it was."""
+    --lr, so not one recipe) leaves the first run as it was; a refused --overwrite leaves the old run."""
     for seed, lr in ((0, "2e-3"), (1, "1e-3")):
         train([*TINY, *FP32, "--epochs", "1", "--lr", lr, "--seed", str(seed), "--output", str(tmp_path / "r{seed}")])
     before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
     with pytest.raises(UserError, match=r"--stack trains runs of one recipe"):
         train([*TINY, *FP32, "--epochs", "2", "--seed", "0", "1", "--stack", "--resume",
                "--output", str(tmp_path / "r{seed}")])
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
+    with pytest.raises(UserError, match=r"do not fill one batch of 512"):  # refused: the old run stays
+        train([*TINY, *FP32, "--epochs", "1", "--batch-size", "512", "--overwrite", "--output", str(tmp_path / "r0")])
     assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before

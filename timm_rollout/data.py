@@ -14,6 +14,7 @@ import hashlib
 import io
 import math
 import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -165,21 +166,47 @@ def _looks_like_dataset(folder: Path, max_depth: int = 3, max_entries: int = 10_
 
 
 def _files_key(folder: Path) -> str:
-    """16 hex digits that change when a file under ``folder`` is added, removed or rewritten (its path, size,
-    modification time and inode; hidden paths aside), and when the folder moves. ``datasets`` caches a local folder
-    under its name and data card, not its files: two folders of one name, or a folder written again, would load
-    the first one's cached images."""
-    digest = hashlib.sha256(str(folder.resolve()).encode())
-    for path in sorted(folder.rglob("*")):
-        rel = path.relative_to(folder)
-        if path.is_file() and not any(part.startswith(".") for part in rel.parts):
-            st = path.stat()
-            digest.update(f"{rel.as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+    """16 hex digits that change when a file under ``folder`` (symbolic links followed, ``.git`` aside) is added,
+    removed or rewritten: its path, size, modification and change times, and inode. ``datasets`` caches a local
+    folder under its name and data card, not its files, so a folder written again, or another of the same name,
+    would load the first one's cached images."""
+    digest, seen = hashlib.sha256(), set()
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        if os.path.realpath(root) in seen:  # a link back up the tree
+            dirs.clear()
+            continue
+        seen.add(os.path.realpath(root))
+        dirs[:] = sorted(d for d in dirs if d != ".git")
+        for name in sorted(files):
+            path = Path(root, name)
+            try:
+                st = path.stat()
+            except OSError:  # a dangling link: nothing datasets could read
+                continue
+            digest.update(f"{path.relative_to(folder).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\0"
+                          f"{st.st_ctime_ns}\0{st.st_ino}\n".encode())
     return digest.hexdigest()[:16]
 
 
+def _local_key(folder: Path) -> str:
+    """``<place>-<files>``: where the folder lies and what its files are (:func:`_files_key`). The caches of the
+    folder's earlier files (same place, other files) are removed: they can never be read again."""
+    import datasets
+
+    place = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
+    files = _files_key(folder)
+    cache = Path(datasets.config.HF_DATASETS_CACHE)
+    for old in (cache / "timm_rollout_local" / place).glob("*"):
+        if old.name != files:
+            shutil.rmtree(old, ignore_errors=True)
+    for old in (cache / "timm_rollout_decoded").glob(f"*-{place}-*"):
+        if f"-{place}-{files}-" not in old.name:
+            old.unlink(missing_ok=True)
+    return f"{place}-{files}"
+
+
 def _load_local(spec: DatasetSpec, name: str, key: str):
-    """Splits of a local folder, ``datasets``' cache of it kept under ``key`` (:func:`_files_key`); anything
+    """Splits of a local folder, ``datasets``' cache of it kept under ``key`` (:func:`_local_key`); anything
     ``datasets`` cannot make of it is a :class:`UserError`."""
     import datasets
 
@@ -188,7 +215,8 @@ def _load_local(spec: DatasetSpec, name: str, key: str):
         if SAVED_MARKERS & {p.name for p in local.iterdir()}:
             loaded = datasets.load_from_disk(str(local))
             return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
-        cache = Path(datasets.config.HF_DATASETS_CACHE) / "timm_rollout_local" / key
+        place, files = key.split("-")
+        cache = Path(datasets.config.HF_DATASETS_CACHE) / "timm_rollout_local" / place / files
         return datasets.load_dataset(spec.path, spec.config, cache_dir=str(cache))
     except Exception as e:  # the folder is the user's: any failure to read it is theirs to fix, not a traceback
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
@@ -198,7 +226,7 @@ def _load_local(spec: DatasetSpec, name: str, key: str):
 
 def _load_splits(spec: DatasetSpec, name: str):
     """``DatasetDict`` of every split (``load_from_disk`` for saved data sets, ``load_dataset`` otherwise) and the
-    key its decoded tensors are cached under besides the fingerprint (:func:`_files_key` of a local folder).
+    key its decoded tensors are cached under besides the fingerprint (:func:`_local_key` of a local folder).
 
     Without network, a Hub data set loads from the local cache at once instead of after half a minute of retries.
     """
@@ -207,7 +235,7 @@ def _load_splits(spec: DatasetSpec, name: str):
     from .online import hub_or_cache
 
     if Path(spec.path).is_dir():
-        key = _files_key(Path(spec.path))
+        key = _local_key(Path(spec.path))
         return _load_local(spec, name, key), key
     with hub_or_cache() as online:
         try:

@@ -323,13 +323,11 @@ def _load_data(args: argparse.Namespace, loaded: dict[tuple, tuple]) -> tuple[Im
     return train_set, eval_set, mean, std
 
 
-def _prepare_output(out: Path, args: argparse.Namespace, d: Dist) -> str:
-    """``'fresh'``, ``'resume'`` or ``'finished'``; refuses to clobber a run unless asked."""
+def _prepare_output(out: Path, args: argparse.Namespace) -> str:
+    """``'fresh'``, ``'resume'`` or ``'finished'``; refuses to clobber a run unless asked (``--overwrite``: the
+    old run's files go when the new run begins, :func:`_begin`)."""
     finished, has_state = (out / SUMMARY_FILE).exists(), (out / RESUME_FILE).exists()
     if args.overwrite:
-        if d.main:
-            for name in RUN_FILES:
-                (out / name).unlink(missing_ok=True)
         return "fresh"
     if args.resume:
         return "finished" if finished else ("resume" if has_state else "fresh")
@@ -533,7 +531,7 @@ def _open(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, lo
     """Check the flags, load the data, build the trainer and restore a resumed run, writing nothing (:func:`_begin`
     writes); None when the run in ``--output`` is finished and ``--epochs`` asks for no more."""
     out = Path(args.output)
-    state = _prepare_output(out, args, d)
+    state = _prepare_output(out, args)
     saved_epochs = _saved_args(out)["epochs"] if state != "fresh" else args.epochs
     if state != "fresh":
         args = _merge_saved_args(args, out, parser)
@@ -559,11 +557,13 @@ def _open(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, lo
 
 
 def _begin(run: Run, d: Dist) -> None:
-    """What opening a run writes, once every run of the command is checked: a fresh run's record, a longer
-    schedule, or the files of a last epoch whose writes a kill interrupted."""
+    """What opening a run writes, once every run of the command is checked: a fresh run's record (an overwritten
+    run's files removed first), a longer schedule, or the files of a last epoch whose writes a kill interrupted."""
     t, args = run.t, run.args
     if run.saved_epochs is None:
         if d.main:
+            for name in RUN_FILES if args.overwrite else ():
+                (run.out / name).unlink(missing_ok=True)
             _write_record(run.out, args, run.data, d)
         return
     if args.epochs > run.saved_epochs and d.main:
