@@ -734,7 +734,7 @@ def test_two_local_folders_of_one_name_and_card_load_their_own_images(tmp_path: 
 
     place = hashlib.sha256(str(plain.resolve()).encode()).hexdigest()[:16]  # the earlier files' caches are gone
     cache = Path(datasets.config.HF_DATASETS_CACHE)
-    assert len(list((cache / "timm_rollout_local" / place).iterdir())) == 1
+    assert len([p for p in (cache / "timm_rollout_local" / place).iterdir() if p.name != "source"]) == 1
     assert len(list((cache / "timm_rollout_decoded").glob(f"*-{place}-*"))) == 1
 
     linked = tmp_path / "z" / "data"  # its card names split/train.parquet; split/ links to a folder elsewhere
@@ -748,6 +748,12 @@ def test_two_local_folders_of_one_name_and_card_load_their_own_images(tmp_path: 
     shutil.copy(flipped / "train.parquet", tmp_path / "elsewhere" / "train.parquet.new")
     (tmp_path / "elsewhere" / "train.parquet.new").replace(tmp_path / "elsewhere" / "train.parquet")
     assert load_image_set(str(linked), "train").labels.tolist() == labels(flipped / "train.parquet")
+    gone = hashlib.sha256(str(flipped.resolve()).encode()).hexdigest()[:16]
+    assert (cache / "timm_rollout_local" / gone).is_dir()
+    shutil.rmtree(flipped)  # a folder that no longer exists: its caches go at the next load of any folder
+    load_image_set(str(plain), "train")
+    assert not (cache / "timm_rollout_local" / gone).exists()
+    assert not list((cache / "timm_rollout_decoded").glob(f"*-{gone}-*"))
 
 
 def test_a_refused_stacked_resume_writes_nothing(tmp_path: Path) -> None:

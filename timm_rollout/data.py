@@ -188,20 +188,32 @@ def _files_key(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def _source_exists(record: Path) -> bool:
+    try:
+        return Path(record.read_text()).exists()
+    except OSError:  # removed meanwhile by another process
+        return True
+
+
 def _local_key(folder: Path) -> str:
-    """``<place>-<files>``: where the folder lies and what its files are (:func:`_files_key`). The caches of the
-    folder's earlier files (same place, other files) are removed: they can never be read again."""
+    """``<place>-<files>``: where the folder lies and what its files are (:func:`_files_key`). Caches that can never
+    be read again are removed: those of the folder's earlier files, and those of folders that no longer exist."""
     import datasets
 
-    place = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
-    files = _files_key(folder)
+    source = str(folder.resolve())
+    place, files = hashlib.sha256(source.encode()).hexdigest()[:16], _files_key(folder)
     cache = Path(datasets.config.HF_DATASETS_CACHE)
-    for old in (cache / "timm_rollout_local" / place).glob("*"):
-        if old.name != files:
-            shutil.rmtree(old, ignore_errors=True)
-    for old in (cache / "timm_rollout_decoded").glob(f"*-{place}-*"):
-        if f"-{place}-{files}-" not in old.name:
+    stale = [p.parent for p in (cache / "timm_rollout_local").glob("*/source") if not _source_exists(p)]
+    stale += [p for p in (cache / "timm_rollout_local" / place).glob("*") if p.name not in (files, "source")]
+    for old in stale:
+        shutil.rmtree(old, ignore_errors=True)
+    gone = {p.name for p in stale if p.parent.name == "timm_rollout_local"}
+    for old in (cache / "timm_rollout_decoded").glob("*"):
+        parts = old.name.split("-")
+        if (place in parts and files not in parts) or gone & set(parts):
             old.unlink(missing_ok=True)
+    (cache / "timm_rollout_local" / place).mkdir(parents=True, exist_ok=True)
+    (cache / "timm_rollout_local" / place / "source").write_text(source)
     return f"{place}-{files}"
 
 
