@@ -98,7 +98,7 @@ class ImageSet:
     @cached_property
     def content(self) -> str:
         """:func:`content_hash` of the pixels and labels: the same data wherever its files lie (datasets'
-        fingerprint changes with the files' path and modification time)."""
+        fingerprint names how the files were found, not what they hold)."""
         return content_hash(self.images, self.labels)
 
     @property
@@ -189,6 +189,7 @@ def _files_key(folder: Path) -> str:
 
 
 def _source_exists(record: Path) -> bool:
+    """Whether the folder a ``source`` record of the local-folder cache names still exists."""
     try:
         return Path(record.read_text()).exists()
     except OSError:  # removed meanwhile by another process
