@@ -14,6 +14,7 @@ from scipy import stats as sps
 
 from harness.compare import Group
 from timm_rollout.clutter import ClutterRecipe, make_cluttered
+from timm_rollout.device import cpu_supports_bf16
 from timm_rollout.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,8 +58,11 @@ def test_clutter_study_reports_where_the_arm_pools_and_the_cost_of_clutter(clutt
     assert float(row.strip("|").split("|")[1]) == pytest.approx(clean["top1"] - main["top1"], abs=1e-4)
     line = next(line for line in report.splitlines() if line.startswith("- rollout, seed 0: training"))
     records = [json.loads((out / e / "rollout-s0" / "results.json").read_text()) for e in ("eval", "eval-c0")]
-    shown = [f"`{e}/rollout-s0` ({r['timing']['total'] / 60:.1f} min, {r['environment']['machine']}, float32)"
-             for e, r in zip(("eval", "eval-c0"), records, strict=True)]
+    # --amp auto evaluates in bf16 on a CPU with native bf16, else in fp32
+    precision = "bfloat16" if cpu_supports_bf16() else "float32"
+    assert all(r["environment"]["dtype"] == precision for r in records)
+    shown = [f"`{e}/rollout-s0` ({r['timing']['total'] / 60:.1f} min, {r['environment']['machine']}, "
+             f"{r['environment']['dtype']})" for e, r in zip(("eval", "eval-c0"), records, strict=True)]
     assert line.endswith(f"evaluation {shown[0]}, {shown[1]}"), line
     for config in (out / "runs" / "rollout-s0" / "config.json", out / "hub" / "rollout" / "config.json"):
         assert json.loads(config.read_text())["pretrained_cfg"]["input_size"] == [3, 64, 64], config
