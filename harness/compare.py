@@ -55,6 +55,7 @@ __all__ = [
     "run_folder",
     "run_label",
     "run_seed",
+    "same_images",
     "summarise",
 ]
 
@@ -178,12 +179,22 @@ def run_seed(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> int | N
 
 
 def evaluated_images(result: dict[str, Any]) -> tuple | None:
-    """Fingerprints of the data set an evaluation read, of the images it scored and of its k-NN bank (None for
-    records without them)."""
+    """What an evaluation read: the fingerprints of its data set split, of the images it scored and of its k-NN
+    bank, then the content hashes of the same three (None where not recorded); None for records without them.
+    Fingerprints follow the files' names and layout, content hashes the decoded pixels and labels."""
     data = result.get("data") or {}
     if "subset_fingerprint" not in data:
         return None
-    return data.get("fingerprint"), data["subset_fingerprint"], (data.get("bank") or {}).get("fingerprint")
+    bank = data.get("bank") or {}
+    return (data.get("fingerprint"), data["subset_fingerprint"], bank.get("fingerprint"), data.get("split_content"),
+            data.get("content"), bank.get("content"))
+
+
+def same_images(a: tuple, b: tuple) -> tuple[bool, bool]:
+    """Whether two :func:`evaluated_images` read the same data set split, and the same images and bank: by content
+    where both recorded it (the same data in another folder or layout is the same), else by fingerprint."""
+    x, y = (a[3:], b[3:]) if a[4] is not None and b[4] is not None else (a[:3], b[:3])
+    return x[0] == y[0], x == y
 
 
 def check_distinct(results: Sequence[dict[str, Any]], label: Callable[[dict[str, Any]], str] = run_label,
@@ -285,10 +296,11 @@ def compare_groups(base: Group, other: Group, metrics: Sequence[str] = METRICS,
     seeds = sorted(base_at.keys() & other_at.keys())
     for s in seeds:  # a paired difference compares two runs on the same images, or it compares the images
         a, b = base.images[base_at[s]] if base.images else None, other.images[other_at[s]] if other.images else None
-        if a is not None and b is not None and a != b:
+        same_data, same = same_images(a, b) if a is not None and b is not None else (True, True)
+        if not same:
             where = f"seed {s} of {base.label} and of {other.label} was evaluated on different"
             runs = f"({base.runs[base_at[s]]}, {other.runs[other_at[s]]})"
-            if a[0] != b[0]:
+            if not same_data:
                 raise UserError(f"{where} data (another data set or split) {runs}; compare evaluations of the "
                                 "same --dataset and --split")
             raise UserError(f"{where} images or k-NN banks {runs}; evaluate both with the same --split, --classes, "

@@ -1,16 +1,21 @@
-"""Add the pooling diagnostics to existing evaluations without re-evaluating them.
+"""Bring existing evaluations up to date without re-evaluating them.
 
     python -m harness.diagnose results/cifar10-cpu/eval/*-s*
 
-For each evaluation folder whose ``results.json`` lacks :data:`harness.metrics.POOLING_DIAGNOSTICS`, the
-evaluation's own arguments (``results["args"]``) select the same images and load the same model, read out the
-same way; the diagnostics are computed exactly as ``harness.eval`` computes them and written into
-``results.json`` (metrics, ``pooling_diagnostics``, their timing), atomically. Refused, nothing written, when
-the weights' sha256 or the evaluated images' fingerprint differ from what the evaluation recorded. Run it from
-the directory the evaluations ran in: their paths are relative to it, or, for evaluations made on another
-machine, name the folder that now holds their checkpoints with ``--runs`` (a checkpoint, or the folder of a
-``--model local-dir:PATH``, is looked up there by its folder name; the sha256 check still applies; evaluations
-without local weights are refused with it). Folders that have the diagnostics are skipped.
+For each evaluation folder, whatever its ``results.json`` lacks of what ``harness.eval`` records now is added,
+computed exactly as ``harness.eval`` computes it, in the precision the evaluation ran in: the pooling diagnostics
+(:data:`harness.metrics.POOLING_DIAGNOSTICS`); on a data set with content masks, the mask localisation metrics
+(``pooling_fill_mass``, ``content_chance``, ...; the box metrics recomputed with them must equal the recorded
+ones); and the content hashes of the evaluated images and of the k-NN bank, which pair evaluations of the same data
+however its files were written. The evaluation's own arguments (``results["args"]``) select the same images and
+load the same model, read out the same way. Refused, nothing written, when the weights' sha256 differs from what
+the evaluation recorded, or when the selected images cannot be shown to be the evaluated ones: the same datasets
+fingerprint, the content hash the evaluation or its training run (``train_args.json``) recorded for that split,
+or, for records with neither, every image's recorded label and top-1 prediction reproduced. Run it from the
+directory the evaluations ran in: their paths are relative to it, or, for evaluations made on another machine,
+name the folder that now holds their checkpoints with ``--runs`` (a checkpoint, or the folder of a ``--model
+local-dir:PATH``, is looked up there by its folder name; the sha256 check still applies; evaluations without local
+weights are refused with it). Folders that have everything are skipped.
 """
 
 from __future__ import annotations
@@ -18,18 +23,27 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness import eval as harness_eval
-from harness.features import pooling_diagnostics
-from harness.metrics import POOLING_DIAGNOSTICS
-from timm_rollout.atomic import write_json
-from timm_rollout.device import device_arg, resolve_amp, resolve_device
-from timm_rollout.errors import CliParser, UserError, existing_path, run_cli
-from timm_rollout.records import RESULTS_FILE
+import torch
 
-__all__ = ["add_pooling_diagnostics", "has_diagnostics", "main"]
+from harness import eval as harness_eval
+from harness.features import box_localisation, extract, pooling_diagnostics
+from harness.localisation import LOCALISATION
+from harness.metrics import POOLING_DIAGNOSTICS
+from harness.predictions import read_predictions
+from timm_rollout.atomic import write_json
+from timm_rollout.data import ImageSet
+from timm_rollout.device import device_arg, resolve_device
+from timm_rollout.errors import CliParser, UserError, existing_path, run_cli
+from timm_rollout.records import ARGS_FILE, RESULTS_FILE
+
+__all__ = ["has_diagnostics", "main", "outdated", "update_evaluation"]
+
+MASK_METRICS = ("pooling_fill_mass", "content_chance")  # present (not None) once the mask metrics were computed
+DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def has_diagnostics(results: dict[str, Any]) -> bool:
@@ -39,6 +53,14 @@ def has_diagnostics(results: dict[str, Any]) -> bool:
         return False
     record = results["pooling_diagnostics"]
     return record is None or ("layer_effective_patches" in record and "rollout_variants" in record)
+
+
+def outdated(results: dict[str, Any]) -> bool:
+    """Whether a results.json may lack something :func:`update_evaluation` adds (the mask metrics only where the
+    evaluation scored boxes: whether its data set has masks is known once it is loaded)."""
+    metrics = results.get("metrics", {})
+    return not has_diagnostics(results) or "content" not in results.get("data", {}) or (
+        metrics.get("pooling_object_mass") is not None and any(metrics.get(k) is None for k in MASK_METRICS))
 
 
 def _relocate(args: argparse.Namespace, runs: Path, folder: str | Path) -> None:
@@ -54,41 +76,121 @@ def _relocate(args: argparse.Namespace, runs: Path, folder: str | Path) -> None:
                         "it; drop --runs or run it on its own")
 
 
-def add_pooling_diagnostics(folder: str | Path, device: str | None = None, runs: str | Path | None = None) -> bool:
-    """Compute the missing pooling diagnostics of the evaluation in ``folder`` and rewrite its results.json;
-    False when it already has them. ``device`` overrides the evaluation's ``--device``; ``runs`` is the folder
-    holding the evaluated checkpoint now (found by its name), for evaluations made elsewhere."""
+def _run_content(args: argparse.Namespace, dataset: str, split: str) -> str | None:
+    """The content hash the evaluated checkpoint's training run recorded for ``split`` of ``dataset`` (its
+    train_args.json), or None."""
+    path = Path(args.checkpoint or _local_dir(args) or "") / ARGS_FILE
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if record.get("dataset_resolved") != dataset:
+        return None
+    role = {record.get("train_split"): "train", record.get("eval_split"): "eval"}.get(split)
+    return (record.get("content") or {}).get(role)
+
+
+def _same_images(folder: str | Path, results: dict[str, Any], args: argparse.Namespace, data: ImageSet,
+                 index: torch.Tensor, logits: Callable[[], torch.Tensor]) -> bool:
+    """Whether ``data`` (at ``index`` in its split) are the images the evaluation read: see the module docstring.
+    ``logits`` computes the model's logits on them, only when the recorded predictions are the last resort."""
+    record = results["data"]
+    if data.fingerprint == record["subset_fingerprint"]:
+        return True
+    recorded = record.get("content") or (_run_content(args, record["dataset"], record["split"])
+                                         if record["subset_fingerprint"] == record["fingerprint"] else None)
+    if recorded is not None:
+        return recorded == data.content
+    found = read_predictions(folder)
+    return found is not None and found["index"] == index.tolist() and found["label"] == data.labels.tolist() \
+        and found["predicted"]["top1"] == logits().argmax(dim=1).tolist()
+
+
+def _bank_content(args: argparse.Namespace, results: dict[str, Any], class_ids: list[int]) -> str | None:
+    """The bank's content hash when its images can be shown to be the evaluated bank's (same fingerprint, or the
+    content its training run recorded), else None (left unrecorded)."""
+    record = results["data"].get("bank")
+    if not record or not args.bank_split:
+        return None
+    bank = harness_eval._load_bank(args, class_ids)
+    if bank.fingerprint == record["fingerprint"]:
+        return bank.content
+    same = args.bank_per_class is None and _run_content(args, results["data"]["dataset"], bank.split) == bank.content
+    return bank.content if same else None
+
+
+def _local_dir(args: argparse.Namespace) -> str | None:
+    return args.model.removeprefix("local-dir:") if args.model.startswith("local-dir:") else None
+
+
+def _locate(folder: str | Path, args: argparse.Namespace, runs: str | Path | None) -> None:
+    """Point the evaluation's local weights at ``runs`` when given; refuse weights that are not there."""
+    if runs is not None:
+        _relocate(args, Path(runs), folder)
+    for where in (p for p in (args.checkpoint, _local_dir(args)) if p):
+        if not Path(where).exists():
+            raise UserError(f"{folder} evaluated {where}, which is not there from {Path.cwd()}; run this command "
+                            "from the directory the evaluation ran in, or pass --runs FOLDER holding it")
+
+
+def update_evaluation(folder: str | Path, device: str | None = None, runs: str | Path | None = None) -> list[str]:
+    """Add what the evaluation in ``folder`` lacks (module docstring) and rewrite its results.json; returns what
+    was added (empty: nothing was missing). ``device`` overrides the evaluation's ``--device``; ``runs`` is the
+    folder holding the evaluated checkpoint now (found by its name), for evaluations made elsewhere."""
     path = Path(folder) / RESULTS_FILE
     if not path.is_file():
         raise UserError(f"{folder} holds no {RESULTS_FILE}; pass folders written by python -m harness.eval")
     results = json.loads(path.read_text(encoding="utf-8"))
-    if has_diagnostics(results):
-        return False
     args = argparse.Namespace(**results["args"])
-    if runs is not None:
-        _relocate(args, Path(runs), folder)
-    local_dir = args.model.removeprefix("local-dir:") if args.model.startswith("local-dir:") else None
-    for where in (p for p in (args.checkpoint, local_dir) if p):
-        if not Path(where).exists():
-            raise UserError(f"{folder} evaluated {where}, which is not there from {Path.cwd()}; run this command "
-                            "from the directory the evaluation ran in, or pass --runs FOLDER holding it")
-    start = time.perf_counter()
-    dev = resolve_device(device or args.device)
+    _locate(folder, args, runs)
+    start, dev = time.perf_counter(), resolve_device(device or args.device)
     sel = harness_eval._select(args)
-    if sel.data.fingerprint != results["data"]["subset_fingerprint"]:
-        raise UserError(f"{folder}: the images selected now differ from the evaluated ones (data fingerprint); "
-                        "re-evaluate it with python -m harness.eval")
+    todo = [what for what, missing in (
+        ("pooling diagnostics", not has_diagnostics(results)),
+        ("mask localisation", sel.data.masks is not None and any(results["metrics"].get(k) is None
+                                                                   for k in MASK_METRICS)),
+        ("content hashes", "content" not in results["data"])) if missing]
+    if not todo:
+        return []
     model, info = harness_eval._load(args, sel.full, dev)
     if info["sha256"] != results["model"].get("sha256"):
-        raise UserError(f"{folder}: the weights of {args.checkpoint or local_dir or args.model} changed since the "
-                        "evaluation (sha256); re-evaluate it with python -m harness.eval")
-    found = pooling_diagnostics(model, sel.data.images, info["mean"], info["std"], device=dev,
-                                amp_dtype=resolve_amp(args.amp, dev), batch_size=args.batch_size)
-    results["metrics"].update(harness_eval.diagnostic_metrics(found))
-    results["pooling_diagnostics"] = None if found is None else found.record()
-    results["timing"]["pooling_diagnostics"] = round(time.perf_counter() - start, 3)
+        raise UserError(f"{folder}: the weights of {args.checkpoint or _local_dir(args) or args.model} changed since "
+                        "the evaluation (sha256); re-evaluate it with python -m harness.eval")
+    kwargs = {"device": dev, "amp_dtype": DTYPES[results["environment"]["dtype"]], "batch_size": args.batch_size}
+    if not _same_images(folder, results, args, sel.data, sel.index, lambda: extract(
+            model, sel.data.images, info["mean"], info["std"], **kwargs)[1]):
+        raise UserError(f"{folder}: the images selected now cannot be shown to be the evaluated ones (neither the "
+                        "same fingerprint, nor a recorded content hash, nor the recorded predictions); re-evaluate "
+                        "it with python -m harness.eval")
+    if "pooling diagnostics" in todo:
+        found = pooling_diagnostics(model, sel.data.images, info["mean"], info["std"], **kwargs)
+        results["metrics"].update(harness_eval.diagnostic_metrics(found))
+        results["pooling_diagnostics"] = None if found is None else found.record()
+    if "mask localisation" in todo:
+        _add_mask_localisation(folder, results, model, info, sel.data, kwargs)
+    if "content hashes" in todo:
+        record = results["data"]
+        record.update(split_content=sel.full.content, content=sel.data.content)
+        bank = _bank_content(args, results, sel.class_ids)
+        if bank is not None:
+            record["bank"]["content"] = bank
+    results["timing"]["diagnose"] = round(time.perf_counter() - start, 3)
     write_json(path, results)
-    return True
+    return todo
+
+
+def _add_mask_localisation(folder: str | Path, results: dict[str, Any], model, info: dict, data: ImageSet,
+                           kwargs: dict[str, Any]) -> None:
+    """The localisation metrics with content masks; the box metrics recomputed must equal the recorded ones."""
+    found = box_localisation(model, data.images, data.boxes, info["mean"], info["std"], masks=data.masks, **kwargs)
+    recorded = results["metrics"]
+    differ = [k for k in LOCALISATION if recorded.get(k) is not None and (found[k] is None or abs(
+        found[k] - recorded[k]) > 1e-4)]
+    if differ:
+        raise UserError(f"{folder}: {', '.join(differ[:3])} recomputed differ from the recorded values (e.g. "
+                        f"{differ[0]} {found[differ[0]]} against {recorded[differ[0]]}); re-evaluate it with "
+                        "python -m harness.eval")
+    recorded.update({k: v for k, v in found.items() if recorded.get(k) is None})
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
@@ -99,17 +201,14 @@ def main(argv: list[str] | None = None) -> list[Path]:
                    help="folder now holding the evaluated checkpoints or local-dir: models, found by name "
                         "(evaluations made elsewhere)")
     args = p.parse_args(argv)
-    added = []
+    updated = []
     for folder in args.folders:
-        if add_pooling_diagnostics(folder, args.device, args.runs):
-            metrics = json.loads((Path(folder) / RESULTS_FILE).read_text(encoding="utf-8"))["metrics"]
-            shown = ", ".join(f"{k} {metrics[k]:.4f}" for k in POOLING_DIAGNOSTICS if metrics[k] is not None)
-            print(f"{folder}: {shown or 'no class token, diagnostics None'}")
-            added.append(Path(folder))
-        else:
-            print(f"{folder}: has the diagnostics, skipped")
-    print(f"pooling diagnostics added to {len(added)} of {len(args.folders)} evaluations")
-    return added
+        added = update_evaluation(folder, args.device, args.runs)
+        print(f"{folder}: {'added ' + ', '.join(added) if added else 'up to date, skipped'}")
+        if added:
+            updated.append(Path(folder))
+    print(f"{len(updated)} of {len(args.folders)} evaluations updated")
+    return updated
 
 
 if __name__ == "__main__":

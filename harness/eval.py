@@ -341,7 +341,8 @@ def _pooling(model, info: dict, data: ImageSet, batch_size: int, device, amp_dty
     if data.boxes is None:
         return diagnostics, {}
     with clock.stage("localisation"):
-        return diagnostics, box_localisation(model, data.images, data.boxes, info["mean"], info["std"], **kwargs)
+        return diagnostics, box_localisation(model, data.images, data.boxes, info["mean"], info["std"],
+                                             masks=data.masks, **kwargs)
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
@@ -451,11 +452,12 @@ def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None
     counts = torch.bincount(data.labels, minlength=full.num_classes)
     return {
         "dataset": data.dataset, "argument": args.dataset, "split": data.split, "fingerprint": full.fingerprint,
-        "subset_fingerprint": data.fingerprint, "class_names": [full.class_names[c] for c in sel.class_ids],
+        "subset_fingerprint": data.fingerprint, "split_content": full.content, "content": data.content,
+        "class_names": [full.class_names[c] for c in sel.class_ids],
         "class_ids": sel.class_ids, "per_class_counts": {full.class_names[c]: int(counts[c]) for c in sel.class_ids},
         "num_images": len(data),
         "bank": None if bank is None else {
-            "split": bank.split, "fingerprint": bank.fingerprint, "num_images": len(bank),
+            "split": bank.split, "fingerprint": bank.fingerprint, "content": bank.content, "num_images": len(bank),
             "per_class": args.bank_per_class,
         },
     }

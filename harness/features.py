@@ -137,10 +137,12 @@ def box_localisation(
     device: torch.device,
     amp_dtype: torch.dtype | None = None,
     batch_size: int = 128,
+    masks: torch.Tensor | None = None,
 ) -> dict[str, float | None]:
     """:func:`harness.localisation.localisation_metrics` of uint8 (N, 3, H, W) ``images`` with their (N, 4)
-    ``boxes``: the model's patch pooling weights and saliency maps from one forward + backward per batch, images
-    normalised 8 batches at a time (the float copy of the whole set never exists)."""
+    ``boxes`` (and (N, H, W) content ``masks``, if any): the model's patch pooling weights and saliency maps from
+    one forward + backward per batch, images normalised 8 batches at a time (the float copy of the whole set never
+    exists)."""
     chunk = 8 * batch_size
     found = [saliency_maps(model, normalize(images[start:start + chunk], mean, std), device=device,
                            amp_dtype=amp_dtype, batch_size=batch_size)
@@ -148,7 +150,8 @@ def box_localisation(
     if not found:
         raise ValueError("no images to localise")
     maps = {name: torch.cat([f.maps[name] for f in found]) for name in found[0].maps}
-    return localisation_metrics(torch.cat([f.pooling for f in found]), maps, boxes, images.shape[-2:], found[0].grid)
+    return localisation_metrics(torch.cat([f.pooling for f in found]), maps, boxes, images.shape[-2:], found[0].grid,
+                                masks)
 
 
 @dataclass

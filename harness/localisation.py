@@ -13,6 +13,15 @@ Patches are row-major over the (rows, cols) grid, as timm orders patch tokens.
 - pointing game (:func:`pointing_hits`, after Zhang et al. 2016 at patch resolution and without tolerance): a
   hit when the map's maximal patch has its centre inside the box; ties count as the fraction of tied patches
   whose centres are inside (the expected hit under a random tie break, never decided by patch index).
+
+Where the images have content masks (0 flat fill, 1 clutter, 2 object per pixel, as ``make_cluttered.py`` writes
+them), :func:`mask_fractions` gives each patch's share of fill f_p, clutter k_p and object o_p pixels, and:
+
+- fill mass (:func:`object_mass` of f): the weight on the empty canvas;
+- content chance: the object mass of the *content pooling* u_p = (1 - f_p) / sum_q (1 - f_q), which weights each
+  patch by its non-fill pixels: what avoiding the empty canvas alone scores, a stricter null than uniform weights;
+- object share (:func:`object_share`): sum_p w_p o_p / sum_p w_p (o_p + k_p), the weight on the object as a share
+  of the weight on any content; the content pooling's object share is its chance level.
 """
 
 from __future__ import annotations
@@ -24,14 +33,17 @@ import torch
 from timm_rollout.diagnostics import effective_patches
 from timm_rollout.explain import MAP_LABELS
 
-__all__ = ["LOCALISATION", "box_coverage", "box_mass", "centres_inside", "localisation_metrics", "map_shares",
-           "object_mass", "pointing_hits", "weight_inside_outside"]
+__all__ = ["LOCALISATION", "box_coverage", "box_mass", "centres_inside", "content_weights", "localisation_metrics",
+           "map_shares", "mask_fractions", "object_mass", "object_share", "pointing_hits", "weight_inside_outside"]
 
-# results.json["metrics"] keys of localisation_metrics, in report order: means over the images.
+FILL, CLUTTER, OBJECT = 0, 1, 2  # content mask values (timm_rollout.clutter)
+# results.json["metrics"] keys of localisation_metrics, in report order: means over the images. The mask keys
+# (fill mass, content chance, object shares) are None for images without content masks.
 LOCALISATION = (
-    "pooling_object_mass", "object_area_fraction", "pooling_weight_inside", "pooling_weight_outside",
-    "pooling_effective_patches", "pointing_chance",
-    *(f"{name}_{what}" for name in MAP_LABELS for what in ("box_mass", "pointing")),
+    "pooling_object_mass", "object_area_fraction", "content_chance", "pooling_fill_mass", "pooling_object_share",
+    "object_content_fraction", "pooling_weight_inside", "pooling_weight_outside", "pooling_effective_patches",
+    "pointing_chance",
+    *(f"{name}_{what}" for name in MAP_LABELS for what in ("box_mass", "fill_mass", "object_share", "pointing")),
 )
 
 
@@ -64,6 +76,33 @@ def centres_inside(boxes: torch.Tensor, image_size: Sequence[int], grid: Sequenc
     in_y = (cy >= b[:, 1:2]) & (cy < b[:, 1:2] + b[:, 3:4])
     in_x = (cx >= b[:, 0:1]) & (cx < b[:, 0:1] + b[:, 2:3])
     return (in_y[:, :, None] & in_x[:, None, :]).flatten(1)
+
+
+def mask_fractions(masks: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
+    """(N, P, 3) float64 share of each patch's pixels that are fill, clutter and object, from uint8 (N, H, W)
+    content ``masks``; patches row-major over ``grid`` (rows, cols)."""
+    n, h, w = masks.shape
+    _patch_edges((h, w), grid)
+    rows, cols = grid
+    counts = [(masks == value).reshape(n, rows, h // rows, cols, w // cols).sum(dim=(2, 4), dtype=torch.int64)
+              for value in (FILL, CLUTTER, OBJECT)]
+    return torch.stack(counts, dim=-1).flatten(1, 2).double() / ((h // rows) * (w // cols))
+
+
+def content_weights(fractions: torch.Tensor) -> torch.Tensor:
+    """(N, P) weights of the content pooling: each patch by its share of non-fill pixels, summing to 1 per image
+    (NaN for an image of fill only). ``fractions``: :func:`mask_fractions`."""
+    content = 1 - fractions[..., FILL]
+    return content / content.sum(dim=-1, keepdim=True)
+
+
+def object_share(weights: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor:
+    """Per image sum_p w_p o_p / sum_p w_p (o_p + k_p): the weight on the object as a share of the weight on
+    content (object and clutter); NaN where no weight falls on content."""
+    w = weights.double()
+    on_object = (w * fractions[..., OBJECT]).sum(dim=-1)
+    on_content = (w * (fractions[..., OBJECT] + fractions[..., CLUTTER])).sum(dim=-1)
+    return torch.where(on_content > 0, on_object / on_content, torch.nan)
 
 
 def object_mass(weights: torch.Tensor, coverage: torch.Tensor) -> torch.Tensor:
@@ -109,11 +148,27 @@ def _mean(values: torch.Tensor) -> float | None:
     return float(finite.mean()) if finite.numel() else None
 
 
+def _mask_values(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor], fractions: torch.Tensor,
+                 coverage: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The per-image values of the mask metrics (see the module docstring)."""
+    content = content_weights(fractions)
+    values = {"content_chance": object_mass(content, coverage),
+              "pooling_fill_mass": object_mass(pooling, fractions[..., FILL]),
+              "pooling_object_share": object_share(pooling, fractions),
+              "object_content_fraction": object_share(content, fractions)}
+    for name, m in maps.items():
+        values[f"{name}_fill_mass"] = object_mass(map_shares(m), fractions[..., FILL])
+        values[f"{name}_object_share"] = object_share(map_shares(m), fractions)
+    return values
+
+
 def localisation_metrics(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor], boxes: torch.Tensor,
-                         image_size: Sequence[int], grid: Sequence[int]) -> dict[str, float | None]:
+                         image_size: Sequence[int], grid: Sequence[int],
+                         masks: torch.Tensor | None = None) -> dict[str, float | None]:
     """The :data:`LOCALISATION` metrics, means over the images: ``pooling`` (N, P) the weights with which the model
     pools its patch tokens (rows sum to 1), ``maps`` the saliency maps by name (keys of
-    :data:`~timm_rollout.explain.MAP_LABELS`, (N, P) each), ``boxes`` (N, 4) of images of ``image_size``."""
+    :data:`~timm_rollout.explain.MAP_LABELS`, (N, P) each), ``boxes`` (N, 4) of images of ``image_size``;
+    ``masks`` (N, H, W) uint8 content masks, when the images have them (else the mask metrics are None)."""
     coverage = box_coverage(boxes, image_size, grid)
     inside = centres_inside(boxes, image_size, grid)
     uniform = torch.full_like(coverage, 1.0 / coverage.shape[-1])
@@ -127,4 +182,6 @@ def localisation_metrics(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor]
     for name, m in maps.items():
         values[f"{name}_box_mass"] = box_mass(m, coverage)
         values[f"{name}_pointing"] = pointing_hits(m, inside)
+    if masks is not None:
+        values |= _mask_values(pooling, maps, mask_fractions(masks, grid), coverage)
     return {key: _mean(values[key]) if key in values else None for key in LOCALISATION}

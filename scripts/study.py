@@ -57,9 +57,10 @@ from harness.compare import (
     format_p,
     load_results,
     render_comparison,
+    same_images,
     summarise,
 )
-from harness.diagnose import has_diagnostics
+from harness.diagnose import outdated
 from harness.eval import set_pool
 from harness.features import saliency_maps
 from harness.figures import plot_heatmaps, plot_object_weights, plot_pooling_diagnostics
@@ -445,13 +446,13 @@ def train_runs(args: argparse.Namespace, arm: str, seeds: Sequence[int], runs: d
 def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder: Path, pool: str | None = None,
              dataset: str | None = None) -> None:
     """Evaluate one finished run (read out with ``pool``, default its own) unless ``folder`` already holds results
-    for these exact weights (then only the pooling diagnostics are added when they are missing). ``dataset``: on
+    for these exact weights (then only what ``harness.diagnose`` adds is added, when it is missing). ``dataset``: on
     that data set's test split instead of the study's (``--also-eval``: no k-NN bank, no faithfulness)."""
     results = folder / RESULTS_FILE
     if results.exists():
         saved = json.loads(results.read_text(encoding="utf-8"))
         if saved["model"].get("sha256") == sha256_file(run / WEIGHTS_FILE):
-            if not has_diagnostics(saved):  # evaluated before the pooling diagnostics: add just those
+            if outdated(saved):  # evaluated before the diagnostics, mask metrics or content hashes: add just those
                 _run([sys.executable, "-m", "harness.diagnose", str(folder), "--device", args.device], args.threads)
             print(f"= {folder} evaluated, skipped")
             return
@@ -900,19 +901,22 @@ LOCALISATION_NOTE = (
     "weight x number of patches over the box and over the rest (1 = uniform). The weights are those the arm pools "
     "with: its own rollout weights, the attention of the learned pool (map, mean over heads), uniform for gap, "
     "and the post-hoc rollout row for cls. `<map>_box_mass` and `<map>_pointing` score each saliency map: its mass "
-    "on the box and the pointing-game hit rate (its maximum patch inside the box). The paired tables above test "
-    "`pooling_object_mass` and the maps' box mass and pointing; the chance levels, the inside/outside weights "
-    "(which restate the object mass) and `pooling_effective_patches` are shown, not tested; gap pools with uniform "
-    "weights, so an arm's `pooling_object_mass` against gap is its excess over chance, with its interval. A map "
-    "explains the "
-    "arm's own readout, so the maps of patch-mean and rollout readouts start from near-uniform weights over the "
-    "patches (gradient-weighted rollout most of all): their box mass compares readouts as much as localisation. "
-    "The chance level is that of uniform weights over the whole canvas; about half of it is plain background, so "
-    "weights that only avoid the background already beat it, and nothing here measures the weight on the clutter "
-    "fragments apart from the background.")
+    "on the box and the pointing-game hit rate (its maximum patch inside the box). Where the data set has content "
+    "masks (a `mask` column: fill, clutter, object per pixel), `pooling_fill_mass` and `<map>_fill_mass` are the "
+    "weight on flat fill, and `content_chance` the object mass of weights that only avoid the fill (each patch by "
+    "its share of non-fill pixels): weights that pick the object out of clutter beat `content_chance`, not just "
+    "`object_area_fraction`; `pooling_object_share` and `<map>_object_share` are the weight on the object over the "
+    "weight on object and clutter, against `object_content_fraction`, the same share for the fill-avoiding weights. "
+    "The paired tables above test the arms' masses, shares and pointing; the chance levels, the inside/outside "
+    "weights (which restate the object mass) and `pooling_effective_patches` are shown, not tested; gap pools with "
+    "uniform weights, so an arm's `pooling_object_mass` against gap is its excess over uniform weights, with its "
+    "interval. A map explains the arm's own readout, so the maps of patch-mean and rollout readouts start from "
+    "near-uniform weights over the patches (gradient-weighted rollout most of all): their box mass compares "
+    "readouts as much as localisation.")
 
 
-CHANCE_LEVELS = ("object_area_fraction", "pointing_chance")  # the same for every arm: shown, not tested
+# the same for every arm: shown, not tested
+CHANCE_LEVELS = ("object_area_fraction", "content_chance", "object_content_fraction", "pointing_chance")
 # restate the object mass (the mean weight over the box and over the rest) or describe the weights: shown only
 DESCRIPTIVE = ("pooling_weight_inside", "pooling_weight_outside", "pooling_effective_patches")
 
@@ -953,8 +957,7 @@ def interaction_section(args: argparse.Namespace, out: Path, here: dict[tuple[st
     lines = [f"## Interaction with `{other}`", "",
              INTERACTION_NOTE.format(arm=arm, base=base, primary=PRIMARY) + f" Its report: [{link}]({link}).", ""]
     same = [f"{a} seed {s}" for a in (base, arm) for s in seeds
-            if None not in (data := [(evaluated_images(r[a, s]) or (None,))[0] for r in (here, there)])
-            and data[0] == data[1]]
+            if None not in (found := [evaluated_images(r[a, s]) for r in (here, there)]) and same_images(*found)[0]]
     if not seeds or same:
         return [*lines, f"Not computed: {', '.join(same)} read the same data in both studies; name a study on "
                         "another data set." if same else f"No seed has {base} and {arm} evaluated in both studies "

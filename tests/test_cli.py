@@ -245,4 +245,4 @@ def test_diagnose_names_the_local_dir_folder_whose_weights_changed(tmp_path: Pat
     weights["head.bias"] += 1.0
     save_file(weights, str(run / "model.safetensors"))
     with pytest.raises(UserError, match=rf"ev: the weights of {run} changed since the evaluation \(sha256\)"):
-        diagnose.add_pooling_diagnostics(out)
+        diagnose.update_evaluation(out)

@@ -15,7 +15,15 @@ import pytest
 import torch
 from PIL import Image
 
-from timm_rollout.clutter import ClutterRecipe, _check_memory, clutter_split, make_cluttered
+from timm_rollout.clutter import (
+    CLUTTER,
+    OBJECT,
+    ClutterRecipe,
+    _check_memory,
+    clutter_split,
+    make_cluttered,
+    split_file,
+)
 from timm_rollout.data import SAMPLE_DIR, load_image_set
 from timm_rollout.errors import UserError
 
@@ -41,7 +49,7 @@ def test_object_is_pasted_last_at_its_box_and_clutter_comes_from_other_classes_o
     labels = [0, 1, 2] * 30
     images = traceable(labels, first_index=100)  # blue 100..189: this split's images only
     recipe = ClutterRecipe(canvas=24, fragments=6, fragment_size=3, seed=5)
-    canvases, boxes = clutter_split(images, torch.tensor(labels), FILL, recipe, "test")
+    canvases, boxes, _ = clutter_split(images, torch.tensor(labels), FILL, recipe, "test")
     assert canvases.shape == (90, 3, 24, 24) and boxes.shape == (90, 4)
     for i in range(90):
         x, y, w, h = boxes[i].tolist()
@@ -61,11 +69,37 @@ def test_object_is_pasted_last_at_its_box_and_clutter_comes_from_other_classes_o
         assert len(clutter[0]) <= 6 * 9  # at most k crops of f x f
 
 
+def test_mask_says_where_every_pixel_comes_from() -> None:
+    """Fill pixels hold the fill colour, object pixels are exactly the box and hold the object, and every clutter
+    pixel traces back to the fragment pasted there: a crop of an image of another class, at the pixel's offset."""
+    labels = [0, 1, 2] * 20
+    images = traceable(labels)
+    recipe = ClutterRecipe(canvas=24, fragments=12, fragment_size=3, seed=7)
+    canvases, boxes, masks = clutter_split(images, torch.tensor(labels), FILL, recipe, "test")
+    assert masks.shape == (60, 24, 24) and masks.dtype == torch.uint8 and set(masks.unique().tolist()) == {0, 1, 2}
+    for i in range(60):
+        x, y, w, h = boxes[i].tolist()
+        box = torch.zeros(24, 24, dtype=torch.bool)
+        box[y:y + h, x:x + w] = True
+        assert torch.equal(masks[i] == OBJECT, box)
+        assert torch.equal(canvases[i][:, box].reshape(3, h, w), images[i])
+        assert (canvases[i][:, masks[i] == 0] == 0).all()  # fill pixels hold the fill colour (black)
+        for py, px in torch.nonzero(masks[i] == CLUTTER).tolist():
+            red, green, blue = canvases[i, :, py, px].tolist()
+            assert red != 0 and red - 100 != labels[i]  # a pixel of an image of another class
+            assert labels[blue] == red - 100  # of that image: blue names it
+            sy, sx = divmod(green, 8)  # and of the pixel it names in that image
+            assert images[blue, 1, sy, sx] == green
+    # The masks follow the draws: the same seed at another fragment count keeps the object's pixels.
+    _, _, none = clutter_split(images, torch.tensor(labels), FILL, ClutterRecipe(24, 0, 3, seed=7), "test")
+    assert torch.equal(none == OBJECT, masks == OBJECT) and not (none == CLUTTER).any()
+
+
 def test_one_fragment_is_one_crop_of_fragment_size_from_a_random_spot() -> None:
     labels = [0, 1] * 100
     images = traceable(labels)
     recipe = ClutterRecipe(canvas=40, fragments=1, fragment_size=4, seed=0)
-    canvases, boxes = clutter_split(images, torch.tensor(labels), FILL, recipe, "train")
+    canvases, boxes, _ = clutter_split(images, torch.tensor(labels), FILL, recipe, "train")
     spots = set()
     for i in range(200):
         x, y, w, h = boxes[i].tolist()
@@ -88,10 +122,10 @@ def test_one_fragment_is_one_crop_of_fragment_size_from_a_random_spot() -> None:
 def test_objects_and_places_depend_on_the_seed_not_on_the_fragments() -> None:
     labels = torch.tensor([0, 1, 2, 3] * 50)
     images = traceable(labels.tolist())
-    clean, boxes0 = clutter_split(images, labels, FILL, ClutterRecipe(32, 0, 4, seed=3), "test")
-    busy, boxes16 = clutter_split(images, labels, FILL, ClutterRecipe(32, 16, 4, seed=3), "test")
-    _, other_seed = clutter_split(images, labels, FILL, ClutterRecipe(32, 16, 4, seed=4), "test")
-    _, other_split = clutter_split(images, labels, FILL, ClutterRecipe(32, 16, 4, seed=3), "train")
+    clean, boxes0, _ = clutter_split(images, labels, FILL, ClutterRecipe(32, 0, 4, seed=3), "test")
+    busy, boxes16, _ = clutter_split(images, labels, FILL, ClutterRecipe(32, 16, 4, seed=3), "test")
+    _, other_seed, _ = clutter_split(images, labels, FILL, ClutterRecipe(32, 16, 4, seed=4), "test")
+    _, other_split, _ = clutter_split(images, labels, FILL, ClutterRecipe(32, 16, 4, seed=3), "train")
     assert torch.equal(boxes0, boxes16) and not torch.equal(boxes0, other_seed) and not torch.equal(boxes0, other_split)
     assert (clean != 0).any(dim=1).flatten(1).sum(1).tolist() == [64] * 200  # no clutter: the object alone on the fill
     assert not torch.equal(clean, busy)
@@ -159,9 +193,9 @@ def test_written_folder_is_byte_deterministic_and_loads_offline_with_boxes(tmp_p
     make_cluttered("cifar10-sample", tmp_path / "b", recipe, per_class=3)
     make_cluttered("cifar10-sample", tmp_path / "b", recipe, per_class=3)  # a folder it wrote is overwritten
     assert counts == {"train": 30, "test": 30}
-    for name in ("train.parquet", "test.parquet", "README.md"):
+    for name in (split_file("train"), split_file("test"), "README.md"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
-    ds = datasets.load_dataset(str(tmp_path / "a"))  # offline: the card's configs name the files
+    ds = datasets.load_dataset(str(tmp_path / "a"))  # offline: datasets finds the splits by the file names
     assert set(ds) == {"train", "test"} and ds["test"].features["label"].names[:2] == ["airplane", "automobile"]
     source = load_image_set("cifar10-sample", "test")
     loaded = load_image_set(str(tmp_path / "a"), "test", boxes=True)
@@ -177,6 +211,14 @@ def test_written_folder_is_byte_deterministic_and_loads_offline_with_boxes(tmp_p
     for i, (x, y, w, h) in enumerate(loaded.boxes.long().tolist()):
         assert torch.equal(loaded.images[i, :, y:y + h, x:x + w], picked.images[i])
     assert torch.equal(loaded.subset(torch.tensor([2, 0])).boxes, loaded.boxes[[2, 0]])
+    # The mask column decodes to what the canvas shows: the object's pixels are its box, fill holds the fill colour.
+    assert loaded.masks.shape == (30, 48, 48) and torch.equal(loaded.subset(torch.tensor([1])).masks, loaded.masks[[1]])
+    colour = card.split("mean colour RGB (")[1].split(")")[0]
+    fill = torch.tensor([int(v) for v in colour.split(", ")], dtype=torch.uint8)
+    for i, (x, y, w, h) in enumerate(loaded.boxes.long().tolist()):
+        assert int((loaded.masks[i] == OBJECT).sum()) == w * h and (loaded.masks[i, y:y + h, x:x + w] == OBJECT).all()
+        assert (loaded.images[i][:, loaded.masks[i] == 0] == fill[:, None]).all()
+    assert load_image_set(str(tmp_path / "a"), "test").masks is None  # only the harness reads it
 
 
 def test_card_names_the_canvas_content_hash_of_the_decoded_files(tmp_path: Path) -> None:
@@ -250,5 +292,5 @@ def test_card_command_names_every_recipe_flag_and_remakes_the_same_files(tmp_pat
     argv = shlex.split(line)[2:]
     argv[argv.index("--output") + 1] = str(tmp_path / "b")
     make_cli.main(argv)
-    for name in ("train.parquet", "test.parquet"):
+    for name in (split_file("train"), split_file("test")):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()

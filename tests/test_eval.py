@@ -172,7 +172,7 @@ def test_diagnose_adds_the_missing_diagnostics_as_eval_computes_them(peaked, run
     assert diagnose.main([str(tmp_path / "old"), str(runs[1])]) == [tmp_path / "old"]  # runs[1] has them: skipped
     back = json.loads((tmp_path / "old" / "results.json").read_text())
     assert back["metrics"] == full["metrics"] and back["pooling_diagnostics"] == full["pooling_diagnostics"]
-    assert "pooling diagnostics added to 1 of 2 evaluations" in capsys.readouterr().out
+    assert "1 of 2 evaluations updated" in capsys.readouterr().out
     changed = tmp_path / "ckpt"
     changed.mkdir()
     for f in checkpoint.iterdir():
@@ -183,15 +183,15 @@ def test_diagnose_adds_the_missing_diagnostics_as_eval_computes_them(peaked, run
     (tmp_path / "old" / "results.json").write_text(json.dumps({**old, "args": {**old["args"],
                                                                                "checkpoint": str(changed)}}))
     with pytest.raises(UserError, match=r"weights .* changed since the evaluation"):
-        diagnose.add_pooling_diagnostics(tmp_path / "old")
+        diagnose.update_evaluation(tmp_path / "old")
     assert "pooling_diagnostics" not in json.loads((tmp_path / "old" / "results.json").read_text())
     with pytest.raises(UserError, match=r"weights .* changed since the evaluation"):  # found by name, still checked
-        diagnose.add_pooling_diagnostics(tmp_path / "old", runs=tmp_path)
+        diagnose.update_evaluation(tmp_path / "old", runs=tmp_path)
     moved = tmp_path / "elsewhere" / changed.name  # evaluated on another machine: the unchanged weights moved here
     moved.mkdir(parents=True)
     for f in checkpoint.iterdir():
         (moved / f.name).write_bytes(f.read_bytes())
-    assert diagnose.add_pooling_diagnostics(tmp_path / "old", runs=tmp_path / "elsewhere")
+    assert diagnose.update_evaluation(tmp_path / "old", runs=tmp_path / "elsewhere")
     back = json.loads((tmp_path / "old" / "results.json").read_text())
     assert back["pooling_diagnostics"] == full["pooling_diagnostics"]
 
@@ -209,12 +209,12 @@ def test_diagnose_finds_a_moved_local_dir_model_with_runs(peaked, tmp_path):
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "results.json").write_text(json.dumps(old))
     with pytest.raises(UserError, match=r"evaluated .*gone/peaked, which is not there .* pass --runs FOLDER"):
-        diagnose.add_pooling_diagnostics(tmp_path / "old")
+        diagnose.update_evaluation(tmp_path / "old")
     moved = tmp_path / "elsewhere" / run.name
     moved.mkdir(parents=True)
     for f in run.iterdir():
         (moved / f.name).write_bytes(f.read_bytes())
-    assert diagnose.add_pooling_diagnostics(tmp_path / "old", runs=tmp_path / "elsewhere")
+    assert diagnose.update_evaluation(tmp_path / "old", runs=tmp_path / "elsewhere")
     back = json.loads((tmp_path / "old" / "results.json").read_text())
     assert back["pooling_diagnostics"] == full["pooling_diagnostics"] and back["metrics"] == full["metrics"]
 

@@ -22,14 +22,18 @@ from harness.localisation import (
     box_coverage,
     box_mass,
     centres_inside,
+    content_weights,
     localisation_metrics,
+    mask_fractions,
     object_mass,
+    object_share,
     pointing_hits,
     weight_inside_outside,
 )
 from harness.predictions import read_predictions
 from timm_rollout import attention_rollout, capture_attention
 from timm_rollout.data import load_image_set
+from timm_rollout.errors import UserError
 
 SAMPLE = "cifar10-sample"
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.247, 0.2435, 0.2616)
@@ -112,6 +116,85 @@ def test_map_box_mass_and_pointing_by_hand():
     assert values["rollout_box_mass"] == pytest.approx(np.mean(expected))
     assert values["rollout_pointing"] == pytest.approx((1 + 0.5 + 4 / 64) / 6)
     assert values["gradient_rollout_box_mass"] is None  # a map not given
+
+
+MASK_KEYS = {k for k in LOCALISATION if k.endswith(("fill_mass", "object_share", "content_chance",
+                                                    "content_fraction"))}
+
+
+def _dot(a, b) -> float:
+    return sum(float(x) * float(y) for x, y in zip(a, b, strict=True))
+
+
+def _loop_mask_metrics(weights: np.ndarray, masks: np.ndarray, boxes: np.ndarray, grid: tuple[int, int]) -> dict:
+    """Per image, by counting pixels one at a time: the fill mass and object share of ``weights`` (N, P), and the
+    content pooling's object mass (against the box) and object share."""
+    n, h, w = masks.shape
+    rows, cols = grid
+    ph, pw = h // rows, w // cols
+    out = {"fill": [], "share": [], "chance": [], "content_share": []}
+    for i in range(n):
+        fill, clutter, obj, box = [], [], [], []
+        for r in range(rows):
+            for c in range(cols):
+                pix = [(y, x) for y in range(r * ph, (r + 1) * ph) for x in range(c * pw, (c + 1) * pw)]
+                fill.append(sum(masks[i, y, x] == 0 for y, x in pix) / len(pix))
+                clutter.append(sum(masks[i, y, x] == 1 for y, x in pix) / len(pix))
+                obj.append(sum(masks[i, y, x] == 2 for y, x in pix) / len(pix))
+                bx, by, bw, bh = boxes[i]
+                box.append(sum(bx <= x < bx + bw and by <= y < by + bh for y, x in pix) / len(pix))
+        content = [1 - f for f in fill]
+        u = [v / sum(content) for v in content]
+        out["fill"].append(_dot(weights[i], fill))
+        out["share"].append(_dot(weights[i], obj) / (_dot(weights[i], obj) + _dot(weights[i], clutter)))
+        out["chance"].append(_dot(u, box))
+        out["content_share"].append(_dot(u, obj) / (_dot(u, obj) + _dot(u, clutter)))
+    return out
+
+
+def test_mask_metrics_against_a_plain_loop():
+    g = torch.Generator().manual_seed(3)
+    n, size, grid = 12, (16, 24), (2, 3)
+    masks = torch.randint(0, 3, (n, *size), generator=g, dtype=torch.uint8)
+    boxes = _random_boxes(n, size, seed=5)
+    weights = torch.rand(n, 6, generator=g, dtype=torch.float64)
+    weights /= weights.sum(dim=1, keepdim=True)
+    fractions = mask_fractions(masks, grid)
+    want = _loop_mask_metrics(weights.numpy(), masks.numpy(), boxes.int().numpy(), grid)
+    coverage = box_coverage(boxes, size, grid)
+    assert object_mass(weights, fractions[..., 0]).tolist() == pytest.approx(want["fill"], abs=1e-12)
+    assert object_share(weights, fractions).tolist() == pytest.approx(want["share"], abs=1e-12)
+    assert object_mass(content_weights(fractions), coverage).tolist() == pytest.approx(want["chance"], abs=1e-12)
+    assert object_share(content_weights(fractions), fractions).tolist() == pytest.approx(want["content_share"],
+                                                                                          abs=1e-12)
+    values = localisation_metrics(weights, {"rollout": weights}, boxes, size, grid, masks)
+    assert values["pooling_fill_mass"] == pytest.approx(np.mean(want["fill"]), abs=1e-12)
+    assert values["rollout_fill_mass"] == pytest.approx(np.mean(want["fill"]), abs=1e-12)  # the same weights
+    assert values["pooling_object_share"] == pytest.approx(np.mean(want["share"]), abs=1e-12)
+    assert values["content_chance"] == pytest.approx(np.mean(want["chance"]), abs=1e-12)
+    assert values["object_content_fraction"] == pytest.approx(np.mean(want["content_share"]), abs=1e-12)
+
+
+def test_mask_metrics_by_hand():
+    """A 4x4 canvas of four 2x2 patches: the object (patch 0), fill (1), half clutter half fill (2), clutter (3)."""
+    mask = torch.tensor([[2, 2, 0, 0], [2, 2, 0, 0], [1, 0, 1, 1], [1, 0, 1, 1]], dtype=torch.uint8)[None]
+    box = torch.tensor([[0.0, 0.0, 2.0, 2.0]])
+    pooling = torch.tensor([[0.5, 0.5, 0.0, 0.0]])
+    maps = torch.tensor([[0.0, 3.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]])  # the second: all its mass on fill
+    values = localisation_metrics(pooling, {"rollout": maps[:1]}, box, (4, 4), (2, 2), mask)
+    # content weights (1 - fill) / sum = [1, 0, 0.5, 1] / 2.5; the object is patch 0
+    assert values["content_chance"] == pytest.approx(0.4)
+    assert values["object_content_fraction"] == pytest.approx(0.4 / (0.4 + 0.2 * 0.5 + 0.4))
+    assert values["pooling_fill_mass"] == pytest.approx(0.5) and values["pooling_object_share"] == pytest.approx(1.0)
+    assert values["pooling_object_mass"] == pytest.approx(0.5) and values["object_area_fraction"] == 0.25
+    assert values["rollout_fill_mass"] == pytest.approx(0.75) and values["rollout_object_share"] == 0.0
+    uniform = localisation_metrics(torch.full((1, 4), 0.25), {}, box, (4, 4), (2, 2), mask)
+    assert uniform["pooling_fill_mass"] == pytest.approx(0.375)
+    assert uniform["pooling_object_share"] == pytest.approx(0.25 / (0.25 + 0.125 + 0.25))
+    both = localisation_metrics(pooling.expand(2, -1), {"rollout": maps}, box.expand(2, -1), (4, 4), (2, 2),
+                                mask.expand(2, -1, -1))
+    assert both["rollout_object_share"] == 0.0  # the all-fill map has no share: left out of the mean, not 0/0
+    assert both["rollout_fill_mass"] == pytest.approx((0.75 + 1.0) / 2)
 
 
 def _sharpened(name: str, **kwargs) -> torch.nn.Module:
@@ -210,7 +293,8 @@ def test_eval_with_boxes_end_to_end(tmp_path, tmp_path_factory, monkeypatch):
         index = next(i for i in range(len(sample)) if torch.equal(sample.images[i], image))
         assert box.tolist() == pytest.approx(list(_box_of(index)))
     found = results["metrics"]
-    assert set(LOCALISATION) <= set(found) and all(found[k] is not None for k in LOCALISATION)
+    assert set(LOCALISATION) <= set(found)
+    assert all((found[k] is None) == (k in MASK_KEYS) for k in LOCALISATION)  # no content masks: no mask metrics
     areas = []
     for i in read_predictions(tmp_path)["index"]:  # the box's pixels inside the 32x32 image, counted
         x, y, w, h = (int(v) for v in _box_of(i))
@@ -244,3 +328,68 @@ def test_object_weights_figure(tmp_path):
     path = plot_object_weights(values, tmp_path / "object_weights.png", "Pooling weight on the object")
     with Image.open(path) as img:
         assert img.format == "PNG" and img.width > 300
+
+
+def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(tmp_path):
+    """harness.eval on cluttered canvases with masks: the mask metrics of the uniform (gap) pooling against pixels
+    counted by hand. Then an older record of the same evaluation (no mask metrics, no content hashes), whose folder
+    was written again (another datasets fingerprint, the same canvases): harness.diagnose shows by the recorded
+    predictions that the images are the evaluated ones, adds exactly what eval computes, and compare then pairs it
+    with a new evaluation by content; changed predictions are refused."""
+    import gzip
+    import json
+    import os
+
+    from harness import diagnose
+    from timm_rollout.clutter import ClutterRecipe, make_cluttered, split_file
+
+    make_cluttered(SAMPLE, tmp_path / "c", ClutterRecipe(fragments=24, seed=0), per_class=2)
+    torch.manual_seed(0)
+    run = tmp_path / "gap"
+    save_for_hf(timm.create_model("vit_tiny_cifar_gap", num_classes=10, img_size=64, patch_size=8, depth=1), run,
+                safe_serialization=True, data_config=dict(mean=MEAN, std=STD))
+    argv = ["--model", "vit_tiny_cifar_gap", "--checkpoint", str(run), "--dataset", str(tmp_path / "c"),
+            "--heatmaps", "0", "--device", "cpu", "--amp", "none"]
+    full = harness_eval.main([*argv, "--output", str(tmp_path / "new")])
+    data = load_image_set(str(tmp_path / "c"), "test", boxes=True)
+    masks, boxes = data.masks.numpy(), data.boxes.int().numpy()
+    want = _loop_mask_metrics(np.full((len(data), 64), 1 / 64), masks, boxes, (8, 8))
+    found = full["metrics"]
+    assert found["pooling_fill_mass"] == pytest.approx(np.mean(want["fill"]), abs=1e-6)
+    assert found["pooling_fill_mass"] == pytest.approx((masks == 0).mean(), abs=1e-6)  # uniform: the fill's area
+    assert found["pooling_object_share"] == pytest.approx(np.mean(want["share"]), abs=1e-6)
+    assert found["content_chance"] == pytest.approx(np.mean(want["chance"]), abs=1e-12)
+    assert found["object_content_fraction"] == pytest.approx(np.mean(want["content_share"]), abs=1e-12)
+    assert found["content_chance"] > found["object_area_fraction"] == pytest.approx(0.25)  # the stricter null
+    assert full["data"]["content"] == data.content
+
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("results.json", "predictions.json.gz"):
+        (old / name).write_bytes((tmp_path / "new" / name).read_bytes())
+    record = json.loads((old / "results.json").read_text())
+    for key in ("split_content", "content"):
+        del record["data"][key]
+    record["metrics"] = {k: (None if k in MASK_KEYS else v) for k, v in record["metrics"].items()}
+    (old / "results.json").write_text(json.dumps(record))
+    for split in ("train", "test"):  # written again: datasets gives the folder another fingerprint
+        os.utime(tmp_path / "c" / split_file(split), (1e9, 1e9))
+    assert load_image_set(str(tmp_path / "c"), "test").fingerprint != record["data"]["fingerprint"]
+    again = harness_eval.main([*argv, "--output", str(tmp_path / "again")])
+    with pytest.raises(UserError, match="evaluated on different data"):
+        compare.compare_groups(*compare.summarise(compare.load_results([old, tmp_path / "again"]),
+                                                  label=lambda r: r["path"]))
+    assert diagnose.update_evaluation(old) == ["mask localisation", "content hashes"]
+    back = json.loads((old / "results.json").read_text())
+    assert back["metrics"] == pytest.approx(full["metrics"]) and back["data"]["content"] == again["data"]["content"]
+    compare.compare_groups(*compare.summarise(compare.load_results([old, tmp_path / "again"]),
+                                              label=lambda r: r["path"]))  # the same content: paired
+    assert diagnose.update_evaluation(old) == []  # up to date
+
+    record["data"]["fingerprint"] = record["data"]["subset_fingerprint"] = "elsewhere"
+    (old / "results.json").write_text(json.dumps(record))
+    predictions = json.loads(gzip.decompress((old / "predictions.json.gz").read_bytes()))
+    predictions["predicted"]["top1"][0] = (predictions["predicted"]["top1"][0] + 1) % 10
+    (old / "predictions.json.gz").write_bytes(gzip.compress(json.dumps(predictions).encode()))
+    with pytest.raises(UserError, match="cannot be shown to be the evaluated ones"):
+        diagnose.update_evaluation(old)

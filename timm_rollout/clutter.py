@@ -4,7 +4,9 @@ The construction of cluttered translated MNIST (Mnih et al. 2014, "Recurrent Mod
 google-deepmind/mnist-cluttered) for any image classification set: a canvas filled with one colour, ``fragments``
 square crops of images of *other* classes of the same split pasted at random positions, then the whole source
 image (the object) pasted last at a random position, so it is never occluded and its pixels equal the source's.
-The object's box is known, so "does the pooling find the object" becomes a number (``harness.eval``).
+The object's box is known, and a per-pixel content mask (as segmentation data sets have) says where every pixel
+comes from: flat fill, a visible piece of clutter, or the object; so "does the pooling find the object, and not just
+the non-empty canvas" becomes a number (``harness.eval``).
 
 Randomness comes from two streams per split, both keyed by the seed and the split name: one places the objects,
 one draws the clutter. So the same seed gives the same objects in the same places at any number of fragments,
@@ -24,10 +26,12 @@ import torch
 from .errors import UserError
 from .progress import progress
 
-__all__ = ["ClutterRecipe", "check_split", "clutter_split", "fill_colour", "make_cluttered",
-           "object_positions"]
+__all__ = ["CLUTTER", "FILL", "MASK_COLUMN", "OBJECT", "ClutterRecipe", "check_split", "clutter_split",
+           "fill_colour", "make_cluttered", "object_positions", "split_file"]
 
 _OBJECTS, _CLUTTER = 0, 1  # the two random streams of a split
+FILL, CLUTTER, OBJECT = 0, 1, 2  # the content mask's values: flat fill, visible clutter, the object
+MASK_COLUMN = "mask"  # an Image column (mode L) of FILL / CLUTTER / OBJECT per pixel
 
 
 @dataclass(frozen=True)
@@ -88,9 +92,11 @@ def check_split(images: torch.Tensor, labels: torch.Tensor, recipe: ClutterRecip
 
 
 def clutter_split(images: torch.Tensor, labels: torch.Tensor, fill: tuple[int, int, int], recipe: ClutterRecipe,
-                  split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 (N, 3, H, W) ``images`` of one split -> uint8 (N, 3, canvas, canvas) canvases and int64 (N, 4)
-    object boxes ``[x, y, w, h]`` (COCO order). Fragments are cut from images of another class of this split."""
+                  split: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """uint8 (N, 3, H, W) ``images`` of one split -> uint8 (N, 3, canvas, canvas) canvases, int64 (N, 4) object
+    boxes ``[x, y, w, h]`` (COCO order) and uint8 (N, canvas, canvas) content masks (:data:`FILL`,
+    :data:`CLUTTER`, :data:`OBJECT`: what each pixel was last painted with). Fragments are cut from images of
+    another class of this split."""
     n, _, h, w = images.shape
     check_split(images, labels, recipe, split)
     lab = labels.numpy()
@@ -104,14 +110,17 @@ def clutter_split(images: torch.Tensor, labels: torch.Tensor, fill: tuple[int, i
     source = images.numpy()
     out = np.empty((n, 3, c, c), dtype=np.uint8)
     out[:] = np.asarray(fill, dtype=np.uint8)[:, None, None]
+    masks = np.full((n, c, c), FILL, dtype=np.uint8)
     for i in progress(range(n), desc=f"clutter {split}", leave=False):
-        canvas = out[i]
+        canvas, mask = out[i], masks[i]
         for (sy, sx), (cy, cx), j in zip(at[i], crop[i], src[i], strict=True):
             canvas[:, sy:sy + f, sx:sx + f] = source[j, :, cy:cy + f, cx:cx + f]
+            mask[sy:sy + f, sx:sx + f] = CLUTTER
         x, y = pos[i]
         canvas[:, y:y + h, x:x + w] = source[i]
+        mask[y:y + h, x:x + w] = OBJECT
     boxes = np.concatenate([pos, np.broadcast_to([w, h], (n, 2))], axis=1)
-    return torch.from_numpy(out), torch.from_numpy(boxes.astype(np.int64))
+    return torch.from_numpy(out), torch.from_numpy(boxes.astype(np.int64)), torch.from_numpy(masks)
 
 
 def fill_colour(images: torch.Tensor) -> tuple[int, int, int]:
@@ -125,10 +134,6 @@ def fill_colour(images: torch.Tensor) -> tuple[int, int, int]:
 CARD_MARK = "Cluttered canvases made by `timm_rollout.clutter`"  # a folder holding it may be overwritten
 CARD = """---
 pretty_name: {name}
-configs:
-- config_name: default
-  data_files:
-{files}
 ---
 # {name}
 
@@ -144,8 +149,12 @@ object) pasted last at a uniform random integer position, never occluded, its pi
 {seed}: the objects and their positions depend on the seed and split only, so the same seed at any `--fragments`
 gives the same objects in the same places.
 
-Columns: `image` (PNG), `label` (ClassLabel: {classes}) and `bbox` (the object's box `[x, y, w, h]` in pixels,
-COCO order).
+Columns: `image` (PNG), `label` (ClassLabel: {classes}), `bbox` (the object's box `[x, y, w, h]` in pixels,
+COCO order) and `mask` (PNG, one byte per pixel: what the canvas shows there, 0 flat fill, 1 a visible piece of
+clutter, 2 the object; the object's pixels are exactly its box). One file per split,
+`data/<split>-00000-of-00001.parquet`, the Hub's layout: `datasets.load_dataset("<this folder>")` finds the
+splits by the file names (the card names no files, so datasets keys its cache by the files, not by the folder's
+name).
 
 | split | images | source fingerprint | source sha256 (pixels, labels) | canvas sha256 (pixels, labels, boxes) |
 |---|---:|---|---|---|
@@ -157,29 +166,39 @@ writer gives other bytes, and the last column, a sha256 of the written data as d
 """
 
 
-def _png(canvas: np.ndarray) -> bytes:
+def _png(pixels: np.ndarray) -> bytes:
+    """PNG bytes of a (3, H, W) RGB canvas or an (H, W) mask (mode L)."""
     import io
 
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.fromarray(np.ascontiguousarray(canvas.transpose(1, 2, 0))).save(buf, format="PNG")
+    Image.fromarray(np.ascontiguousarray(pixels.transpose(1, 2, 0) if pixels.ndim == 3 else pixels)).save(
+        buf, format="PNG")
     return buf.getvalue()
 
 
-def _write_parquet(path, canvases: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor,
+def _write_parquet(path, canvases: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor, masks: torch.Tensor,
                    class_names: list[str]) -> None:
     import datasets
 
     from .atomic import atomic_path
 
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=class_names),
-                                  "bbox": datasets.List(datasets.Value("int32"), length=4)})
+                                  "bbox": datasets.List(datasets.Value("int32"), length=4),
+                                  MASK_COLUMN: datasets.Image()})
     images = [{"bytes": _png(c), "path": None} for c in progress(canvases.numpy(), desc="png", leave=False)]
-    table = datasets.Dataset.from_dict({"image": images, "label": labels.tolist(), "bbox": boxes.tolist()},
-                                       features=features)
+    mask_images = [{"bytes": _png(m), "path": None} for m in progress(masks.numpy(), desc="mask png", leave=False)]
+    table = datasets.Dataset.from_dict({"image": images, "label": labels.tolist(), "bbox": boxes.tolist(),
+                                        MASK_COLUMN: mask_images}, features=features)
     with atomic_path(path) as tmp:
         table.to_parquet(str(tmp))
+
+
+def split_file(split: str) -> str:
+    """Where a split's parquet file goes in an output folder: the Hub's sharded name, which datasets reads as that
+    split for any split name, without a ``configs:`` block in the card."""
+    return f"data/{split}-00000-of-00001.parquet"
 
 
 def _check_output(source: str, output: Path) -> None:
@@ -233,15 +252,15 @@ def make_cluttered(source: str, output: str | Path, recipe: ClutterRecipe, *, pe
     fill = fill_colour(sets[fill_split].images)
     rows = []
     for split, data in sets.items():
-        canvases, boxes = clutter_split(data.images, data.labels, fill, recipe, split)
-        _write_parquet(output / f"{split}.parquet", canvases, data.labels, boxes, data.class_names)
+        canvases, boxes, masks = clutter_split(data.images, data.labels, fill, recipe, split)
+        _write_parquet(output / split_file(split), canvases, data.labels, boxes, masks, data.class_names)
         rows.append(f"| {split} | {len(data)} | {data.fingerprint} | {content_hash(data.images, data.labels)} | "
                     f"{content_hash(canvases, data.labels, boxes)} |")
     first = next(iter(sets.values()))
     write_text(output / "README.md", CARD.format(
         mark=CARD_MARK,
         name=f"{Path(source).name or source} cluttered ({recipe.fragments} fragments, seed {recipe.seed})",
-        files="\n".join(f"  - split: {s}\n    path: {s}.parquet" for s in sets), source=source, command=command,
+        source=source, command=command,
         canvas=recipe.canvas, fill=fill, fill_split=fill_split, fragments=recipe.fragments,
         fragment_size=recipe.fragment_size, height=first.images.shape[2], width=first.images.shape[3],
         seed=recipe.seed, classes=", ".join(first.class_names), rows="\n".join(rows)))

@@ -73,6 +73,8 @@ _HUB_TO_STATS = {spec.path: spec.stats_key for spec in ALIASES.values() if spec.
 
 IMAGE_COLUMNS = ("img", "image")
 BOX_COLUMN = "bbox"  # one object box per image, [x, y, w, h] in pixels (COCO order): kept for the harness
+MASK_COLUMN = "mask"  # a per-pixel content mask per image: 0 flat fill, 1 clutter, 2 the object (timm_rollout.clutter)
+MASK_VALUES = 3
 LABEL_COLUMNS = ("label", "fine_label", "labels")
 CACHE_VERSION = 1
 # What makes a folder a data set: datasets' save_to_disk markers, or data files load_dataset reads as images.
@@ -91,6 +93,7 @@ class ImageSet:
     split: str
     fingerprint: str  # datasets' fingerprint of the split (provenance)
     boxes: torch.Tensor | None = None  # float32 (N, 4) object box [x, y, w, h] in pixels (COCO order), if any
+    masks: torch.Tensor | None = None  # uint8 (N, H, W) content mask (0 fill, 1 clutter, 2 object), if any
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -114,6 +117,7 @@ class ImageSet:
             self.images[indices], self.labels[indices], list(self.class_names), self.dataset, self.split,
             f"{self.fingerprint}[{len(indices)}:{drawn}]" if len(indices) != len(self) else self.fingerprint,
             None if self.boxes is None else self.boxes[indices],
+            None if self.masks is None else self.masks[indices],
         )
 
 
@@ -378,6 +382,28 @@ def _boxes(split_ds, name: str, size: tuple[int, int]) -> torch.Tensor | None:
     return torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4)
 
 
+def _masks(split_ds, name: str, size: tuple[int, int]) -> torch.Tensor | None:
+    """uint8 (N, H, W) content masks of a split with a ``mask`` Image column (values 0 fill, 1 clutter, 2 object,
+    as :mod:`timm_rollout.clutter` writes them); None without one. A mask of another size than its ``size`` =
+    (H, W) image, or with other values, is refused: the localisation metrics would read it wrongly."""
+    import datasets
+    from PIL import Image
+
+    if not isinstance(split_ds.features.get(MASK_COLUMN), datasets.Image):
+        return None
+    cells = split_ds.select_columns([MASK_COLUMN]).cast_column(MASK_COLUMN, datasets.Image(decode=False))
+    arrays = [np.asarray(Image.open(io.BytesIO(c["bytes"]) if c["bytes"] is not None else c["path"]))
+              for c in cells[MASK_COLUMN]]
+    bad = next((i for i, a in enumerate(arrays)
+                if a.dtype != np.uint8 or a.shape != tuple(size) or int(a.max()) >= MASK_VALUES), None)
+    if bad is not None:
+        a = arrays[bad]
+        raise UserError(f"data set {name!r}: row {bad} of column {MASK_COLUMN!r} is a {a.dtype} mask of shape "
+                        f"{a.shape} with values up to {a.max()}, not a {size[0]}x{size[1]} mask of 0 (fill), 1 "
+                        "(clutter), 2 (object); rename the column to evaluate without it")
+    return torch.from_numpy(np.stack(arrays)) if arrays else torch.zeros(0, *size, dtype=torch.uint8)
+
+
 def split_names(dataset: str) -> list[str]:
     """The splits of ``dataset`` (alias, Hub id or local folder)."""
     return list(_load_splits(resolve_dataset(dataset), dataset)[0])
@@ -396,8 +422,9 @@ def load_image_set(
     ``dataset`` is an alias (``cifar10``, ``cifar100`` with fine labels, ``svhn`` cropped digits,
     ``cifar10-sample`` shipped in the package), a Hub id, or a local folder that ``load_dataset`` or
     ``load_from_disk`` reads. Columns are detected (``img``/``image``, ``label``/``fine_label``) unless named.
-    ``boxes``: read a ``bbox`` column (one object box per image) into ``ImageSet.boxes`` (the harness scores
-    localisation with it; training and the rest leave it alone, whatever it holds).
+    ``boxes``: read a ``bbox`` column (one object box per image) into ``ImageSet.boxes`` and a ``mask`` column (a
+    content mask per image, as ``scripts/make_cluttered.py`` writes) into ``ImageSet.masks`` (the harness scores
+    localisation with them; training and the rest leave them alone, whatever they hold).
     """
     import datasets
 
@@ -419,8 +446,9 @@ def load_image_set(
         class_names = list(feature.names)
     else:
         class_names = [str(i) for i in range(int(labels.max()) + 1 if len(labels) else 0)]
+    size = tuple(images.shape[2:])
     return ImageSet(images, labels, class_names, spec.path, split, ds._fingerprint,
-                    _boxes(ds, dataset, tuple(images.shape[2:])) if boxes else None)
+                    _boxes(ds, dataset, size) if boxes else None, _masks(ds, dataset, size) if boxes else None)
 
 
 def balanced_indices(

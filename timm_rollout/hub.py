@@ -123,7 +123,21 @@ METRIC_DEFINITIONS = {
     "pooling_weight_outside": "mean over images of the pooling weight x number of patches off the box (1 = uniform)",
     "pooling_effective_patches": "mean over images of exp(entropy) of the weights the model pools the patches with",
     "pointing_chance": "fraction of patches whose centre lies in the box: the pointing game of a uniform map",
+    # Content masks (0 fill, 1 clutter, 2 object per pixel): f_p, k_p, o_p the shares of patch p's pixels.
+    "pooling_fill_mass": "mean over images of the share of the pooling weights on flat fill (sum of w_p f_p)",
+    "content_chance": (
+        "object mass of weights that only avoid flat fill (each patch by its share of non-fill pixels): the chance "
+        "level of a pooling that treats clutter and object alike"
+    ),
+    "pooling_object_share": (
+        "mean over images of the pooling weight on the object over the weight on object and clutter"
+    ),
+    "object_content_fraction": "the same share for the fill-avoiding weights of content_chance: its chance level",
     "<map>_box_mass": "mean over images of the share of the {map} map's mass on the object's box",
+    "<map>_fill_mass": "mean over images of the share of the {map} map's mass on flat fill (content masks)",
+    "<map>_object_share": (
+        "mean over images of the {map} map's mass on the object over its mass on object and clutter (content masks)"
+    ),
     "<map>_pointing": (
         "pointing game of the {map} map: the fraction of images whose maximal patch has its centre in the box "
         "(tied maxima count the fraction of them inside)"
