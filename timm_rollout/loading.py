@@ -26,7 +26,7 @@ from torch import nn
 from .errors import UserError
 from .models import record_input_size
 from .online import hub_or_cache
-from .pooling import CONFIG_KEY, ROLLOUT, set_pooling
+from .pooling import CONFIG_KEY, POOLED_ARCHITECTURE, ROLLOUT, STOCK_ARCHITECTURE, set_pooling
 from .records import CONFIG_FILE, WEIGHTS_FILE, sha256_file
 
 __all__ = ["check_input_size", "check_model", "create_model", "load_model", "pretrained_config", "pretrained_overlay"]
@@ -234,15 +234,25 @@ def _check_match(model: nn.Module, shapes: dict[str, tuple[int, ...]], name: str
     raise UserError(f"checkpoint {weights} does not match {name}: {'; '.join(problems)}; {fix}")
 
 
+def _as_trained(arch: str, config: dict[str, Any] | None) -> str:
+    """``arch``, or the architecture the checkpoint's config names when that is ``arch`` rollout-pooled
+    (:data:`~timm_rollout.pooling.POOLED_ARCHITECTURE`): a stock ViT's own checkpoint builds the model it trained."""
+    config = config or {}
+    stock = (config.get("model_args") or {}).get(STOCK_ARCHITECTURE)
+    return POOLED_ARCHITECTURE if config.get("architecture") == POOLED_ARCHITECTURE and stock == arch else arch
+
+
 def _model_args(config: dict[str, Any] | None, arch: str) -> dict[str, Any]:
-    """Architecture arguments saved in the checkpoint's config; head arguments only for its own architecture."""
+    """Architecture arguments saved in the checkpoint's config; head arguments only for its own architecture
+    (the pooling of ``model_args``, where timm recorded the one it was built with, else the top-level one)."""
     if not config:
         return {}
     args = dict(config.get("model_args") or {})
+    pool = args.get("global_pool", config.get("global_pool"))
     for key in _HEAD_ARGS:
         args.pop(key, None)
-    if config.get("architecture") == arch and config.get("global_pool"):
-        args["global_pool"] = config["global_pool"]
+    if config.get("architecture") == arch and pool is not None:
+        args["global_pool"] = pool
     if "img_size" in args:
         args["img_size"] = tuple(args["img_size"]) if isinstance(args["img_size"], list) else args["img_size"]
     return args
@@ -320,6 +330,13 @@ def _built_as(config: dict[str, Any]) -> tuple[str, dict[str, Any], Any, Any]:
     return str(config.get("architecture")), args, config.get("global_pool"), config.get(CONFIG_KEY)
 
 
+def _classifier(arch: str, config: dict[str, Any] | None) -> str:
+    """The classifier's module name: the checkpoint config's, else the registered architecture's, else ``head``."""
+    saved = ((config or {}).get("pretrained_cfg") or {}).get("classifier")
+    registered = timm.models.get_pretrained_cfg(arch)
+    return saved or (registered.to_dict().get("classifier") if registered is not None else None) or "head"
+
+
 def load_model(
     model: str,
     checkpoint: str | Path | None = None,
@@ -337,11 +354,13 @@ def load_model(
     provenance: resolved name, checkpoint and weights paths, sha256, class count, label names, mean and std.
     """
     arch, config, weights = _resolve_source(model, checkpoint)
-    kwargs = {**_model_args(config, arch), **model_kwargs}
+    arch = _as_trained(arch, config)
+    saved = _model_args(config, arch)
+    kwargs = {**saved, **model_kwargs}
     shapes = None
     if weights is not None:
         shapes = _checkpoint_shapes(weights)
-        classifier = timm.models.get_pretrained_cfg(arch).to_dict().get("classifier", "head")
+        classifier = _classifier(arch, config)
         found = _head_classes(shapes, classifier)
         if num_classes is not None and found is not None and found != num_classes:
             raise UserError(
