@@ -514,3 +514,43 @@ def test_without_timm_rollout_timm_refuses_a_rollout_pooled_stock_vit(stock_run)
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 1 and done.stdout == ""
     assert done.stderr.strip().splitlines()[-1] == "RuntimeError: Unknown model (timm_rollout_pooled)"
+
+
+def test_card_describes_the_stock_vit_that_was_trained(tmp_path, stock_run):
+    """The card of a stock ViT states its own architecture, norm eps (1e-6 in timm's ViTs), parameter count and
+    how timm loads it; nothing of the tiny study models."""
+    model = trained_stock(stock_run)
+    assert model.blocks[0].norm1.eps == 1e-6 and model.norm.eps == 1e-6
+    hub.write_upload_folder(stock_run, tmp_path / "up", "me/stock")
+    card = (tmp_path / "up" / "README.md").read_text()
+    assert ("**Architecture:** vit_tiny_patch16_224: timm VisionTransformer, patch 4, dim 192, depth 2, 3 heads, "
+            "MLP 768, pre-norm, LayerNorm eps 1e-6, exact GELU, qkv bias\n") in card
+    assert f"**Params (M):** {sum(p.numel() for p in model.parameters()) / 1e6:.3f}\n" in card
+    assert card.count("vit_tiny_patch16_224 Vision Transformer") == 1 and "trained from random initialisation" in card
+    assert "import timm_rollout  # registers timm_rollout_pooled: vit_tiny_patch16_224 pooled by rollout" in card
+    assert "rollout_head_fusion='max', rollout_discard_ratio=0.5" in card
+    for tiny in ("eps 1e-5", "one arm", "timm-rollout study", "vit_tiny_cifar", "parameter names match"):
+        assert tiny not in card
+
+
+def test_card_of_a_stock_vit_with_a_timm_pooling_needs_no_timm_rollout(tmp_path, images):
+    """A stock ViT pooled by timm's mean with the LayerNorm after pooling (fc_norm): plain timm rebuilds it."""
+    model = save_run(tmp_path / "run", "vit_tiny_patch16_224", img_size=32, patch_size=4, global_pool="avg")
+    assert model.fc_norm.eps == 1e-6 and isinstance(model.norm, torch.nn.Identity)
+    hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/stock-avg")
+    card = (tmp_path / "up" / "README.md").read_text()
+    assert "LayerNorm eps 1e-6" in card and "import timm_rollout" not in card and "A plain timm" in card
+    assert "the plain mean of the final patch tokens, then the LayerNorm after pooling (fc_norm)" in card
+    assert "one arm" not in card and "(normed)" not in card
+    loaded = timm.create_model(f"local-dir:{tmp_path / 'up'}", pretrained=True).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(images), model(images))
+
+
+def test_card_of_a_tiny_model_is_a_study_arm(tmp_path, run):
+    hub.write_upload_folder(run[0], tmp_path / "up", "me/tiny")
+    card = (tmp_path / "up" / "README.md").read_text()
+    assert ("**Architecture:** vit_tiny_cifar_rollout: timm VisionTransformer, patch 4, dim 128, depth 2, 4 heads, "
+            "MLP 512, pre-norm, LayerNorm eps 1e-5, exact GELU, qkv bias\n") in card
+    assert run[1].blocks[0].norm1.eps == 1e-5 and "It is one arm of the timm-rollout study" in card
+    assert "timm knows `vit_tiny_cifar_cls` / `vit_tiny_cifar_gap` / `vit_tiny_cifar_rollout`" in card
