@@ -160,6 +160,29 @@ def test_fine_tune_a_stock_vit_from_a_local_file_with_rollout_pooling(tmp_path):
         assert torch.equal(model(x), want) and torch.equal(loaded(x), want)
 
 
+@pytest.mark.parametrize("name", list(STOCK))
+def test_assigning_rollout_to_a_stock_vits_global_pool_is_set_pooling(name):
+    """``model.global_pool = 'rollout'`` on a stock timm ViT pools it as set_pooling does (timm alone takes the
+    string and fails on the next forward), and assigning its own pooling back gives the stock model exactly; a
+    model rollout cannot pool is refused at the assignment, unchanged."""
+    model, reference = build(name), set_pooling(build(name), "rollout")
+    x = images(name)
+    with torch.no_grad():
+        stock = model(x)
+        model.global_pool = "rollout"
+        assert isinstance(model, RolloutPooling) and model.global_pool == "rollout"
+        assert torch.equal(model(x), reference(x)) and not torch.allclose(model(x), stock)
+        torch.testing.assert_close(model.forward_head(model.forward_features(x), pre_logits=True).double(),
+                                   plain_rollout_pooling(model, x), rtol=1e-4, atol=1e-5)
+        model.global_pool = "token"
+        assert type(model) is type(build(name)) and torch.equal(model(x), stock)
+    no_cls = timm.create_model(name, class_token=False, global_pool="avg", **STOCK[name])
+    with pytest.raises(ValueError, match="rollout pooling needs a class token"):
+        no_cls.global_pool = "rollout"
+    assert no_cls.global_pool == "avg" and not isinstance(no_cls, RolloutPooling)
+    assert torch.jit.script(build(name).eval())(x).shape == stock.shape  # TorchScript of the stock model as before
+
+
 def test_tokens_changed_in_place_are_refused_however_they_were_changed():
     """The version counter misses inference tensors and ``.data``: the tokens are compared bit for bit."""
     name = "vit_small_patch16_224"

@@ -17,6 +17,9 @@ So no order of
 tokens with another pass's attention. ``set_pooling(model, <timm pooling>)`` (or assigning ``global_pool``, or
 ``reset_classifier(n, global_pool=...)``) gives the stock model back: its class, its fused-attention setting, no
 hooks, no state; methods bound or compiled while it was rollout-pooled then run the stock ones.
+
+Importing the module makes ``model.global_pool = 'rollout'`` on those timm classes run ``set_pooling`` (timm would
+take the string and fail on the next forward pass), as it does on the tiny models.
 """
 
 from __future__ import annotations
@@ -423,3 +426,36 @@ def export_config(config: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     if args:
         config["model_args"] = args
     return config
+
+
+def _route_rollout_assignment(cls: type[nn.Module]) -> None:
+    """Make ``model.global_pool = 'rollout'`` on an instance of timm's ``cls`` (or a subclass) run
+    ``set_pooling(model, 'rollout')``, as on the tiny models: timm would take the string and fail on the next forward
+    pass (``Unknown pool type``); a model that cannot be rollout-pooled is refused there, with set_pooling's
+    ValueError. Other assignments are timm's own."""
+    inherited = cls.__setattr__
+    if getattr(inherited, "_routes_rollout", False):
+        return
+
+    def __setattr__(self: nn.Module, name: str, value: object) -> None:
+        routed = name == "global_pool" and isinstance(value, str) and value == ROLLOUT
+        if routed and not isinstance(self, RolloutPooling) and not getattr(self, "rollout_options_are_model_args",
+                                                                           False):  # the tiny models switch themselves
+            set_pooling(self, ROLLOUT)  # swaps the class first, so its own assignment lands in the branch below
+        else:
+            inherited(self, name, value)
+
+    __setattr__._routes_rollout = True
+    cls.__setattr__ = __setattr__
+
+
+def _route_timm_classes() -> None:
+    """:func:`_route_rollout_assignment` for each timm class :func:`set_pooling` accepts."""
+    import importlib
+
+    for name in (*_POOL_HEADS, *_INLINE_HEADS):
+        module, cls = name.rsplit(".", 1)
+        _route_rollout_assignment(getattr(importlib.import_module(module), cls))
+
+
+_route_timm_classes()
