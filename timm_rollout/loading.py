@@ -50,18 +50,20 @@ def _check_registered(name: str) -> None:
     raise UserError(f"unknown model {name!r}{hint}")
 
 
-def _rejected(arch: str, kwargs: dict[str, Any], error: Exception) -> UserError:
+def _rejected(arch: str, kwargs: dict[str, Any], error: Exception, fix: str = "fix or drop the model arguments",
+              ) -> UserError:
     shown = {k: v for k, v in kwargs.items() if k not in ("pretrained", "pretrained_cfg_overlay")}
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return UserError(f"{arch} cannot be built with {shown} ({reason}); fix or drop the model arguments")
+    return UserError(f"{arch} cannot be built with {shown} ({reason}); {fix}")
 
 
-def create_model(arch: str, **kwargs: Any) -> nn.Module:
-    """``timm.create_model`` for a registered ``arch``; arguments the model rejects are a one-line UserError."""
+def create_model(arch: str, fix: str = "fix or drop the model arguments", **kwargs: Any) -> nn.Module:
+    """``timm.create_model`` for a registered ``arch``; arguments the model rejects are a one-line UserError ending
+    with ``fix``."""
     try:
         net = timm.create_model(arch, **kwargs)
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:
-        raise _rejected(arch, kwargs, e) from None
+        raise _rejected(arch, kwargs, e, fix) from None
     record_input_size(net)
     return net
 
@@ -337,6 +339,21 @@ def _classifier(arch: str, config: dict[str, Any] | None) -> str:
     return saved or (registered.to_dict().get("classifier") if registered is not None else None) or "head"
 
 
+def _config_fix(arch: str, config: dict[str, Any] | None, weights: Path | None, from_config: list[str]) -> str:
+    """The end of the error for model arguments ``arch`` rejects: where those not typed by the caller come from (the
+    checkpoint's config) and how to build the model they belong to."""
+    if not from_config:
+        return "fix or drop the model arguments"
+    folder = weights.parent if weights is not None else Path("RUN")
+    fix = f"the model arguments {from_config} come from the checkpoint's config, {folder / CONFIG_FILE}"
+    trained = str((config or {}).get("architecture") or "")
+    if trained == POOLED_ARCHITECTURE:  # named as its stock architecture (load_model builds that rollout-pooled)
+        trained = str((config.get("model_args") or {}).get(STOCK_ARCHITECTURE) or trained)
+    if trained and trained != arch:
+        return f"{fix}, saved with {trained}: evaluate it as local-dir:{folder} (or --model {trained})"
+    return f"{fix}; re-export the model with timm.models.save_for_hf"
+
+
 def load_model(
     model: str,
     checkpoint: str | Path | None = None,
@@ -371,7 +388,9 @@ def load_model(
     if num_classes is not None:
         kwargs["num_classes"] = num_classes
 
-    net = create_model(arch, pretrained=False, pretrained_cfg_overlay=_cfg_overlay(config, num_classes), **kwargs)
+    fix = _config_fix(arch, config, weights, sorted(set(saved) - set(model_kwargs)))
+    net = create_model(arch, fix, pretrained=False, pretrained_cfg_overlay=_cfg_overlay(config, num_classes),
+                       **kwargs)
     if weights is not None:
         _check_match(net, shapes, arch, weights, config)
         load_checkpoint(net, str(weights), strict=True)
