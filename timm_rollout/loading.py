@@ -371,14 +371,12 @@ def load_model(
     provenance: resolved name, checkpoint and weights paths, sha256, class count, label names, mean and std.
     """
     arch, config, weights = _resolve_source(model, checkpoint)
-    arch = _as_trained(arch, config)
-    saved = _model_args(config, arch)
+    saved = _model_args(config, arch := _as_trained(arch, config))
     kwargs = {**saved, **model_kwargs}
     shapes = None
     if weights is not None:
         shapes = _checkpoint_shapes(weights)
-        classifier = _classifier(arch, config)
-        found = _head_classes(shapes, classifier)
+        found = _head_classes(shapes, _classifier(arch, config))
         if num_classes is not None and found is not None and found != num_classes:
             raise UserError(
                 f"checkpoint has {found} classes, model built with {num_classes}; "
