@@ -118,13 +118,14 @@ def load_results(folders: Sequence[str | Path]) -> list[dict[str, Any]]:
 @functools.cache
 def default_pool(name: str) -> str | None:
     """The ``global_pool`` a registered model is built with by default (built on the meta device); None for names
-    timm does not register (``hf-hub:``, ``local-dir:``) and models the meta device cannot build."""
+    timm does not register (``hf-hub:``, ``local-dir:``), models the meta device cannot build and those that need
+    arguments (``timm_rollout_pooled``)."""
     if not timm.is_model(name):
         return None
     try:
         with torch.device("meta"):
             return str(timm.create_model(name).global_pool)
-    except (RuntimeError, NotImplementedError):  # a meta-device-only failure, as in loading.check_model
+    except (RuntimeError, NotImplementedError, ValueError):  # a meta-device-only failure, or a required argument
         return None
 
 

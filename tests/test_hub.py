@@ -7,6 +7,8 @@ import json
 import os
 import runpy
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import ClassVar
@@ -19,9 +21,10 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from safetensors.torch import load_file
 
 import timm_rollout
-from timm_rollout import hub, online
+from timm_rollout import hub, online, set_pooling, train
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.loading import load_model
+from timm_rollout.pooling import RolloutPooling
 
 ROOT = Path(__file__).resolve().parents[1]
 PUSH = ROOT / "scripts" / "push_to_hub.py"
@@ -447,3 +450,107 @@ def test_card_states_how_the_run_was_picked(tmp_path):
     assert "**Selection:** seed 2 of seeds 0, 1, 2" in (tmp_path / "up" / "README.md").read_text()
     hub.write_upload_folder(tmp_path / "run", tmp_path / "plain", "me/tiny")
     assert "Selection" not in (tmp_path / "plain" / "README.md").read_text()
+
+
+# a stock timm ViT trained rollout-pooled, sharpened (max over heads, half the patch attention discarded); CPU, fp32
+STOCK_ARGS = dict(img_size=32, patch_size=4, depth=2)
+STOCK_TRAIN = ["--model", "vit_tiny_patch16_224", "--model-kwargs", *(f"{k}={v}" for k, v in STOCK_ARGS.items()),
+               "--pool", "rollout", "--pool-kwargs", "head_fusion=max", "discard_ratio=0.5",
+               "--dataset", "cifar10-sample", "--max-train-samples", "256", "--max-eval-samples", "64", "--epochs", "1",
+               "--device", "cpu", "--amp", "none", "--workers", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def stock_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("runs") / "stock-rollout"
+    train.main([*STOCK_TRAIN, "--output", str(run)])
+    return run
+
+
+def trained_stock(run: Path) -> torch.nn.Module:
+    """The trained model rebuilt by hand, without its config.json: the stock model the command built, the run's
+    weights, and set_pooling with the options the command gave."""
+    model = timm.create_model("vit_tiny_patch16_224", num_classes=10, **STOCK_ARGS).eval()
+    model.load_state_dict(load_file(run / "model.safetensors"))
+    return set_pooling(model, "rollout", head_fusion="max", discard_ratio=0.5)
+
+
+def test_plain_timm_loading_of_a_stock_vit_trained_rollout_pooled_gives_the_trained_model(
+        tmp_path, stock_run, images, monkeypatch):
+    """timm.create_model on the run folder, its upload folder and the Hub copy of it (offline cache) gives the
+    trained model's logits exactly, as load_model does: config.json names it as timm_rollout_pooled."""
+    reference = trained_stock(stock_run)
+    with torch.no_grad():
+        want = reference(images)
+        stock_pooled = set_pooling(trained_stock(stock_run), "token")(images)
+    assert (want - stock_pooled).abs().max() > 0.05  # the pooling changes the logits: a stock reload would show
+    hub.write_upload_folder(stock_run, tmp_path / "up", REPO)
+    cache = tmp_path / "hub"
+    populate_hub_cache(cache, REPO, [tmp_path / "up" / "config.json", tmp_path / "up" / "model.safetensors"])
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    for name in (f"local-dir:{stock_run}", f"local-dir:{tmp_path / 'up'}", f"hf-hub:{REPO}"):
+        model = timm.create_model(name, pretrained=True).eval()
+        harness_model, info = load_model(name)
+        with torch.no_grad():
+            assert torch.equal(model(images), want) and torch.equal(harness_model(images), want)
+        assert isinstance(model, RolloutPooling) and model.global_pool == info["global_pool"] == "rollout"
+        assert (model.rollout_head_fusion, model.rollout_discard_ratio, model.rollout_grad) == ("max", 0.5, False)
+        assert model.pretrained_cfg["input_size"] == (3, 32, 32) and model.pretrained_cfg["label_names"] == CLASSES
+    config = json.loads((stock_run / "config.json").read_text())
+    assert config["architecture"] == "timm_rollout_pooled" and config["global_pool"] == "rollout"
+    assert {k: config["model_args"][k] for k in ("stock_architecture", "global_pool", "rollout_head_fusion",
+                                                 "rollout_discard_ratio", "rollout_grad")} == {
+        "stock_architecture": "vit_tiny_patch16_224", "global_pool": "token", "rollout_head_fusion": "max",
+        "rollout_discard_ratio": 0.5, "rollout_grad": False}
+
+
+def test_without_timm_rollout_timm_refuses_a_rollout_pooled_stock_vit(stock_run):
+    """Plain timm (timm_rollout not imported) stops at the architecture it does not know instead of building the
+    stock model with another pooling."""
+    code = f"import sys, timm; timm.create_model({f'local-dir:{stock_run}'!r}, pretrained=True); " \
+           "print('timm_rollout' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines()[-1] == "RuntimeError: Unknown model (timm_rollout_pooled)"
+
+
+def test_card_describes_the_stock_vit_that_was_trained(tmp_path, stock_run):
+    """The card of a stock ViT states its own architecture, norm eps (1e-6 in timm's ViTs), parameter count and
+    how timm loads it; nothing of the tiny study models."""
+    model = trained_stock(stock_run)
+    assert model.blocks[0].norm1.eps == 1e-6 and model.norm.eps == 1e-6
+    hub.write_upload_folder(stock_run, tmp_path / "up", "me/stock")
+    card = (tmp_path / "up" / "README.md").read_text()
+    assert ("**Architecture:** vit_tiny_patch16_224: timm VisionTransformer, patch 4, dim 192, depth 2, 3 heads, "
+            "MLP 768, pre-norm, LayerNorm eps 1e-6, exact GELU, qkv bias\n") in card
+    assert f"**Params (M):** {sum(p.numel() for p in model.parameters()) / 1e6:.3f}\n" in card
+    assert card.count("vit_tiny_patch16_224 Vision Transformer") == 1 and "trained from random initialisation" in card
+    assert "import timm_rollout  # registers timm_rollout_pooled: vit_tiny_patch16_224 pooled by rollout" in card
+    assert "rollout_head_fusion='max', rollout_discard_ratio=0.5" in card
+    for tiny in ("eps 1e-5", "one arm", "timm-rollout study", "vit_tiny_cifar", "parameter names match"):
+        assert tiny not in card
+
+
+def test_card_of_a_stock_vit_with_a_timm_pooling_needs_no_timm_rollout(tmp_path, images):
+    """A stock ViT pooled by timm's mean with the LayerNorm after pooling (fc_norm): plain timm rebuilds it."""
+    model = save_run(tmp_path / "run", "vit_tiny_patch16_224", img_size=32, patch_size=4, global_pool="avg")
+    assert model.fc_norm.eps == 1e-6 and isinstance(model.norm, torch.nn.Identity)
+    hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/stock-avg")
+    card = (tmp_path / "up" / "README.md").read_text()
+    assert "LayerNorm eps 1e-6" in card and "import timm_rollout" not in card and "A plain timm" in card
+    assert "the plain mean of the final patch tokens, then the LayerNorm after pooling (fc_norm)" in card
+    assert "one arm" not in card and "(normed)" not in card
+    loaded = timm.create_model(f"local-dir:{tmp_path / 'up'}", pretrained=True).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(images), model(images))
+
+
+def test_card_of_a_tiny_model_is_a_study_arm(tmp_path, run):
+    hub.write_upload_folder(run[0], tmp_path / "up", "me/tiny")
+    card = (tmp_path / "up" / "README.md").read_text()
+    assert ("**Architecture:** vit_tiny_cifar_rollout: timm VisionTransformer, patch 4, dim 128, depth 2, 4 heads, "
+            "MLP 512, pre-norm, LayerNorm eps 1e-5, exact GELU, qkv bias\n") in card
+    assert run[1].blocks[0].norm1.eps == 1e-5 and "It is one arm of the timm-rollout study" in card
+    assert "timm knows `vit_tiny_cifar_cls` / `vit_tiny_cifar_gap` / `vit_tiny_cifar_rollout`" in card

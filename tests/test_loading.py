@@ -194,6 +194,30 @@ def test_model_arguments_timm_rejects_fail_fast(tmp_path):
         check_model(f"local-dir:{tmp_path}")
 
 
+def test_model_arguments_from_a_checkpoints_config_are_named_as_its_own(tmp_path, capsys):
+    """A registered name with a run folder trained as another model: the arguments its config.json records (here the
+    tiny rollout model's rollout options) are not the caller's to drop; the error names where they come from and
+    how to load the run, in load_model and as harness.eval's one line."""
+    from harness import eval as harness_eval
+    from timm_rollout.checkpoint import save_model
+    from timm_rollout.errors import run_cli
+
+    run = tmp_path / "run"
+    save_model(run, timm.create_model("vit_tiny_cifar_rollout", num_classes=10, depth=2), LABELS, MEAN, STD)
+    message = _error("vit_small_patch16_224", run)
+    assert message.startswith("vit_small_patch16_224 cannot be built with {") and "'rollout_head_fusion'" in message
+    assert message.endswith(f"rollout_grad', 'rollout_head_fusion'] come from the checkpoint's config, "
+                            f"{run / 'config.json'}, saved with vit_tiny_cifar_rollout: evaluate it as "
+                            f"local-dir:{run} (or --model vit_tiny_cifar_rollout)")
+    assert "fix or drop" not in message
+    assert _error("vit_tiny_cifar_cls", dpeth=2).endswith("; fix or drop the model arguments")  # typed by the caller
+    with pytest.raises(SystemExit) as e:
+        run_cli(harness_eval.main, ["--model", "vit_small_patch16_224", "--checkpoint", str(run), "--dataset",
+                                    "cifar10-sample", "--output", str(tmp_path / "eval"), "--device", "cpu"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and lines == [f"error: {message}"]
+
+
 def test_head_less_safetensors_file_uses_requested_classes(tmp_path):
     model = timm.create_model("vit_tiny_cifar_cls", num_classes=0, depth=1)
     path = tmp_path / "backbone.safetensors"

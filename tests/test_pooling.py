@@ -143,18 +143,44 @@ def test_fine_tune_a_stock_vit_from_a_local_file_with_rollout_pooling(tmp_path):
                 str(tmp_path / "pretrained.safetensors"), "--dataset", "cifar10-sample", "--max-train-samples", "128",
                 "--max-eval-samples", "50", "--batch-size", "64", "--epochs", "1", "--lr", "1e-4", "--device", "cpu",
                 "--amp", "none", "--workers", "1", "--no-progress", "--output", str(run)])
-    stock = timm.create_model(f"local-dir:{run}", pretrained=True).eval()  # timm's own loader: stock pooling
-    assert type(stock).__name__ == "VisionTransformer" and stock.global_pool == "token" and stock.num_classes == 10
-    assert stock.pretrained_cfg["input_size"] == (3, 32, 32) and tuple(stock.pretrained_cfg["mean"]) == (0.5,) * 3
+    loaded = timm.create_model(f"local-dir:{run}", pretrained=True).eval()  # timm's own loader: as trained
+    assert isinstance(loaded, RolloutPooling) and loaded.rollout_head_fusion == "max" and loaded.num_classes == 10
+    assert loaded.pretrained_cfg["input_size"] == (3, 32, 32) and tuple(loaded.pretrained_cfg["mean"]) == (0.5,) * 3
     fresh = timm.create_model("vit_small_patch16_224", img_size=64, patch_size=8, depth=2)
     for name in ("blocks.1.attn.qkv.weight", "blocks.0.mlp.fc1.weight"):  # started from the file, moved a little
-        trained, start = stock.state_dict()[name], source.state_dict()[name]
+        trained, start = loaded.state_dict()[name], source.state_dict()[name]
         assert (trained - start).norm() < 0.05 * (fresh.state_dict()[name] - start).norm()
-    model, info = load_model(f"local-dir:{run}")  # the project's loader re-applies the rollout pooling
+    model, info = load_model(f"local-dir:{run}")  # the project's loader builds the same
     assert isinstance(model, RolloutPooling) and model.rollout_head_fusion == "max" and info["global_pool"] == "rollout"
+    by_hand = timm.create_model("vit_small_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=10).eval()
+    by_hand.load_state_dict(loaded.state_dict())
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        torch.testing.assert_close(model(x), set_pooling(stock, "rollout", head_fusion="max")(x))
+        want = set_pooling(by_hand, "rollout", head_fusion="max")(x)
+        assert torch.equal(model(x), want) and torch.equal(loaded(x), want)
+
+
+@pytest.mark.parametrize("name", list(STOCK))
+def test_assigning_rollout_to_a_stock_vits_global_pool_is_set_pooling(name):
+    """``model.global_pool = 'rollout'`` on a stock timm ViT pools it as set_pooling does (timm alone takes the
+    string and fails on the next forward), and assigning its own pooling back gives the stock model exactly; a
+    model rollout cannot pool is refused at the assignment, unchanged."""
+    model, reference = build(name), set_pooling(build(name), "rollout")
+    x = images(name)
+    with torch.no_grad():
+        stock = model(x)
+        model.global_pool = "rollout"
+        assert isinstance(model, RolloutPooling) and model.global_pool == "rollout"
+        assert torch.equal(model(x), reference(x)) and not torch.allclose(model(x), stock)
+        torch.testing.assert_close(model.forward_head(model.forward_features(x), pre_logits=True).double(),
+                                   plain_rollout_pooling(model, x), rtol=1e-4, atol=1e-5)
+        model.global_pool = "token"
+        assert type(model) is type(build(name)) and torch.equal(model(x), stock)
+    no_cls = timm.create_model(name, class_token=False, global_pool="avg", **STOCK[name])
+    with pytest.raises(ValueError, match="rollout pooling needs a class token"):
+        no_cls.global_pool = "rollout"
+    assert no_cls.global_pool == "avg" and not isinstance(no_cls, RolloutPooling)
+    assert torch.jit.script(build(name).eval())(x).shape == stock.shape  # TorchScript of the stock model as before
 
 
 def test_tokens_changed_in_place_are_refused_however_they_were_changed():

@@ -1,7 +1,8 @@
 """timm-rollout: tiny CIFAR Vision Transformers pooled by [CLS] token, patch mean or attention rollout, in timm.
 
-Importing the package registers ``vit_tiny_cifar_cls``, ``vit_tiny_cifar_gap`` and ``vit_tiny_cifar_rollout``
-with timm.
+Importing the package registers ``vit_tiny_cifar_cls``, ``vit_tiny_cifar_gap``, ``vit_tiny_cifar_rollout`` and
+``timm_rollout_pooled`` (a stock timm ViT pooled by rollout, as a saved run of one names it) with timm, and makes
+``model.global_pool = 'rollout'`` on a timm ViT what ``set_pooling(model, 'rollout')`` does.
 """
 
 from .capture import AttentionCapture, attention_modules, capture_attention

@@ -24,7 +24,7 @@ from timm.models import save_for_hf
 from torch import nn
 
 from .atomic import atomic_path, publish, write_json
-from .pooling import config_entries, option_model_args
+from .pooling import export_config, option_model_args
 from .records import CONFIG_FILE, MODEL_FILES
 
 __all__ = ["load_resume", "save_model", "save_resume"]
@@ -42,11 +42,10 @@ def save_model(
     try:
         save_for_hf(model, tmp, model_config=model_config, model_args=option_model_args(model) or None,
                     safe_serialization=True, data_config={"mean": tuple(mean), "std": tuple(std)})
-        pooled = config_entries(model)
-        if pooled:  # a stock timm ViT pooled by set_pooling: timm builds it with its stock pooling
-            config = json.loads((tmp / CONFIG_FILE).read_text(encoding="utf-8"))
-            config["model_args"]["global_pool"] = pooled["global_pool"]
-            write_json(tmp / CONFIG_FILE, {**config, **pooled})
+        config = json.loads((tmp / CONFIG_FILE).read_text(encoding="utf-8"))
+        exported = export_config(config, model)
+        if exported != config:  # a stock timm ViT pooled by set_pooling: named so that timm rebuilds it so
+            write_json(tmp / CONFIG_FILE, exported)
         for name in MODEL_FILES:
             publish(tmp / name, out / name)
     finally:

@@ -25,6 +25,8 @@ from .atomic import atomic_path, write_text
 from .data import ALIASES
 from .errors import UserError
 from .loading import load_model
+from .models import RolloutVisionTransformer
+from .pooling import OPTIONS, POOLED_ARCHITECTURE, RolloutPooling
 from .records import (
     ARGS_FILE,
     CARD_FILE,
@@ -64,13 +66,10 @@ POOLING_SHORT = {
 }
 POOLING_TEXT = {
     "token": "the final [CLS] token",
-    "avg": (
-        "the plain mean of the final (normed) patch tokens (timm's global_pool='avg' with fc_norm=False: the final "
-        "LayerNorm stays before pooling, so the parameter names match the other pooling arms)"
-    ),
+    "avg": "the plain mean of the final {tokens}",
     "rollout": (
-        "the mean of the final (normed) patch tokens weighted by the [CLS] row of the attention rollout "
-        "(head-averaged attention plus identity, row-normalised, multiplied over layers; [CLS] column dropped "
+        "the mean of the final {tokens} weighted by the [CLS] row of the attention rollout "
+        "(head-averaged attention plus identity, row-normalised, multiplied over layers; {prefix} dropped "
         "and the row renormalised)"
     ),
     "map": (
@@ -78,6 +77,9 @@ POOLING_TEXT = {
         "attends over the final (normed) patch tokens, followed by a projection and a residual MLP"
     ),
 }
+# the study's patch-mean arm: why its final LayerNorm comes before pooling
+STUDY_AVG_TEXT = (" (timm's global_pool='avg' with fc_norm=False: the final LayerNorm stays before pooling, so the "
+                  "parameter names match the other pooling arms)")
 ROLLOUT_GRAD_TEXT = "; trained with rollout_grad=True: gradients flow through the pooling weights (detached by default)"
 
 # Definitions of the harness metrics (python -m harness.eval, harness/README.md "Metrics"), all on L2-normalised pooled
@@ -218,23 +220,108 @@ def check_eval_matches(run_dir: str | os.PathLike, results: dict[str, Any]) -> N
 
 
 def describe_model(model: torch.nn.Module) -> dict[str, Any]:
-    """Architecture facts of a timm ViT for the card: pooling, sizes, parameter count."""
+    """Architecture facts of a timm ViT for the card, read off the model: architecture, pooling and its options,
+    sizes, norm, activation, parameter count, and the name timm must know to rebuild it (``registered_name``:
+    a tiny model's, ``timm_rollout_pooled`` for a rollout-pooled stock ViT, None for a plain timm model). ``class``
+    is the timm class it is (or derives from)."""
     block = model.blocks[0]
+    stock = next(c for c in type(model).__mro__ if c.__module__.startswith("timm.") or c is torch.nn.Module)
+    architecture = model.pretrained_cfg.get("architecture", stock.__name__)
+    study = isinstance(model, RolloutVisionTransformer)
+    registered = architecture if study else POOLED_ARCHITECTURE if isinstance(model, RolloutPooling) else None
     return {
-        "architecture": model.pretrained_cfg.get("architecture", type(model).__name__),
+        "architecture": architecture,
+        "class": stock.__name__,
+        "study_model": study,
+        "registered_name": registered,
         "pooling": str(model.global_pool),
-        "rollout_grad": bool(getattr(model, "rollout_grad", False)),
-        "rollout_head_fusion": str(getattr(model, "rollout_head_fusion", "mean")),
-        "rollout_discard_ratio": float(getattr(model, "rollout_discard_ratio", 0.0)),
+        **{attr: getattr(model, attr, default) for attr, default in OPTIONS.values()},
         "params": sum(p.numel() for p in model.parameters()),
         "img_size": tuple(model.patch_embed.img_size),
         "patch_size": tuple(model.patch_embed.patch_size),
         "embed_dim": model.embed_dim,
         "depth": len(model.blocks),
         "num_heads": block.attn.num_heads,
-        "mlp_hidden": block.mlp.fc1.out_features,
+        "mlp_hidden": getattr(getattr(block.mlp, "fc1", None), "out_features", None),
         "num_classes": model.num_classes,
+        "num_prefix_tokens": int(getattr(model, "num_prefix_tokens", 1)),
+        "num_reg_tokens": int(getattr(model, "num_reg_tokens", 0) or 0),
+        "norm_before_pool": not isinstance(getattr(model, "norm", None), (torch.nn.Identity, type(None))),
+        "fc_norm": not isinstance(getattr(model, "fc_norm", None), (torch.nn.Identity, type(None))),
+        **_block_facts(block),
     }
+
+
+def _block_facts(block: torch.nn.Module) -> dict[str, Any]:
+    """The block's kind (timm's pre-norm ``Block`` or another class), its first norm and eps, MLP activation and
+    whether its qkv projection has a bias (None where the block has no such part)."""
+    norm = getattr(block, "norm1", None)
+    act = getattr(block.mlp, "act", None)
+    qkv = getattr(block.attn, "qkv", None)
+    return {
+        "block": type(block).__name__,
+        "norm": type(norm).__name__ if norm is not None else None,
+        "norm_eps": getattr(norm, "eps", None),
+        "activation": type(act).__name__ if act is not None else None,
+        "gelu_approximate": getattr(act, "approximate", None),
+        "qkv_bias": (qkv.bias is not None or getattr(block.attn, "q_bias", None) is not None) if qkv is not None
+        else None,
+    }
+
+
+def _eps(value: float) -> str:
+    """``1e-5`` rather than Python's ``1e-05``."""
+    mantissa, exponent = f"{value:e}".split("e")
+    return f"{float(mantissa):g}e{int(exponent)}"
+
+
+def _architecture_text(facts: dict[str, Any]) -> str:
+    """The card's architecture line: the model's class and sizes, block kind, norm, activation and qkv bias."""
+    parts = [f"{facts['architecture']}: timm {facts['class']}", f"patch {facts['patch_size'][0]}",
+             f"dim {facts['embed_dim']}", f"depth {facts['depth']}", f"{facts['num_heads']} heads"]
+    if facts.get("mlp_hidden"):
+        parts.append(f"MLP {facts['mlp_hidden']}")
+    parts.append("pre-norm" if facts.get("block") == "Block" else f"{facts.get('block')} blocks")
+    if facts.get("norm_eps") is not None:
+        parts.append(f"{facts['norm']} eps {_eps(facts['norm_eps'])}")
+    if facts.get("activation") == "GELU":
+        parts.append("exact GELU" if facts.get("gelu_approximate") == "none" else
+                     f"GELU ({facts.get('gelu_approximate')} approximation)")
+    elif facts.get("activation"):
+        parts.append(facts["activation"])
+    if facts.get("qkv_bias") is not None:
+        parts.append("qkv bias" if facts["qkv_bias"] else "no qkv bias")
+    if facts.get("num_reg_tokens"):
+        parts.append(f"{facts['num_reg_tokens']} register tokens")
+    return ", ".join(parts)
+
+
+def _pooling_text(facts: dict[str, Any]) -> tuple[str, str]:
+    """(full, short) description of the model's pooling, with the tokens it pools as this model has them."""
+    pooling = facts["pooling"]
+    if facts.get("norm_before_pool", True):
+        tokens = "(normed) patch tokens"
+    else:
+        tokens = "patch tokens"
+    registers = facts.get("num_reg_tokens", 0)
+    prefix = "[CLS] column" if facts.get("num_prefix_tokens", 1) == 1 else \
+        f"[CLS] and {registers} register-token columns" if registers else "prefix-token columns"
+    text = POOLING_TEXT.get(pooling, f"timm global pooling {pooling!r}").format(tokens=tokens, prefix=prefix)
+    if pooling == "avg" and facts.get("study_model"):
+        text += STUDY_AVG_TEXT
+    elif facts.get("fc_norm") and pooling in ("avg", "rollout"):
+        text += ", then the LayerNorm after pooling (fc_norm)"
+    short = POOLING_SHORT.get(pooling, text)
+    if pooling == "rollout" and facts.get("rollout_grad"):
+        text += ROLLOUT_GRAD_TEXT
+        short += " (trained with gradients through the rollout weights)"
+    fusion, ratio = facts.get("rollout_head_fusion", "mean"), facts.get("rollout_discard_ratio", 0.0)
+    if pooling == "rollout" and (fusion != "mean" or ratio):
+        options = f"rollout_head_fusion={fusion!r}, rollout_discard_ratio={ratio:g}"
+        text += f"; sharpened rollout ({options}: heads fused by {fusion}, the weakest {ratio:.0%} of " \
+                "patch-to-patch attention discarded)"
+        short += f" ({options})"
+    return text, short
 
 
 def _fmt(value: Any) -> str:
@@ -343,26 +430,11 @@ def model_card(
     """A card in the dict format of timm's ``generate_readme`` (tags, licence, description, details, usage);
     ``selection`` says how the run was picked among several (e.g. the seeds of a study arm)."""
     train_args = train_args or {}
-    pooling = facts["pooling"]
-    pool_text = POOLING_TEXT.get(pooling, f"timm global pooling {pooling!r}")
-    short = POOLING_SHORT.get(pooling, pool_text)
-    if pooling == "rollout" and facts.get("rollout_grad"):
-        pool_text += ROLLOUT_GRAD_TEXT
-        short += " (trained with gradients through the rollout weights)"
-    fusion, ratio = facts.get("rollout_head_fusion", "mean"), facts.get("rollout_discard_ratio", 0.0)
-    if pooling == "rollout" and (fusion != "mean" or ratio):
-        options = f"rollout_head_fusion={fusion!r}, rollout_discard_ratio={ratio:g}"
-        pool_text += f"; sharpened rollout ({options}: heads fused by {fusion}, the weakest {ratio:.0%} of " \
-                     "patch-to-patch attention discarded)"
-        short += f" ({options})"
+    pool_text, short = _pooling_text(facts)
     details: dict[str, Any] = {
         "Model Type": "Image classification / feature backbone",
-        "Architecture": (
-            f"{facts['architecture']}: timm VisionTransformer, patch {facts['patch_size'][0]}, "
-            f"dim {facts['embed_dim']}, depth {facts['depth']}, {facts['num_heads']} heads, "
-            f"MLP {facts['mlp_hidden']}, pre-norm, LayerNorm eps 1e-5, exact GELU, qkv bias"
-        ),
-        "Pooling": f"{pooling}: {pool_text}",
+        "Architecture": _architecture_text(facts),
+        "Pooling": f"{facts['pooling']}: {pool_text}",
         "Params (M)": f"{facts['params'] / 1e6:.3f}",
         "Image size": "x".join(str(s) for s in facts["img_size"]),
         "Classes": facts["num_classes"],
@@ -389,25 +461,48 @@ def model_card(
     return {
         "tags": ["image-classification", "timm", "vision-transformer", "attention-rollout"],
         "license": LICENSE,
-        "description": (
-            f"A tiny Vision Transformer for {details['Image size']} images that classifies from "
-            f"{short}. "
-            "It is one arm of the timm-rollout study (does attention-rollout pooling help a tiny ViT?): [CLS] token, "
-            "patch mean, rollout-weighted patch tokens and learned attention pooling, differing only in pooling."
-        ),
+        "description": _description(facts, short, details["Image size"], train_args),
         "details": details,
-        "usage": _usage(repo_id, _dataset_arg(train_args)),
+        "usage": _usage(repo_id, _dataset_arg(train_args), facts),
     }
 
 
-def _usage(repo_id: str, dataset: str) -> str:
-    return f"""The architecture lives in the `timm_rollout` package: import it before creating the model, so that
-timm knows `vit_tiny_cifar_cls` / `vit_tiny_cifar_gap` / `vit_tiny_cifar_rollout`.
+def _description(facts: dict[str, Any], short: str, size: str, train_args: dict[str, Any]) -> str:
+    """What the model is: a study arm (the tiny models), or the stock timm ViT that was trained, and from what."""
+    if facts.get("study_model"):
+        return (f"A tiny Vision Transformer for {size} images that classifies from {short}. It is one arm of the "
+                "timm-rollout study (does attention-rollout pooling help a tiny ViT?): [CLS] token, patch mean, "
+                "rollout-weighted patch tokens and learned attention pooling, differing only in pooling.")
+    start = ("fine-tuned from pretrained weights" if train_args.get("pretrained_file") else
+             "trained from random initialisation" if "pretrained_file" in train_args else "trained")
+    return (f"timm's {facts['architecture']} Vision Transformer ({facts['params'] / 1e6:.1f}M parameters), built for "
+            f"{size} images, {start} with timm-rollout to classify from {short}.")
+
+
+def _import_text(facts: dict[str, Any]) -> tuple[str, str]:
+    """(sentence, import line) of the usage: what importing ``timm_rollout`` gives timm for this model."""
+    name = facts.get("registered_name")
+    if facts.get("study_model"):
+        return ("The architecture lives in the `timm_rollout` package: import it before creating the model, so that\n"
+                "timm knows `vit_tiny_cifar_cls` / `vit_tiny_cifar_gap` / `vit_tiny_cifar_rollout`.",
+                "import timm_rollout  # registers the architecture with timm")
+    if name == POOLED_ARCHITECTURE:
+        arch = facts["architecture"]
+        return (f"The model is timm's `{arch}` pooled by attention rollout. Its `config.json` names it `{name}`,\n"
+                "which the `timm_rollout` package registers: import it before creating the model, and timm builds\n"
+                f"`{arch}` with these weights and its rollout pooling (`timm_rollout.set_pooling`). Without the\n"
+                f"import, timm stops at `Unknown model ({name})`.",
+                f"import timm_rollout  # registers {name}: {arch} pooled by rollout")
+    return (f"A plain timm `{facts['architecture']}`: timm alone rebuilds it (`timm_rollout` runs the harness).", "")
+
+
+def _usage(repo_id: str, dataset: str, facts: dict[str, Any]) -> str:
+    sentence, line = _import_text(facts)
+    imports = "\n".join(["import timm", "import torch", *([line] if line else [])])
+    return f"""{sentence}
 
 ```python
-import timm
-import torch
-import timm_rollout  # registers the architecture with timm
+{imports}
 
 model = timm.create_model("hf-hub:{repo_id}", pretrained=True).eval()
 transform = timm.data.create_transform(**timm.data.resolve_data_config({{}}, model=model))

@@ -26,7 +26,7 @@ from torch import nn
 from .errors import UserError
 from .models import record_input_size
 from .online import hub_or_cache
-from .pooling import CONFIG_KEY, ROLLOUT, set_pooling
+from .pooling import CONFIG_KEY, POOLED_ARCHITECTURE, ROLLOUT, STOCK_ARCHITECTURE, set_pooling
 from .records import CONFIG_FILE, WEIGHTS_FILE, sha256_file
 
 __all__ = ["check_input_size", "check_model", "create_model", "load_model", "pretrained_config", "pretrained_overlay"]
@@ -50,18 +50,20 @@ def _check_registered(name: str) -> None:
     raise UserError(f"unknown model {name!r}{hint}")
 
 
-def _rejected(arch: str, kwargs: dict[str, Any], error: Exception) -> UserError:
+def _rejected(arch: str, kwargs: dict[str, Any], error: Exception, fix: str = "fix or drop the model arguments",
+              ) -> UserError:
     shown = {k: v for k, v in kwargs.items() if k not in ("pretrained", "pretrained_cfg_overlay")}
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return UserError(f"{arch} cannot be built with {shown} ({reason}); fix or drop the model arguments")
+    return UserError(f"{arch} cannot be built with {shown} ({reason}); {fix}")
 
 
-def create_model(arch: str, **kwargs: Any) -> nn.Module:
-    """``timm.create_model`` for a registered ``arch``; arguments the model rejects are a one-line UserError."""
+def create_model(arch: str, fix: str = "fix or drop the model arguments", **kwargs: Any) -> nn.Module:
+    """``timm.create_model`` for a registered ``arch``; arguments the model rejects are a one-line UserError ending
+    with ``fix``."""
     try:
         net = timm.create_model(arch, **kwargs)
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:
-        raise _rejected(arch, kwargs, e) from None
+        raise _rejected(arch, kwargs, e, fix) from None
     record_input_size(net)
     return net
 
@@ -234,15 +236,25 @@ def _check_match(model: nn.Module, shapes: dict[str, tuple[int, ...]], name: str
     raise UserError(f"checkpoint {weights} does not match {name}: {'; '.join(problems)}; {fix}")
 
 
+def _as_trained(arch: str, config: dict[str, Any] | None) -> str:
+    """``arch``, or the architecture the checkpoint's config names when that is ``arch`` rollout-pooled
+    (:data:`~timm_rollout.pooling.POOLED_ARCHITECTURE`): a stock ViT's own checkpoint builds the model it trained."""
+    config = config or {}
+    stock = (config.get("model_args") or {}).get(STOCK_ARCHITECTURE)
+    return POOLED_ARCHITECTURE if config.get("architecture") == POOLED_ARCHITECTURE and stock == arch else arch
+
+
 def _model_args(config: dict[str, Any] | None, arch: str) -> dict[str, Any]:
-    """Architecture arguments saved in the checkpoint's config; head arguments only for its own architecture."""
+    """Architecture arguments saved in the checkpoint's config; head arguments only for its own architecture
+    (the pooling of ``model_args``, where timm recorded the one it was built with, else the top-level one)."""
     if not config:
         return {}
     args = dict(config.get("model_args") or {})
+    pool = args.get("global_pool", config.get("global_pool"))
     for key in _HEAD_ARGS:
         args.pop(key, None)
-    if config.get("architecture") == arch and config.get("global_pool"):
-        args["global_pool"] = config["global_pool"]
+    if config.get("architecture") == arch and pool is not None:
+        args["global_pool"] = pool
     if "img_size" in args:
         args["img_size"] = tuple(args["img_size"]) if isinstance(args["img_size"], list) else args["img_size"]
     return args
@@ -320,6 +332,28 @@ def _built_as(config: dict[str, Any]) -> tuple[str, dict[str, Any], Any, Any]:
     return str(config.get("architecture")), args, config.get("global_pool"), config.get(CONFIG_KEY)
 
 
+def _classifier(arch: str, config: dict[str, Any] | None) -> str:
+    """The classifier's module name: the checkpoint config's, else the registered architecture's, else ``head``."""
+    saved = ((config or {}).get("pretrained_cfg") or {}).get("classifier")
+    registered = timm.models.get_pretrained_cfg(arch)
+    return saved or (registered.to_dict().get("classifier") if registered is not None else None) or "head"
+
+
+def _config_fix(arch: str, config: dict[str, Any] | None, weights: Path | None, from_config: list[str]) -> str:
+    """The end of the error for model arguments ``arch`` rejects: where those not typed by the caller come from (the
+    checkpoint's config) and how to build the model they belong to."""
+    if not from_config:
+        return "fix or drop the model arguments"
+    folder = weights.parent if weights is not None else Path("RUN")
+    fix = f"the model arguments {from_config} come from the checkpoint's config, {folder / CONFIG_FILE}"
+    trained = str((config or {}).get("architecture") or "")
+    if trained == POOLED_ARCHITECTURE:  # named as its stock architecture (load_model builds that rollout-pooled)
+        trained = str((config.get("model_args") or {}).get(STOCK_ARCHITECTURE) or trained)
+    if trained and trained != arch:
+        return f"{fix}, saved with {trained}: evaluate it as local-dir:{folder} (or --model {trained})"
+    return f"{fix}; re-export the model with timm.models.save_for_hf"
+
+
 def load_model(
     model: str,
     checkpoint: str | Path | None = None,
@@ -337,12 +371,12 @@ def load_model(
     provenance: resolved name, checkpoint and weights paths, sha256, class count, label names, mean and std.
     """
     arch, config, weights = _resolve_source(model, checkpoint)
-    kwargs = {**_model_args(config, arch), **model_kwargs}
+    saved = _model_args(config, arch := _as_trained(arch, config))
+    kwargs = {**saved, **model_kwargs}
     shapes = None
     if weights is not None:
         shapes = _checkpoint_shapes(weights)
-        classifier = timm.models.get_pretrained_cfg(arch).to_dict().get("classifier", "head")
-        found = _head_classes(shapes, classifier)
+        found = _head_classes(shapes, _classifier(arch, config))
         if num_classes is not None and found is not None and found != num_classes:
             raise UserError(
                 f"checkpoint has {found} classes, model built with {num_classes}; "
@@ -352,7 +386,9 @@ def load_model(
     if num_classes is not None:
         kwargs["num_classes"] = num_classes
 
-    net = create_model(arch, pretrained=False, pretrained_cfg_overlay=_cfg_overlay(config, num_classes), **kwargs)
+    fix = _config_fix(arch, config, weights, sorted(set(saved) - set(model_kwargs)))
+    net = create_model(arch, fix, pretrained=False, pretrained_cfg_overlay=_cfg_overlay(config, num_classes),
+                       **kwargs)
     if weights is not None:
         _check_match(net, shapes, arch, weights, config)
         load_checkpoint(net, str(weights), strict=True)

@@ -1,4 +1,5 @@
-"""The three tiny CIFAR ViTs, registered with timm: [CLS]-token, patch-mean and attention-rollout pooling.
+"""The three tiny CIFAR ViTs, registered with timm: [CLS]-token, patch-mean and attention-rollout pooling; and
+``timm_rollout_pooled``, any stock timm ViT pooled by attention rollout (what a saved run of one names).
 
 All three are :class:`RolloutVisionTransformer`, a timm ``VisionTransformer`` with the same parameter
 names, so a checkpoint trained with one pooling loads into the others. Pooling is switchable at run time
@@ -12,14 +13,26 @@ pooling weights tied to the tokens of the pass that computed them. Assigning ano
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
+import timm
 from timm.layers import LayerNorm, PatchEmbed
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch import nn
 
 from .dropout import use_fast_dropout
-from .pooling import ROLLOUT, RolloutPooling, check_rollout_options, register_pooled_class, switch_pooling_class
+from .pooling import (
+    OPTION_ARGS,
+    POOLED_ARCHITECTURE,
+    ROLLOUT,
+    STOCK_ARCHITECTURE,
+    RolloutPooling,
+    check_rollout_options,
+    register_pooled_class,
+    set_pooling,
+    switch_pooling_class,
+)
 
 __all__ = ["CIFAR100_MEAN", "CIFAR100_STD", "RolloutPooledVisionTransformer", "RolloutVisionTransformer",
            "record_input_size"]
@@ -171,3 +184,27 @@ def vit_tiny_cifar_gap(pretrained: bool = False, **kwargs) -> RolloutVisionTrans
 def vit_tiny_cifar_rollout(pretrained: bool = False, **kwargs) -> RolloutVisionTransformer:
     """The same tiny CIFAR ViT, pooling final patch tokens by the [CLS] row of attention rollout."""
     return _create("vit_tiny_cifar_rollout", pretrained, ROLLOUT, **kwargs)
+
+
+@register_model
+def timm_rollout_pooled(pretrained: bool = False, stock_architecture: str | None = None,
+                        rollout_head_fusion: str = "mean", rollout_discard_ratio: float = 0.0,
+                        rollout_grad: bool = False, **kwargs: Any) -> nn.Module:
+    """A stock timm ViT (``stock_architecture``, built with the other arguments) pooled by attention rollout.
+
+    The architecture ``config.json`` names for a stock ViT saved while rollout-pooled
+    (:func:`timm_rollout.pooling.export_config`), so that ``timm.create_model("local-dir:RUN", pretrained=True)``
+    rebuilds it as it was trained: the stock model with the run's weights, then :func:`timm_rollout.set_pooling`
+    with the rollout options.
+    """
+    if not isinstance(stock_architecture, str) or stock_architecture == POOLED_ARCHITECTURE \
+            or not timm.is_model(stock_architecture):
+        raise ValueError(f"{POOLED_ARCHITECTURE} builds a registered timm ViT pooled by rollout; name it with "
+                         f"{STOCK_ARCHITECTURE}=..., e.g. 'vit_small_patch16_224' (got {stock_architecture!r})")
+    source = kwargs.pop("pretrained_model_args", None)  # timm's record of the saved arguments: the stock model's
+    if source:
+        kwargs["pretrained_model_args"] = {k: v for k, v in source.items()
+                                           if k not in (STOCK_ARCHITECTURE, *OPTION_ARGS)}
+    model = record_input_size(timm.create_model(stock_architecture, pretrained=pretrained, **kwargs))
+    return set_pooling(model, ROLLOUT, head_fusion=rollout_head_fusion, discard_ratio=rollout_discard_ratio,
+                       grad=rollout_grad)

@@ -17,6 +17,9 @@ So no order of
 tokens with another pass's attention. ``set_pooling(model, <timm pooling>)`` (or assigning ``global_pool``, or
 ``reset_classifier(n, global_pool=...)``) gives the stock model back: its class, its fused-attention setting, no
 hooks, no state; methods bound or compiled while it was rollout-pooled then run the stock ones.
+
+Importing the module makes ``model.global_pool = 'rollout'`` on those timm classes run ``set_pooling`` (timm would
+take the string and fail on the next forward pass), as it does on the tiny models.
 """
 
 from __future__ import annotations
@@ -33,11 +36,14 @@ from .rollout import check_options, patch_weights, rollout_cls_row
 
 __all__ = [
     "CONFIG_KEY",
+    "OPTION_ARGS",
+    "POOLED_ARCHITECTURE",
     "ROLLOUT",
+    "STOCK_ARCHITECTURE",
     "TIMM_POOLS",
     "RolloutPooling",
     "check_rollout_options",
-    "config_entries",
+    "export_config",
     "option_model_args",
     "register_pooled_class",
     "rollout_pooled_class",
@@ -49,9 +55,14 @@ ROLLOUT = "rollout"
 TIMM_POOLS = ("", "avg", "avgmax", "max", "token", "map")  # timm VisionTransformer poolings (global_pool)
 OPTIONS = {"head_fusion": ("rollout_head_fusion", "mean"), "discard_ratio": ("rollout_discard_ratio", 0.0),
            "grad": ("rollout_grad", False)}  # set_pooling option -> model attribute, default
+OPTION_ARGS = tuple(attr for attr, _ in OPTIONS.values())  # the options as model attributes and model arguments
 _PASSES = "_rollout_passes"  # {id(tokens): _Pass} of live passes
 _STOCK_POOL = "_stock_global_pool"  # the timm pooling the model had before rollout pooling
-CONFIG_KEY = "rollout_pooling"  # config.json entry of a stock timm ViT saved while rollout-pooled
+CONFIG_KEY = "rollout_pooling"  # rollout options of a stock timm ViT in configs that name its stock architecture
+# config.json's architecture for a stock timm ViT saved while rollout-pooled (registered by timm_rollout.models), and
+# its model argument naming the stock architecture
+POOLED_ARCHITECTURE = "timm_rollout_pooled"
+STOCK_ARCHITECTURE = "stock_architecture"
 
 
 class _Pass(NamedTuple):
@@ -390,11 +401,61 @@ def option_model_args(model: nn.Module) -> dict[str, Any]:
     return {attr: getattr(model, attr) for attr, _ in OPTIONS.values()}
 
 
-def config_entries(model: nn.Module) -> dict[str, Any]:
-    """What timm's ``config.json`` must say of a stock timm ViT that :func:`set_pooling` made rollout-pooled:
-    its stock pooling as ``global_pool`` (so ``timm.create_model("local-dir:...")`` builds it) and the rollout
-    options under :data:`CONFIG_KEY`, which :func:`timm_rollout.loading.load_model` applies; empty otherwise."""
-    if not isinstance(model, RolloutPooling) or getattr(model, "rollout_options_are_model_args", False):
-        return {}
-    options = {key: getattr(model, attr) for key, (attr, _) in OPTIONS.items()}
-    return {"global_pool": model.__dict__[_STOCK_POOL], CONFIG_KEY: options}
+def export_config(config: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """timm's ``config.json`` of ``model`` (as ``save_for_hf`` writes it), made to rebuild the model as it pools now.
+
+    A stock timm ViT that :func:`set_pooling` made rollout-pooled is named :data:`POOLED_ARCHITECTURE`, with its
+    stock architecture, the pooling it was built with (which fixes its layout, e.g. ``fc_norm``) and the rollout
+    options as model arguments: timm's own loader (``local-dir:``, ``hf-hub:``) then rebuilds it rollout-pooled once
+    ``timm_rollout`` is imported, and without it stops at an unknown model instead of building another pooling.
+    Any other stock model keeps (or gets back) its stock architecture, without those arguments. The tiny models'
+    config is timm's own: their rollout options are model arguments already.
+    """
+    if getattr(model, "rollout_options_are_model_args", False):
+        return config
+    saved = dict(config.get("model_args") or {})
+    pooled_before = config.get("architecture") == POOLED_ARCHITECTURE  # built by timm_rollout_pooled
+    stock = saved.get(STOCK_ARCHITECTURE) if pooled_before else config.get("architecture")
+    args = {k: v for k, v in saved.items() if k not in (STOCK_ARCHITECTURE, *OPTION_ARGS)}
+    if isinstance(model, RolloutPooling):
+        args.update({STOCK_ARCHITECTURE: stock, "global_pool": model.__dict__[_STOCK_POOL]})
+        args.update({attr: getattr(model, attr) for attr in OPTION_ARGS})
+        stock = POOLED_ARCHITECTURE
+    config = {k: v for k, v in config.items() if k != CONFIG_KEY}
+    config["architecture"] = stock
+    if args:
+        config["model_args"] = args
+    return config
+
+
+def _route_rollout_assignment(cls: type[nn.Module]) -> None:
+    """Make ``model.global_pool = 'rollout'`` on an instance of timm's ``cls`` (or a subclass) run
+    ``set_pooling(model, 'rollout')``, as on the tiny models: timm would take the string and fail on the next forward
+    pass (``Unknown pool type``); a model that cannot be rollout-pooled is refused there, with set_pooling's
+    ValueError. Other assignments are timm's own."""
+    inherited = cls.__setattr__
+    if getattr(inherited, "_routes_rollout", False):
+        return
+
+    def __setattr__(self: nn.Module, name: str, value: object) -> None:
+        routed = name == "global_pool" and isinstance(value, str) and value == ROLLOUT
+        if routed and not isinstance(self, RolloutPooling) and not getattr(self, "rollout_options_are_model_args",
+                                                                           False):  # the tiny models switch themselves
+            set_pooling(self, ROLLOUT)  # swaps the class first, so its own assignment lands in the branch below
+        else:
+            inherited(self, name, value)
+
+    __setattr__._routes_rollout = True
+    cls.__setattr__ = __setattr__
+
+
+def _route_timm_classes() -> None:
+    """:func:`_route_rollout_assignment` for each timm class :func:`set_pooling` accepts."""
+    import importlib
+
+    for name in (*_POOL_HEADS, *_INLINE_HEADS):
+        module, cls = name.rsplit(".", 1)
+        _route_rollout_assignment(getattr(importlib.import_module(module), cls))
+
+
+_route_timm_classes()
