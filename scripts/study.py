@@ -933,7 +933,33 @@ def localisation_section(out: Path, groups: dict[str, Group], seeds: Sequence[in
     plot_object_weights(values, out / LOCALISATION_FILE, f"Pooling weight on the object's box against the rest "
                         f"(test split, seeds {' '.join(map(str, seeds))})")
     return ["## Localisation", "", LOCALISATION_NOTE, "", means_table(groups, LOCALISATION), "",
-            f"![pooling weight inside and outside the box]({LOCALISATION_FILE})", ""]
+            *null_excess_table(groups), f"![pooling weight inside and outside the box]({LOCALISATION_FILE})", ""]
+
+
+# (arm's metric, its null): does an arm's weight on the object beat weights that only avoid the empty canvas?
+NULL_EXCESS = (("pooling_object_mass", "content_chance"), ("pooling_object_share", "object_content_fraction"))
+
+
+def null_excess_table(groups: dict[str, Group]) -> list[str]:
+    """Per arm, each of :data:`NULL_EXCESS` minus its null, per seed (both from the same evaluation): mean with
+    its 95% t-interval over the seeds; nothing where no evaluation has content masks."""
+    rows = []
+    for arm, g in groups.items():
+        cells = []
+        for metric, null in NULL_EXCESS:
+            none = [None] * len(g.runs)
+            diffs = [v - c for v, c in zip(g.values.get(metric, none), g.values.get(null, none), strict=True)
+                     if v is not None and c is not None]
+            cells.append(stats.t_interval(diffs) if diffs else None)
+        if any(cells):
+            shown = [f"{d.mean:+.4f} | {format_ci(d)}" if d else "- | -" for d in cells]
+            rows.append(f"| {arm} | {max(d.n for d in cells if d)} | {' | '.join(shown)} |")
+    if not rows:
+        return []
+    head = " | ".join(f"{m} - {n} | 95% CI" for m, n in NULL_EXCESS)
+    return ["Against the null of weights that only avoid flat fill (per seed, the arm's value minus the null of "
+            "the same evaluation; mean over seeds, 95% t-interval): an interval above 0 picks the object out of "
+            "clutter.", "", f"| arm | seeds | {head} |", "|---|---:|---:|---|---:|---|", *rows, ""]
 
 
 INTERACTION_NOTE = (
@@ -977,6 +1003,30 @@ def interaction_section(args: argparse.Namespace, out: Path, here: dict[tuple[st
         holm = "uncorrected" if metric == PRIMARY else format_p(next(adjusted))
         lines.append(f"| {metric} | {d.n} | {d_here:+.4f} | {d_there:+.4f} | {d.mean:+.4f} | {format_ci(d)} | "
                      f"{format_p(d.p)} | {holm} | {format_number(d.mde)} |")
+    return [*lines, "", *arm_change_table((base, arm), seeds, here, there)]
+
+
+CHANGE_METRICS = ("top1", "linear_probe", "knn_bank")  # what the other data set changes in each arm
+
+
+def arm_change_table(arms: Sequence[str], seeds: Sequence[int], here: dict[tuple[str, int], dict[str, Any]],
+                     there: dict[tuple[str, int], dict[str, Any]]) -> list[str]:
+    """Per arm and metric of :data:`CHANGE_METRICS`, the other study's value minus this one's, paired by seed
+    (each model tested on its own study's data): what this study's data set costs each arm, with its interval."""
+    lines = ["Each arm in the other study minus the same arm here, per seed (each trained and tested on its own "
+             "study's data; with this study the cluttered one, what clutter costs the arm), mean with 95% "
+             "t-interval; secondary, uncorrected.", "",
+             "| arm | metric | seeds | here | there | there - here | 95% CI | p | MDE |",
+             "|---|---|---:|---:|---:|---:|---|---:|---:|"]
+    for arm in arms:
+        for metric in CHANGE_METRICS:
+            pairs = [(h, t) for s in seeds if (h := here[arm, s]["metrics"].get(metric)) is not None
+                     and (t := there[arm, s]["metrics"].get(metric)) is not None]
+            if pairs:
+                d = stats.paired_delta(*zip(*pairs, strict=True))
+                lines.append(f"| {arm} | {metric} | {d.n} | {np.mean([h for h, _ in pairs]):.4f} | "
+                             f"{np.mean([t for _, t in pairs]):.4f} | {d.mean:+.4f} | {format_ci(d)} | "
+                             f"{format_p(d.p)} | {format_number(d.mde)} |")
     return [*lines, ""]
 
 

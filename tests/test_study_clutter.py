@@ -95,6 +95,26 @@ def test_paired_tables_test_the_localisation_but_not_its_chance_levels() -> None
     assert "The primary comparison, named before the runs, is rollout - gap in top1" in named
 
 
+def test_null_excess_is_each_seeds_value_minus_the_null_of_the_same_evaluation() -> None:
+    """The localisation section's excess over content_chance: per seed the arm's object mass minus that seed's
+    content_chance, mean and 95% t-interval against scipy; arms without masks get no row."""
+    mass, chance = [0.40, 0.35, 0.45], [0.30, 0.31, 0.29]
+    share, fraction = [0.5, 0.6, 0.55], [0.4, 0.4, 0.4]
+    values = {"pooling_object_mass": mass, "content_chance": chance, "pooling_object_share": share,
+              "object_content_fraction": fraction}
+    groups = {"rollout": Group("rollout", [f"eval/rollout-s{s}" for s in range(3)], [0, 1, 2], [None] * 3, values,
+                               {}, {}, dict.fromkeys(values, 3)),
+              "cls": Group("cls", ["eval/cls-s0"], [0], [None], {"pooling_object_mass": [0.3]}, {}, {}, {})}
+    table = "\n".join(study.null_excess_table(groups))
+    row = next(line for line in table.splitlines() if line.startswith("| rollout |")).strip("|").split("|")
+    for (mean_at, ci_at), (a, b) in zip(((2, 3), (4, 5)), ((mass, chance), (share, fraction)), strict=True):
+        d = np.subtract(a, b)
+        low, high = sps.t.interval(0.95, 2, loc=d.mean(), scale=sps.sem(d))
+        assert float(row[mean_at]) == pytest.approx(d.mean(), abs=1e-4)
+        assert row[ci_at].strip() == f"[{low:+.4f}, {high:+.4f}]"
+    assert "| cls |" not in table and study.null_excess_table({"cls": groups["cls"]}) == []
+
+
 def _record(folder: Path, metrics: dict, data: str) -> None:
     folder.mkdir(parents=True)
     (folder / "results.json").write_text(json.dumps({"model": {}, "metrics": metrics, "data": {
@@ -154,6 +174,14 @@ def test_interaction_sets_the_primary_comparison_against_another_study(tmp_path)
     report = "\n".join(study.interaction_section(args, tmp_path / "o", here, ["top1", "knn_bank"]))
     assert _row(report, "knn_bank")[1].strip() == "2" and _row(report, "top1")[1].strip() == "3"
     assert float(_row(report, "knn_bank")[4]) == pytest.approx(0.01, abs=1e-4)  # seeds 0 and 2: (0 + 0.02) / 2
+    change = report.split("there - here", 1)[1]  # each arm there minus here, paired by seed: what clutter costs it
+    for arm in ("gap", "rollout"):
+        cost = [there_top1[arm, s] - here_top1[arm, s] for s in range(3)]
+        row = next(line for line in change.splitlines() if line.startswith(f"| {arm} | top1 |")).split("|")
+        assert float(row[6]) == pytest.approx(np.mean(cost), abs=1e-4) and row[3].strip() == "3"
+        low, high = sps.t.interval(0.95, 2, loc=np.mean(cost), scale=sps.sem(cost))
+        assert row[7].strip() == f"[{low:+.4f}, {high:+.4f}]"
+        assert float(row[8]) == pytest.approx(sps.ttest_1samp(cost, 0).pvalue, rel=1e-2)
     none_yet = study.interaction_section(args, tmp_path / "o", {("gap", 3): here["gap", 3]}, ["top1"])
     assert "No seed has gap and rollout evaluated in both studies yet." in none_yet
 
@@ -172,7 +200,7 @@ def test_interaction_in_the_report_and_its_refusals(clutter_study, tmp_path) -> 
         path = other / "eval" / f"{arm}-s0" / "results.json"
         result = json.loads(path.read_text())
         result["metrics"]["top1"] += shift
-        result["data"]["fingerprint"] = "another data set"
+        result["data"]["fingerprint"] = result["data"]["split_content"] = "another data set"
         path.write_text(json.dumps(result))
 
     def argv(output: Path, *flags: str) -> list[str]:
