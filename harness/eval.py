@@ -103,7 +103,8 @@ def build_parser() -> CliParser:
                    help="bank k-NN vote temperature, > 0 (default 0.07)")
     p.add_argument("--cosine-classes", nargs="+", metavar="NAME", help="classes of the cosine matrix (default: all)")
     p.add_argument("--heatmaps", type=non_negative_int, default=8, metavar="N", help="images in heatmaps.png (0: none)")
-    p.add_argument("--save-features", action="store_true", help="write features.safetensors (features, labels)")
+    p.add_argument("--save-features", action="store_true",
+                   help="write features.safetensors (features and labels, the bank's too)")
     p.add_argument("--faithfulness", action="store_true", help="deletion/insertion curves of saliency maps")
     p.add_argument("--faithfulness-images", type=positive_int, default=1000, metavar="N",
                    help="score the first N evaluated images (default 1000)")
@@ -236,7 +237,7 @@ def _predictions(feats: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor
     }
 
 
-def _metric_values(predicted: dict[str, np.ndarray | None], labels: torch.Tensor, geometry: dict[str, float],
+def _metric_values(predicted: dict[str, np.ndarray | None], labels: torch.Tensor, geometry: dict[str, float | None],
                    silhouette: float) -> dict[str, float | None]:
     """results.json's metrics: accuracies from the per-image predictions, then geometry and silhouette."""
     values: dict[str, float | None] = {}
@@ -381,9 +382,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             predicted["linear_probe"] = metrics.linear_probe_predictions(bank_feats, bank.labels, feats)
     figures, faithfulness = _figures(model, info, data, (cos, cos_names), args, device, amp_dtype, clock)
     if args.save_features:
-        with clock.stage("save_features"), atomic_path(out / FEATURES_FILE) as tmp:
-            save_file({"features": feats.contiguous(), "labels": labels.contiguous()}, str(tmp),
-                      metadata={"model": info["name"], "dataset": data.dataset, "split": data.split})
+        with clock.stage("save_features"):
+            _save_features(out / FEATURES_FILE, info["name"], data, feats, bank, bank_feats)
 
     results = {
         "metrics": {**_metric_values(predicted, labels, geometry, sil), **diagnostic_metrics(diagnostics),
@@ -403,6 +403,19 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     write_predictions(out, _predictions_record(predicted, labels, sel.index))  # last, beside its results.json:
     write_json(out / RESULTS_FILE, results)  # an interrupted re-evaluation leaves the pair it had intact
     return results
+
+
+def _save_features(path: Path, model: str, data: ImageSet, feats: torch.Tensor, bank: ImageSet | None,
+                   bank_feats: torch.Tensor | None) -> None:
+    """``features.safetensors``: the evaluated split's float32 features and int64 labels and, with a bank, the
+    bank's (``bank_features``, ``bank_labels``), so every metric can be recomputed from the file."""
+    tensors = {"features": feats, "labels": data.labels}
+    metadata = {"model": model, "dataset": data.dataset, "split": data.split}
+    if bank is not None:
+        tensors.update(bank_features=bank_feats, bank_labels=bank.labels)
+        metadata["bank_split"] = bank.split
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 def _figures(model, info: dict, data: ImageSet, cosine: tuple[np.ndarray, list[str]], args, device, amp_dtype,
@@ -456,6 +469,7 @@ def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None
         "class_names": [full.class_names[c] for c in sel.class_ids],
         "class_ids": sel.class_ids, "per_class_counts": {full.class_names[c]: int(counts[c]) for c in sel.class_ids},
         "num_images": len(data),
+        "intra_left_out": [full.class_names[c] for c in metrics.lone_classes(data.labels).tolist()],
         "bank": None if bank is None else {
             "split": bank.split, "fingerprint": bank.fingerprint, "content": bank.content, "num_images": len(bank),
             "per_class": args.bank_per_class,

@@ -24,7 +24,7 @@ from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 from timm.utils import ParseKwargs
 
-from harness.figures import BOX_NOTE, UNIFORM_SCALE_LABEL, draw_box, relative_to_uniform, shared_range
+from harness.figures import BOX_NOTE, UNIFORM_SCALE_LABEL, draw_box, draw_map, relative_to_uniform, shared_range
 from timm_rollout.atomic import save_figure
 from timm_rollout.data import BoxColumnError, dataset_arg, load_image_set
 from timm_rollout.device import device_arg, resolve_device
@@ -134,12 +134,13 @@ def _class_name(names: list[str] | None, index: int) -> str:
     return f"{names[index]} ({index})" if names and index < len(names) else str(index)
 
 
-def _overlay(fig: Figure, ax, rgb: np.ndarray, values: torch.Tensor, grid: tuple[int, int], title: str,
-             vrange: tuple[float, float]) -> None:
-    h, w = rgb.shape[:2]
-    ax.imshow(rgb, interpolation="nearest")
-    im = ax.imshow(values.view(grid).numpy(), cmap="inferno", alpha=0.6, interpolation="nearest",
-                   extent=(-0.5, w - 0.5, h - 0.5, -0.5), vmin=vrange[0], vmax=vrange[1])  # the image's pixel edges
+def _panel(fig: Figure, ax, size: tuple[int, int], values: torch.Tensor, grid: tuple[int, int], title: str,
+           vrange: tuple[float, float]) -> None:
+    """One map on the input's pixel grid (its patches as blocks, placed where they are in the image), opaque, with
+    its colour bar."""
+    h, w = size
+    im = draw_map(ax, values.view(grid).numpy(), vrange, interpolation="nearest",
+                  extent=(-0.5, w - 0.5, h - 0.5, -0.5))  # the image's pixel edges
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label(UNIFORM_SCALE_LABEL, fontsize=7)
     ax.set_title(title, fontsize=8)
     ax.set_xticks([])
@@ -163,7 +164,7 @@ def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: 
     axes[0].set_xlabel("x (pixels)", fontsize=7)
     axes[0].set_ylabel("y (pixels)", fontsize=7)
     for ax, (name, values) in zip(axes[1:], panels, strict=False):
-        _overlay(fig, ax, rgb, values, ex.grid, name, vrange)
+        _panel(fig, ax, rgb.shape[:2], values, ex.grid, name, vrange)
     for ax in axes[len(panels) + 1:]:
         ax.axis("off")
     if box is not None:

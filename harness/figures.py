@@ -14,9 +14,9 @@ from matplotlib.figure import Figure
 
 from timm_rollout.atomic import save_figure
 
-__all__ = ["BOX_NOTE", "UNIFORM_SCALE_LABEL", "draw_box", "plot_comparison", "plot_cosine_matrix", "plot_heatmaps",
-           "plot_object_weights", "plot_pooling_diagnostics", "relative_to_uniform", "shared_range",
-           "upsample_patch_map"]
+__all__ = ["BOX_NOTE", "MAP_CMAP", "UNIFORM_SCALE_LABEL", "draw_box", "draw_map", "plot_comparison",
+           "plot_cosine_matrix", "plot_heatmaps", "plot_object_weights", "plot_pooling_diagnostics",
+           "relative_to_uniform", "shared_range", "upsample_patch_map"]
 
 # Colour-bar label of maps drawn on the scale of relative_to_uniform.
 UNIFORM_SCALE_LABEL = "weight x number of patches (1 = uniform)"
@@ -67,6 +67,15 @@ def upsample_patch_map(weights: torch.Tensor, size: tuple[int, int]) -> np.ndarr
     return F.interpolate(grid, size=size, mode="bilinear", align_corners=False)[0, 0].numpy()
 
 
+MAP_CMAP = "inferno"
+
+
+def draw_map(ax, values: np.ndarray, vrange: tuple[float, float], **imshow: object):
+    """Draw an (H, W) map on its own, opaque, on the colour range ``vrange``: every colour is the colour bar's
+    for its value (a map blended over the image would mix in the image's colours). Returns the ``AxesImage``."""
+    return ax.imshow(values, cmap=MAP_CMAP, vmin=vrange[0], vmax=vrange[1], **imshow)
+
+
 BOX_COLOUR = "cyan"
 BOX_NOTE = f"{BOX_COLOUR} outline: the object's box"
 
@@ -89,7 +98,8 @@ def plot_heatmaps(
     title: str,
     boxes: torch.Tensor | None = None,
 ) -> Path:
-    """One row per image: the image, then each named map overlaid (columns in the order of ``maps``, named on top).
+    """One row per image: the image, then each named map beside it, drawn by :func:`draw_map` (columns in the
+    order of ``maps``, named on top).
 
     ``images`` are uint8 (B, 3, H, W) (the de-normalised inputs); maps are (B, P) over the patch grid, drawn on
     the :func:`relative_to_uniform` scale with one colour range and one colour bar for the whole figure.
@@ -115,8 +125,7 @@ def plot_heatmaps(
         axes[i, 0].imshow(rgb, interpolation="nearest")
         axes[i, 0].set_title(f"true: {true_names[i]}" + ("" if per_column else f"\npred: {pred_names[i]}"), fontsize=8)
         for ax, (name, values) in zip(axes[i, 1:], maps.items(), strict=True):
-            ax.imshow(rgb, interpolation="nearest")
-            im = ax.imshow(upsample_patch_map(values[i], (h, w)), cmap="inferno", alpha=0.6, vmin=vmin, vmax=vmax)
+            im = draw_map(ax, upsample_patch_map(values[i], (h, w)), (vmin, vmax))
             pred = f"pred: {pred_names[name][i]}" if per_column else ""
             ax.set_title(f"{heads[name]}\n{pred}" if i == 0 else pred, fontsize=8)
         if boxes is not None:

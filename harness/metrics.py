@@ -42,6 +42,7 @@ __all__ = [
     "l2_normalize",
     "linear_probe",
     "linear_probe_predictions",
+    "lone_classes",
     "original_centroid_metrics",
     "search",
     "silhouette",
@@ -252,13 +253,28 @@ def angles(x: np.ndarray, direction: np.ndarray) -> np.ndarray:
     return np.arctan2(sin, cos)
 
 
-def centroid_metrics(features: ArrayLike, labels: ArrayLike) -> dict[str, float]:
+def lone_classes(labels: ArrayLike) -> np.ndarray:
+    """Class ids (sorted) with exactly one image: they have a direction but no spread around it, so the intra-class
+    metrics leave them out (their angle of 0 would lower ``intra`` and raise ``ratio`` without a word)."""
+    classes, counts = np.unique(_numpy(labels).astype(np.int64), return_counts=True)
+    return classes[counts == 1]
+
+
+def _intra(x: np.ndarray, y: np.ndarray, classes: np.ndarray, spread) -> float | None:
+    """Mean over the classes with two or more images of ``spread(their features, class index)``; None without any."""
+    lone = set(lone_classes(y).tolist())
+    values = [spread(x[y == c], i) for i, c in enumerate(classes) if int(c) not in lone]
+    return float(np.mean(values)) if values else None
+
+
+def centroid_metrics(features: ArrayLike, labels: ArrayLike) -> dict[str, float | None]:
     """Class geometry on the unit sphere, both distances as angles (radians), so the ratio has no unit.
 
     A class's direction is the renormalised mean of its normalised features. ``intra``: mean over classes of the
-    mean angle between a class's features and its direction (lower: tighter). ``inter``: mean over class pairs of
-    the angle between their directions. ``ratio``: inter / intra (larger: better separated); shrinking every
-    angle of a layout by the same factor leaves it unchanged.
+    mean angle between a class's features and its direction (lower: tighter), over the classes with at least two
+    images (:func:`lone_classes` are left out). ``inter``: mean over class pairs (all classes) of the angle between
+    their directions. ``ratio``: inter / intra (larger: better separated); shrinking every angle of a layout by the
+    same factor leaves it unchanged. ``intra`` and ``ratio`` are None when no class has two images.
     """
     x = l2_normalize(features).astype(np.float64)
     y = _numpy(labels).astype(np.int64)
@@ -266,29 +282,30 @@ def centroid_metrics(features: ArrayLike, labels: ArrayLike) -> dict[str, float]
     if len(classes) < 2:
         raise ValueError("centroid metrics need at least two classes")
     dirs = cents / np.maximum(np.linalg.norm(cents, axis=1, keepdims=True), 1e-12)
-    intra = float(np.mean([angles(x[y == c], d).mean() for c, d in zip(classes, dirs, strict=True)]))
+    intra = _intra(x, y, classes, lambda xc, i: angles(xc, dirs[i]).mean())
     a, b = np.triu_indices(len(classes), k=1)
     inter = float(np.mean([angles(dirs[[i]], dirs[j])[0] for i, j in zip(a, b, strict=True)]))
-    return {"intra": intra, "inter": inter, "ratio": inter / intra}
+    return {"intra": intra, "inter": inter, "ratio": None if intra is None else inter / intra}
 
 
-def original_centroid_metrics(features: ArrayLike, labels: ArrayLike) -> dict[str, float]:
+def original_centroid_metrics(features: ArrayLike, labels: ArrayLike) -> dict[str, float | None]:
     """The original study's geometry, only to set our numbers beside its table; it mixes units.
 
-    ``intra_original``: mean over classes of the mean Euclidean distance of a class's normalised features to its
-    centroid (not renormalised). ``inter_original``: mean over class pairs of the cosine distance
-    (1 - cosine similarity) of centroids, about half the squared angle. ``ratio_original``: their quotient,
-    which shrinks when a layout shrinks.
+    ``intra_original``: mean over classes (those with at least two images, as for ``intra``) of the mean Euclidean
+    distance of a class's normalised features to its centroid (not renormalised). ``inter_original``: mean over
+    class pairs of the cosine distance (1 - cosine similarity) of centroids, about half the squared angle.
+    ``ratio_original``: their quotient, which shrinks when a layout shrinks.
     """
     x = l2_normalize(features).astype(np.float64)
     y = _numpy(labels).astype(np.int64)
     classes, cents = centroids(x, y)
     if len(classes) < 2:
         raise ValueError("centroid metrics need at least two classes")
-    intra = float(np.mean([np.linalg.norm(x[y == c] - m, axis=1).mean() for c, m in zip(classes, cents, strict=True)]))
+    intra = _intra(x, y, classes, lambda xc, i: np.linalg.norm(xc - cents[i], axis=1).mean())
     pairs = np.triu_indices(len(classes), k=1)
     inter = float((1.0 - cosine_matrix(cents)[pairs]).mean())
-    return {"intra_original": intra, "inter_original": inter, "ratio_original": inter / intra}
+    return {"intra_original": intra, "inter_original": inter,
+            "ratio_original": None if intra is None else inter / intra}
 
 
 def cosine_matrix(vectors: ArrayLike) -> np.ndarray:

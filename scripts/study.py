@@ -102,7 +102,7 @@ from timm_rollout.records import (
     sha256_file,
 )
 from timm_rollout.train import build_parser as train_parser
-from timm_rollout.train_log import read_log
+from timm_rollout.train_log import epoch_axis, read_log, seeds_phrase
 
 # Trained arms: the pooling (any timm pooling, or rollout) and its rollout options. On the tiny CIFAR ViT (no
 # --model) an arm is the registered model of its pooling with the options as model arguments (the committed
@@ -618,8 +618,8 @@ CURVE_PANELS = {  # log.csv column -> (y label, title); the last only when some 
 
 def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], path: Path, title: str) -> Path:
     """Train loss, eval top-1 and (rollout-pooled arms) the effective patches of their pooling weights per epoch:
-    one colour per arm, a thin line per seed and a bold mean over seeds, one legend entry per arm below the axes
-    (readable with any number of seeds)."""
+    one colour per arm, a thin line per seed and a bold mean over seeds (an arm of one seed: its one bold line),
+    one legend entry per arm below the axes (readable with any number of seeds), ticks on whole epochs."""
     keys = [k for k in CURVE_PANELS if k != "rollout_effective_patches"
             or any(k in r for per_seed in logs.values() for rows in per_seed.values() for r in rows)]
     fig = Figure(figsize=(5.5 * len(keys), 4.6))
@@ -632,18 +632,20 @@ def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], pat
             length = min(len(rows) for rows in logged)
             if length == 0:
                 continue
-            for rows in logged:
+            for rows in logged if len(runs) > 1 else []:
                 ax.plot([r["epoch"] for r in rows], [r[key] for r in rows], color=colour, lw=0.8, alpha=0.35)
             columns = zip(*[[r[key] for r in rows[:length]] for rows in logged], strict=True)
             mean = [sum(col) / len(col) for col in columns]
             ax.plot([r["epoch"] for r in logged[0][:length]], mean, color=colour, lw=2,
-                    label=f"{short} (mean of {len(runs)} seeds)")
+                    label=f"{short} ({'mean of ' if len(runs) > 1 else ''}{seeds_phrase(len(runs))})")
     for key, ax in axes.items():
-        ax.set(xlabel="epoch", ylabel=CURVE_PANELS[key][0], title=CURVE_PANELS[key][1])
+        ax.set(ylabel=CURVE_PANELS[key][0], title=CURVE_PANELS[key][1])
+        epoch_axis(ax)
         ax.grid(alpha=0.3)
     handles, labels = axes["eval_top1"].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
-    fig.suptitle(f"{title} (thin lines: single seeds)")
+    several = any(len(per_seed) > 1 for per_seed in logs.values())
+    fig.suptitle(f"{title} (thin lines: single seeds)" if several else title)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     return save_figure(fig, path)
 

@@ -23,7 +23,7 @@ from harness.compare import Group, compare_groups, load_results, summarise
 from timm_rollout.atomic import save_figure
 from timm_rollout.errors import CliParser, UserError, existing_path, run_cli
 from timm_rollout.records import LOG_FILE, RESULTS_FILE
-from timm_rollout.train_log import read_log
+from timm_rollout.train_log import epoch_axis, read_log, seeds_phrase
 
 ARM_NAMES = {"cls": "[CLS] token (cls)", "gap": "patch mean (gap)", "rollout": "rollout-weighted patches (rollout)",
              "map": "learned attention pooling (map)", "rollout-max-discard0.9": "sharpened rollout (max, discard 0.9)"}
@@ -64,11 +64,13 @@ def plot_curves(ax, study: Path, arms: list[str]) -> None:
         epochs = np.arange(1, length + 1)
         for curve in curves:
             ax.plot(epochs, curve, color=f"C{i}", lw=0.6, alpha=0.35)
-        ax.plot(epochs, curves.mean(0), color=f"C{i}", lw=2, label=f"{ARM_NAMES.get(arm, arm)}, {len(logs)} seeds")
+        ax.plot(epochs, curves.mean(0), color=f"C{i}", lw=2,
+                label=f"{ARM_NAMES.get(arm, arm)}, {seeds_phrase(len(logs))}")
     low = [line.get_ydata()[len(line.get_ydata()) // 10] for line in ax.get_lines() if line.get_lw() == 2]
     if low:
         ax.set_ylim(bottom=min(low) - 2)
-    ax.set(xlabel="epoch", ylabel="test top-1 accuracy (%)", title=f"CIFAR-10 test accuracy while training\n"
+    epoch_axis(ax)
+    ax.set(ylabel="test top-1 accuracy (%)", title=f"CIFAR-10 test accuracy while training\n"
            f"({_epochs(study)} epochs, bold: mean over seeds; thin: single seeds)")
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3)

@@ -216,3 +216,31 @@ def test_random_crop_flip_matches_per_image_torchvision(sample_test) -> None:
         assert torch.equal(out[i], want)
     assert 10 < int(flips.sum()) < 54
     assert torch.equal(random_crop_flip(images, padding=0, hflip=0.0), images)
+
+
+def _image_folder(root: Path, fmt: str) -> Path:
+    """An ``imagefolder`` data set (train split only) of six 8x8 images in two classes."""
+    rng = np.random.default_rng(0)
+    for name in ("cat", "dog"):
+        (root / "train" / name).mkdir(parents=True)
+        for i in range(3):
+            pixels = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / "train" / name / f"{i}.{fmt}", quality=95)
+    return root
+
+
+@pytest.mark.parametrize("fmt", ["png", "jpg"])  # PIL decodes the PNGs, libjpeg the JPEGs in one batch
+def test_a_damaged_image_is_named_by_row_and_file(tmp_path: Path, fmt: str) -> None:
+    """A truncated file is a one-line error naming the split, the row and the file, and saying what to do; the
+    file system is not blamed."""
+    folder = _image_folder(tmp_path / "ds", fmt)
+    bad = folder / "train" / "cat" / f"1.{fmt}"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    with pytest.raises(UserError) as e:
+        load_image_set(str(folder), "train")
+    message = str(e.value)
+    assert message.startswith(f"data set {str(folder)!r}, split 'train': the image of row 1 ({bad}) does not decode")
+    assert message.endswith("the file is damaged or not an image; re-download it, or remove it from the data set")
+    assert "\n" not in message and "disk space" not in message
+    bad.unlink()
+    assert len(load_image_set(str(folder), "train")) == 5

@@ -61,7 +61,7 @@ def runs(checkpoint, tmp_path_factory) -> list[Path]:
         out = tmp_path_factory.mktemp(f"eval{i}")
         harness_eval.main(_args(checkpoint, out, "--per-class", "10", "--seed", "3", "--bank-split", "train",
                                 "--bank-per-class", "20", "--heatmaps", "2", "--save-features",
-                                "--cosine-classes", "ship", "cat", "dog", "--device", "cpu"))
+                                "--cosine-classes", "ship", "cat", "dog", "--device", "cpu", "--amp", "none"))
         outputs.append(out)
     return outputs
 
@@ -238,6 +238,52 @@ def test_features_file_reproduces_the_metrics(runs):
     cents = torch.stack([unit[labels == c].mean(dim=0) for c in (8, 3, 5)])  # ship, cat, dog
     cents = cents / cents.norm(dim=1, keepdim=True)
     assert np.allclose(results["cosine_matrix"]["matrix"], (cents @ cents.T).numpy(), atol=1e-5)
+
+
+def test_features_file_holds_the_bank_and_recomputes_the_bank_metrics(runs, checkpoint):
+    """With a bank, features.safetensors also holds the bank's features and labels: the model's own features of
+    the bank images (recomputed here by a plain forward pass), from which knn_bank and linear_probe come out as
+    results.json has them."""
+    results = json.loads((runs[0] / "results.json").read_text())
+    saved = load_file(str(runs[0] / "features.safetensors"))
+    bank, bank_labels = saved["bank_features"], saved["bank_labels"]
+    assert bank.dtype == torch.float32 and bank.shape == (200, 128) and bank_labels.dtype == torch.int64
+    train = load_image_set(SAMPLE, "train")
+    idx = balanced_indices(train.labels, per_class=20, classes=list(range(10)), seed=3)
+    assert torch.equal(bank_labels, train.labels[idx])
+    model, _ = load_model("vit_tiny_cifar_rollout", checkpoint)
+    with torch.inference_mode():
+        pooled = model.forward_head(model.forward_features(normalize(train.images[idx], MEAN, STD)), pre_logits=True)
+    torch.testing.assert_close(bank, pooled, atol=1e-5, rtol=1e-4)
+    config, got = results["config"], results["metrics"]
+    assert metrics.knn_bank(bank, bank_labels, saved["features"], saved["labels"], config["bank_k"],
+                            config["temperature"]) == got["knn_bank"]
+    assert metrics.linear_probe(bank, bank_labels, saved["features"], saved["labels"]) == got["linear_probe"]
+
+
+def test_a_class_with_one_evaluated_image_is_left_out_of_intra_and_named(checkpoint, tmp_path):
+    """A split whose class c has one image: intra and ratio are computed over a and b only (by hand from the saved
+    features), and results.json names c as left out."""
+    rng = np.random.default_rng(0)
+    labels = [0, 0, 0, 1, 1, 1, 2]
+    columns = {"image": [Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in labels],
+               "label": labels}
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])})
+    folder = tmp_path / "lone"
+    datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(folder))
+    out = tmp_path / "out"
+    results = harness_eval.main(["--model", "vit_tiny_cifar_cls", "--dataset", str(folder), "--split", "train",
+                                 "--k", "2", "--heatmaps", "0", "--save-features", "--device", "cpu", "--amp", "none",
+                                 "--output", str(out)])
+    assert results["data"]["intra_left_out"] == ["c"]
+    saved = load_file(str(out / "features.safetensors"))
+    x = saved["features"].double() / saved["features"].double().norm(dim=1, keepdim=True)
+    y = saved["labels"]
+    dirs = [x[y == c].mean(dim=0) / x[y == c].mean(dim=0).norm() for c in range(3)]
+    intra = np.mean([float(torch.arccos((x[y == c] @ dirs[c]).clamp(-1, 1)).mean()) for c in (0, 1)])
+    inter = np.mean([float(torch.arccos((dirs[a] @ dirs[b]).clamp(-1, 1))) for a, b in ((0, 1), (0, 2), (1, 2))])
+    assert results["metrics"]["intra"] == pytest.approx(intra, rel=1e-5)
+    assert results["metrics"]["ratio"] == pytest.approx(inter / intra, rel=1e-5)
 
 
 def test_figures_are_written(runs):

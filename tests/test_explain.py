@@ -312,3 +312,43 @@ def test_explaining_a_boxed_data_set_image_outlines_its_box_on_every_panel(tmp_p
     main(["--model", f"local-dir:{tmp_path / 'run'}", "--image", str(tmp_path / "plain.png"), "--no-flow",
           "--device", "cpu", "--output", str(tmp_path / "out")])
     assert outlined == []
+
+
+def test_map_panels_show_the_map_alone_in_the_colour_bars_colours(tmp_path, monkeypatch):
+    """heatmaps.png and harness.explain's figure: every map panel holds one opaque image, the map, on the colour
+    bar's colour map and range, so a panel's colours read off the bar (a map blended over the photo would not);
+    the photo has its own panel. The rendered pixel at a patch is the bar's colour for its value."""
+    from harness import explain as harness_explain
+    from harness import figures
+
+    drawn = []
+    for module in (figures, harness_explain):
+        monkeypatch.setattr(module, "save_figure", lambda fig, path: drawn.append(fig))
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=gen)
+    maps = {"rollout": torch.rand(2, 64, generator=gen), "attention": torch.rand(2, 64, generator=gen)}
+    figures.plot_heatmaps(images, maps, ["a", "b"], ["a", "a"], tmp_path / "h.png", "heatmaps")
+    ex = E.Explanation(maps={k: v[:1] for k, v in maps.items()}, buildup=torch.rand(1, 2, 64, generator=gen),
+                       logits=torch.zeros(1, 3), target=torch.zeros(1, dtype=torch.int64), grid=(8, 8), readout="cls")
+    harness_explain.plot_explanation(ex, images[0].permute(1, 2, 0).numpy(), "explain", "input", tmp_path / "e.png")
+    for fig, photos in zip(drawn, (2, 1), strict=True):
+        shown = [ax.get_images() for ax in fig.axes if ax.get_images()]
+        assert all(len(images) == 1 for images in shown)
+        maps_shown = [im for (im,) in shown if im.get_array().ndim == 2]
+        assert len(shown) - len(maps_shown) == photos  # the photos are the only RGB panels
+        bars = [im.colorbar for im in maps_shown if im.colorbar is not None]
+        assert bars and all(bar.mappable.get_clim() == maps_shown[0].get_clim() for bar in bars)
+        for im in maps_shown:
+            assert im.get_alpha() in (None, 1.0) and im.get_cmap().name == figures.MAP_CMAP
+            assert im.get_clim() == maps_shown[0].get_clim()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = drawn[1]  # nearest-neighbour patches: a patch's centre pixel is the bar's colour for its value
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    im = next(im for ax in fig.axes for im in ax.get_images() if im.get_array().ndim == 2)
+    value = float(np.asarray(im.get_array())[3, 5])
+    want = np.asarray(im.cmap(im.norm(value))[:3]) * 255
+    x, y = im.axes.transData.transform((5 * 4 + 1.5, 3 * 4 + 1.5))  # patch (3, 5) in the 32x32 image's pixels
+    rgba = np.asarray(canvas.buffer_rgba())
+    assert np.abs(rgba[int(rgba.shape[0] - y), int(x), :3].astype(float) - want).max() <= 2

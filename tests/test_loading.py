@@ -351,3 +351,38 @@ def test_package_modules_import_each_other_without_a_cycle():
 
     for name in sorted(edges):
         visit(name, ())
+
+
+def test_a_folder_without_weights_says_what_it_holds_and_what_to_pass(cls_folder, tmp_path):
+    """``--pretrained-file`` and ``--checkpoint`` given a folder that is no run folder: the message names the run
+    folders or weights files inside it, or what it holds instead, never a model.safetensors it does not have."""
+    from timm_rollout.loading import pretrained_config, pretrained_overlay
+
+    _, run = cls_folder
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "model.safetensors").write_bytes((run / "model.safetensors").read_bytes())
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    (loose / "vit_small.safetensors").write_bytes(b"")
+    (loose / "resume.safetensors").write_bytes(b"")  # optimizer state, not weights to start from
+    other = tmp_path / "other"
+    (other / "eval").mkdir(parents=True)
+    (other / "notes.txt").write_text("")
+    (tmp_path / "empty").mkdir()
+    expected = {
+        runs: f"{runs} has no model.safetensors; it holds folders that do: pass one of them ({runs / 'a'}, "
+              f"{runs / 'b'})",
+        loose: f"{loose} has no model.safetensors; it holds {loose / 'vit_small.safetensors'}: pass that file itself",
+        other: f"{other} has no model.safetensors; it holds eval/, notes.txt, no weights; pass a training output "
+               "folder (model.safetensors + config.json) or a .safetensors file",
+        tmp_path / "empty": f"{tmp_path / 'empty'} has no model.safetensors; it is empty; pass a training output "
+                            "folder (model.safetensors + config.json) or a .safetensors file",
+    }
+    for folder, message in expected.items():
+        for call, arg in ((pretrained_config, (folder, "vit_tiny_cifar_cls")), (pretrained_overlay, (folder,)),
+                          (load_model, ("vit_tiny_cifar_cls", folder)), (load_model, (f"local-dir:{folder}",))):
+            with pytest.raises(UserError) as e:
+                call(*arg)
+            assert str(e.value) == message

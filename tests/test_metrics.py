@@ -117,6 +117,23 @@ def test_rescaled_two_class_layout_keeps_its_ratio():
     assert orig_full["ratio_original"] > 1.5 * orig_half["ratio_original"]
 
 
+def test_a_class_with_one_image_is_left_out_of_intra_but_not_of_inter():
+    """Three classes on the circle, by hand: class 0 at 0 +- 10 deg, class 1 at 90 +- 20 deg, class 2 one image at
+    200 deg. intra = (10 + 20) / 2 = 15 deg (a lone image has no spread; counted as 0 it would give 10 deg), inter
+    = mean(90, 160, 110) = 120 deg over all three directions, ratio 8. The original study's intra is the mean of
+    the chord lengths sin 10 deg and sin 20 deg to the (not renormalised) centroids."""
+    features, labels = _circle([-10.0, 10.0, 70.0, 110.0, 200.0]), np.array([0, 0, 1, 1, 2])
+    assert metrics.lone_classes(labels).tolist() == [2]
+    got = metrics.centroid_metrics(features, labels)
+    assert got["intra"] == pytest.approx(np.deg2rad(15.0)) and got["inter"] == pytest.approx(np.deg2rad(120.0))
+    assert got["ratio"] == pytest.approx(8.0, rel=1e-6)
+    original = metrics.original_centroid_metrics(features, labels)
+    assert original["intra_original"] == pytest.approx((np.sin(np.deg2rad(10)) + np.sin(np.deg2rad(20))) / 2)
+    lone = metrics.centroid_metrics(_circle([0.0, 90.0]), np.array([0, 1]))  # no class has a spread
+    assert lone["intra"] is None and lone["ratio"] is None and lone["inter"] == pytest.approx(np.pi / 2)
+    assert metrics.original_centroid_metrics(_circle([0.0, 90.0]), np.array([0, 1]))["ratio_original"] is None
+
+
 def test_centroid_metrics_match_plain_loops(data):
     """Angles by arccos in plain loops: feature to class direction, direction to direction."""
     features, labels = data

@@ -21,6 +21,7 @@ from scipy import stats as sps
 
 from harness.compare import summarise
 from harness.predictions import read_predictions
+from timm_rollout.device import device_name
 from timm_rollout.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,8 +149,7 @@ def test_report_lists_each_runs_wall_time_and_machine(finished):
     evaluation's minutes, machine and precision (this test's runs trained stacked, two seeds per job, and
     evaluated on this CPU)."""
     report = (finished / "report.md").read_text(encoding="utf-8")
-    cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-               if ln.startswith("model name"))
+    cpu = device_name(torch.device("cpu")).removeprefix("CPU ").rsplit(", ", 1)[0]  # any CPU, "model name" or not
     for arm, seed in ((a, s) for a in SHOWN for s in (0, 1)):
         run = finished / "runs" / f"{study.backbone(arm)}-s{seed}"
         summary = json.loads((run / "summary.json").read_text())
@@ -568,3 +568,21 @@ def test_side_by_side_runs_spread_over_the_visible_gpus(monkeypatch):
     assert study.job_devices("cpu", 2) == ["cpu", "cpu"]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert study.job_devices("auto", 2) == ["auto", "auto"]  # one GPU: the runs share it
+
+
+def test_training_curves_of_one_seed_say_so_and_tick_whole_epochs(tmp_path, monkeypatch):
+    """One seed per arm: its legend says '1 seed', the title no 'thin lines', each arm draws one line and the epoch
+    axis ticks whole epochs only; with two seeds the mean and the single seeds are named."""
+    drawn = {}
+    monkeypatch.setattr(study, "save_figure", lambda fig, path: drawn.setdefault(len(drawn), fig))
+    rows = [{"epoch": e, "train_loss": 2.0 / e, "eval_top1": 10.0 * e} for e in (1, 2)]
+    study.plot_training_curves({"cls": {0: rows}, "gap": {0: rows}}, tmp_path / "one.png", "Training")
+    study.plot_training_curves({"cls": {0: rows, 1: rows}}, tmp_path / "two.png", "Training")
+    one, two = drawn[0], drawn[1]
+    assert one.texts[0].get_text() == "Training" and two.texts[0].get_text() == "Training (thin lines: single seeds)"
+    assert [t.get_text() for t in one.legends[0].get_texts()] == ["cls (1 seed)", "gap (1 seed)"]
+    assert [t.get_text() for t in two.legends[0].get_texts()] == ["cls (mean of 2 seeds)"]
+    for ax in one.axes:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks == [1.0, 2.0] and ax.get_xlabel() == "epoch" and len(ax.get_lines()) == 2
+    assert len(two.axes[0].get_lines()) == 3  # two single seeds and their mean

@@ -769,3 +769,21 @@ def test_a_refused_stacked_resume_writes_nothing(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"do not fill one batch of 512"):  # refused: the old run stays
         train([*TINY, *FP32, "--epochs", "1", "--batch-size", "512", "--overwrite", "--output", str(tmp_path / "r0")])
     assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
+
+
+def test_a_data_set_without_a_test_split_names_test_and_eval_split(tmp_path: Path) -> None:
+    """Without --eval-split the trainer evaluates on ``test``, else ``validation``; a data set with neither is
+    refused naming both and the flag that picks another split, before any training."""
+    from PIL import Image
+
+    for i, name in enumerate(("cat", "dog")):
+        (tmp_path / "ds" / "train" / name).mkdir(parents=True)
+        for j in range(2):
+            Image.new("RGB", (32, 32), (60 * i, 10 * j, 0)).save(tmp_path / "ds" / "train" / name / f"{j}.png")
+    args = ["--dataset", str(tmp_path / "ds"), "--epochs", "1", "--model-kwargs", "depth=1", "embed_dim=64",
+            "--workers", "1", "--no-progress", "--device", "cpu", *FP32, "--output", str(tmp_path / "run")]
+    with pytest.raises(UserError) as e:
+        train(args)
+    assert str(e.value) == (f"data set {str(tmp_path / 'ds')!r} has no split 'test' or 'validation' to evaluate on; "
+                            "its splits are train: name the one to evaluate on with --eval-split")
+    assert not (tmp_path / "run" / "model.safetensors").exists()

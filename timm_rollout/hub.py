@@ -102,7 +102,7 @@ METRIC_DEFINITIONS = {
     ),
     "intra": (
         "mean over classes of the mean angle (radians) between a class's features and its direction, the "
-        "renormalised mean of its features (lower: tighter)"
+        "renormalised mean of its features (lower: tighter), over the classes with at least two evaluated images"
     ),
     "inter": "mean over class pairs of the angle (radians) between their directions",
     "ratio": "inter / intra, unitless (higher: better separated classes; unchanged when every angle is scaled)",

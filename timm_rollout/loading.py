@@ -27,7 +27,7 @@ from .errors import UserError
 from .models import record_input_size
 from .online import hub_or_cache
 from .pooling import CONFIG_KEY, POOLED_ARCHITECTURE, ROLLOUT, STOCK_ARCHITECTURE, set_pooling
-from .records import CONFIG_FILE, WEIGHTS_FILE, sha256_file
+from .records import CONFIG_FILE, RESUME_FILE, WEIGHTS_FILE, sha256_file
 
 __all__ = ["check_input_size", "check_model", "create_model", "load_model", "pretrained_config", "pretrained_overlay"]
 
@@ -132,6 +132,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        _weights_in(folder)  # no weights either: say what the folder holds
         raise UserError(f"{folder} has no {CONFIG_FILE}; pass its {WEIGHTS_FILE} file as the checkpoint") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e}); re-export the model with timm.models.save_for_hf") from None
@@ -148,7 +149,26 @@ def _weights_in(folder: Path) -> Path:
     pickles = sorted(p.name for p in folder.iterdir() if p.name.lower().endswith(PICKLE_SUFFIXES))
     if pickles:
         raise UserError(f"{folder} holds only pickled weights ({', '.join(pickles)}); {CONVERT_HINT}")
-    raise UserError(f"{folder} has no {WEIGHTS_FILE}; pass a training output folder or a .safetensors file")
+    raise UserError(f"{folder} has no {WEIGHTS_FILE}; {_what_is_in(folder)}")
+
+
+def _what_is_in(folder: Path, shown: int = 3) -> str:
+    """What a folder without ``model.safetensors`` holds instead, and what to pass: its run folders, its other
+    safetensors files, or a training output folder or ``.safetensors`` file from elsewhere."""
+    runs = sorted(p for p in folder.iterdir() if (p / WEIGHTS_FILE).is_file())
+    files = sorted(p for p in folder.iterdir() if p.suffix == ".safetensors" and p.name != RESUME_FILE and p.is_file())
+
+    def listed(paths: list[Path]) -> str:
+        return ", ".join(map(str, paths[:shown])) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
+
+    if runs:
+        return f"it holds folders that do: pass one of them ({listed(runs)})"
+    if files:
+        return f"it holds {listed(files)}: pass {'that file' if len(files) == 1 else 'one of those files'} itself"
+    entries = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    held = f"it holds {', '.join(entries[:5])}{' ...' if len(entries) > 5 else ''}, no weights" if entries \
+        else "it is empty"
+    return f"{held}; pass a training output folder ({WEIGHTS_FILE} + {CONFIG_FILE}) or a .safetensors file"
 
 
 def _resolve_checkpoint(checkpoint: str | Path) -> tuple[Path, dict[str, Any] | None]:

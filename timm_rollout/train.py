@@ -94,6 +94,7 @@ RESUME_FREE = {"resume", "overwrite", "output", "workers", "device", "no_progres
 # torch.compile's modes: reduce-overhead replays the compiled passes as CUDA graphs (GPUs; plain compilation on CPU).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 EVAL_BATCH = 500
+DEFAULT_EVAL_SPLITS = ("test", "validation")  # evaluated without --eval-split, the first the data set has
 BAR_EVERY = 50  # steps between loss updates of the progress bar (each costs one host sync)
 
 
@@ -301,15 +302,23 @@ def _reduce(values: torch.Tensor, d: Dist) -> torch.Tensor:
     return values
 
 
+def _default_eval_split(dataset: str) -> str:
+    """``test``, else ``validation``: the split evaluated without ``--eval-split``; neither is a :class:`UserError`."""
+    splits = split_names(dataset)
+    found = next((s for s in DEFAULT_EVAL_SPLITS if s in splits), None)
+    if found is None:
+        raise UserError(f"data set {dataset!r} has no split {' or '.join(map(repr, DEFAULT_EVAL_SPLITS))} to evaluate "
+                        f"on; its splits are {', '.join(splits)}: name the one to evaluate on with --eval-split")
+    return found
+
+
 def _load_data(args: argparse.Namespace, loaded: dict[tuple, tuple]) -> tuple[ImageSet, ImageSet, tuple, tuple]:
     """The run's splits and normalisation; ``loaded`` keeps the full splits for the other seeds of one command."""
     cols = {"image_column": args.image_column, "label_column": args.label_column}
     key = (args.dataset, args.train_split, args.eval_split, args.image_column, args.label_column)
     if key not in loaded:
         train_set = load_image_set(args.dataset, args.train_split, **cols)
-        eval_split = args.eval_split
-        if eval_split is None:
-            eval_split = "test" if "test" in split_names(args.dataset) else "validation"
+        eval_split = args.eval_split or _default_eval_split(args.dataset)
         loaded[key] = (train_set, load_image_set(args.dataset, eval_split, **cols),
                        *normalization_stats(args.dataset, train_set))
     train_set, eval_set, mean, std = loaded[key]

@@ -10,7 +10,7 @@ from typing import Any
 
 from .atomic import save_figure, write_text
 
-__all__ = ["LOG_COLUMNS", "OPTIONAL_COLUMNS", "plot_curves", "read_log", "write_log"]
+__all__ = ["LOG_COLUMNS", "OPTIONAL_COLUMNS", "epoch_axis", "plot_curves", "read_log", "seeds_phrase", "write_log"]
 
 LOG_COLUMNS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "img_per_s", "seconds")
 # Written when some row has them: the pooling diagnostics of a rollout-pooled model's evaluation pass.
@@ -36,6 +36,19 @@ def read_log(path: str | os.PathLike) -> list[dict[str, float]]:
                 for row in csv.DictReader(f)]
 
 
+def epoch_axis(ax) -> None:
+    """Label a matplotlib axis's x axis ``epoch`` with ticks on whole epochs only (never 1.2, 1.4, ...)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("epoch")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def seeds_phrase(n: int) -> str:
+    """``'1 seed'``, ``'3 seeds'``: how figures count seeds."""
+    return f"{n} seed{'' if n == 1 else 's'}"
+
+
 def plot_curves(path: str | os.PathLike, rows: Sequence[dict[str, Any]], title: str) -> None:
     """Two panels per epoch: train and eval loss; eval top-1 and top-5 accuracy (%)."""
     from matplotlib.figure import Figure
@@ -52,6 +65,7 @@ def plot_curves(path: str | os.PathLike, rows: Sequence[dict[str, Any]], title: 
     ax_acc.set(xlabel="epoch", ylabel="eval accuracy (%)", title="Eval accuracy")
     ax_acc.legend()
     for ax in (ax_loss, ax_acc):
+        epoch_axis(ax)
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
