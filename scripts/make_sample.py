@@ -19,13 +19,6 @@ from timm_rollout.errors import CliParser, existing_path, output_dir, positive_i
 
 README = """---
 pretty_name: CIFAR-10 sample (timm-rollout)
-configs:
-- config_name: default
-  data_files:
-  - split: train
-    path: train.parquet
-  - split: test
-    path: test.parquet
 ---
 # CIFAR-10 sample
 

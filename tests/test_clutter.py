@@ -221,6 +221,26 @@ def test_written_folder_is_byte_deterministic_and_loads_offline_with_boxes(tmp_p
     assert load_image_set(str(tmp_path / "a"), "test").masks is None  # only the harness reads it
 
 
+def test_plain_datasets_loads_each_folder_of_one_name_as_written(tmp_path: Path, monkeypatch) -> None:
+    """Two outputs named `data` in different places, and one written again, load their own canvases with plain
+    ``datasets.load_dataset`` and its default cache (a card with a ``configs:`` block made datasets key the cache by
+    the folder's name: both loaded the first one's images). The shipped sample's card names no files either."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+    def first_bytes(folder: Path) -> bytes:
+        return datasets.load_dataset(str(folder), split="test").cast_column("image", datasets.Image(decode=False))[
+            0]["image"]["bytes"]
+
+    one, two = tmp_path / "exp1" / "data", tmp_path / "exp2" / "data"
+    make_cluttered("cifar10-sample", one, ClutterRecipe(fragments=2, seed=0), per_class=1)
+    make_cluttered("cifar10-sample", two, ClutterRecipe(fragments=6, seed=0), per_class=1)
+    assert first_bytes(one) != first_bytes(two)
+    make_cluttered("cifar10-sample", one, ClutterRecipe(fragments=6, seed=0), per_class=1)  # written again
+    assert first_bytes(one) == first_bytes(two)
+    assert "configs:" not in (SAMPLE_DIR / "README.md").read_text()
+    assert set(datasets.load_dataset(str(SAMPLE_DIR))) == {"train", "test"}
+
+
 def test_card_names_the_canvas_content_hash_of_the_decoded_files(tmp_path: Path) -> None:
     """The card's canvas sha256 equals one computed by hand from the parquet files decoded with PIL: pixels as uint8
     (N, 3, H, W), labels and boxes as int64, in that order."""

@@ -737,13 +737,13 @@ def test_two_local_folders_of_one_name_and_card_load_their_own_images(tmp_path: 
     assert len([p for p in (cache / "timm_rollout_local" / place).iterdir() if p.name != "source"]) == 1
     assert len(list((cache / "timm_rollout_decoded").glob(f"*-{place}-*"))) == 1
 
-    linked = tmp_path / "z" / "data"  # its card names split/train.parquet; split/ links to a folder elsewhere
+    linked = tmp_path / "z" / "data"  # a user's card names split/train.parquet; split/ links to a folder elsewhere
     _sample_copy(linked)
     (tmp_path / "elsewhere").mkdir()
     (linked / "train.parquet").rename(tmp_path / "elsewhere" / "train.parquet")
     (linked / "split").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
-    card = (linked / "README.md").read_text()
-    (linked / "README.md").write_text(card.replace("path: train.parquet", "path: split/train.parquet", 1))
+    (linked / "README.md").write_text("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+                                      "    path: split/train.parquet\n  - split: test\n    path: test.parquet\n---\n")
     assert load_image_set(str(linked), "train").labels.tolist() == labels(SAMPLE_DIR / "train.parquet")
     shutil.copy(flipped / "train.parquet", tmp_path / "elsewhere" / "train.parquet.new")
     (tmp_path / "elsewhere" / "train.parquet.new").replace(tmp_path / "elsewhere" / "train.parquet")
