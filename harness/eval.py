@@ -36,6 +36,7 @@ from timm_rollout.device import (
     AMP_CHOICES,
     device_arg,
     device_name,
+    fp32_precision,
     inference_batch_size,
     precision_name,
     resolve_amp,
@@ -455,7 +456,8 @@ def _config_record(args: argparse.Namespace, silhouette_sample: int, feature_dim
 def _environment_record(device: torch.device, amp_dtype: torch.dtype | None, faiss_threads: int) -> dict[str, Any]:
     """results.json's ``environment``: where and in which precision the evaluation ran, and the software."""
     return {"device": str(device), "machine": device_name(device),
-            "dtype": precision_name(amp_dtype), "torch_threads": torch.get_num_threads(),
+            "dtype": precision_name(amp_dtype), "fp32_precision": fp32_precision(device),
+            "torch_threads": torch.get_num_threads(),
             "faiss_threads": faiss_threads, "packages": versions()}
 
 

@@ -65,6 +65,7 @@ def _cpu_top1(run: Path) -> float:
 def test_bf16_training_on_cuda_learns_and_its_export_agrees_with_the_cpu(bf16_run: Path) -> None:
     args = json.loads((bf16_run / "train_args.json").read_text())
     assert args["amp_dtype"] == "bfloat16" and args["device"] == DEVICE and args["steps_per_epoch"] == 31
+    assert args["fp32_precision"] == "ieee"  # no TF32 for the float32 parts (cuDNN's default would use it for convs)
     rows = read_log(bf16_run / "log.csv")
     assert [r["epoch"] for r in rows] == [1, 2, 3]
     assert rows[-1]["train_loss"] < rows[0]["train_loss"] < 2.31 and rows[-1]["eval_top1"] > 20.0

@@ -395,6 +395,23 @@ def test_ddp_two_cpu_processes(tmp_path: Path) -> None:
     assert rows[0]["eval_loss"] == pytest.approx(loss, rel=1e-4)
 
 
+def test_fp32_on_cuda_is_ieee_fp32_and_recorded() -> None:
+    """exact_fp32 turns TF32 off for matrix products and cuDNN convolutions (PyTorch's flags exist on any build);
+    fp32_precision reports what is in effect on CUDA and nothing on a CPU."""
+    from timm_rollout import device
+
+    matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+    before = matmul.fp32_precision, conv.fp32_precision
+    try:
+        matmul.fp32_precision, conv.fp32_precision = "ieee", "tf32"  # PyTorch's default for convolutions
+        cuda = torch.device("cuda")
+        assert device.fp32_precision(cuda) == "tf32" and device.fp32_precision(torch.device("cpu")) is None
+        device.exact_fp32()
+        assert matmul.fp32_precision == conv.fp32_precision == "ieee" and device.fp32_precision(cuda) == "ieee"
+    finally:
+        matmul.fp32_precision, conv.fp32_precision = before
+
+
 def test_resolve_amp_on_cpus_with_and_without_native_bf16(monkeypatch) -> None:
     from timm_rollout import device
 

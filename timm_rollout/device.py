@@ -17,6 +17,8 @@ __all__ = [
     "cpu_supports_bf16",
     "device_arg",
     "device_name",
+    "exact_fp32",
+    "fp32_precision",
     "inference_batch_size",
     "parse_device",
     "precision_name",
@@ -93,11 +95,31 @@ def device_arg(text: str) -> str:
 
 
 def resolve_device(device: str | None = None) -> torch.device:
-    """:func:`parse_device`, its refusal a one-line user error."""
+    """:func:`parse_device`, its refusal a one-line user error; on CUDA, float32 is made exact (:func:`exact_fp32`)."""
     try:
-        return parse_device(device)
+        found = parse_device(device)
     except ValueError as e:
         raise UserError(f"--device {device}: {e}") from None
+    if found.type == "cuda":
+        exact_fp32()
+    return found
+
+
+def exact_fp32() -> None:
+    """Float32 on CUDA as IEEE float32: TF32 off for matrix products and cuDNN convolutions (PyTorch leaves it on
+    for convolutions by default), so a run or evaluation said to be in fp32 is, and under bf16 autocast the parts
+    kept in float32 (rollout, softmax, norms) are too. Process-wide, as PyTorch's flags are."""
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+
+
+def fp32_precision(device: torch.device) -> str | None:
+    """What float32 matrix products and convolutions run in on ``device`` ("ieee", or "tf32" for either part
+    that uses it), for the run records; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    parts = {torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision}
+    return "tf32" if "tf32" in parts else "ieee"
 
 
 def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:

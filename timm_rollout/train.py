@@ -58,7 +58,16 @@ from .data import (
     resolve_dataset,
     split_names,
 )
-from .device import AMP_CHOICES, autocast, device_arg, device_name, precision_name, resolve_amp, resolve_device
+from .device import (
+    AMP_CHOICES,
+    autocast,
+    device_arg,
+    device_name,
+    fp32_precision,
+    precision_name,
+    resolve_amp,
+    resolve_device,
+)
 from .diagnostics import cosine_to_mean, effective_patches
 from .dropout import use_fast_dropout
 from .errors import (
@@ -858,6 +867,7 @@ def _write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -
         "eval_split": data.eval.split, "fingerprints": {"train": data.train.fingerprint,
                                                         "eval": data.eval.fingerprint},
         "content": {"train": data.train.content, "eval": data.eval.content},
+        "fp32_precision": fp32_precision(d.device),
         "class_names": data.train.class_names, "num_classes": data.num_classes, "mean": list(data.mean),
         "std": list(data.std), "train_images": len(data.train), "eval_images": len(data.eval),
         "warmup_epochs_used": data.warmup, "hflip_used": data.hflip, "steps_per_epoch": data.steps,
