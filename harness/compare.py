@@ -192,10 +192,13 @@ def evaluated_images(result: dict[str, Any]) -> tuple | None:
 
 
 def same_images(a: tuple, b: tuple) -> tuple[bool, bool]:
-    """Whether two :func:`evaluated_images` read the same data set split, and the same images and bank: by content
-    where both recorded it (the same data in another folder or layout is the same), else by fingerprint."""
-    x, y = (a[3:], b[3:]) if a[4] is not None and b[4] is not None else (a[:3], b[:3])
-    return x[0] == y[0], x == y
+    """Whether two :func:`evaluated_images` read the same data set split, and the same images and bank: each of the
+    two (evaluated images, bank) by content where both records hold it (the same data in another folder or layout is
+    the same), else by fingerprint."""
+    data = a[3:5] == b[3:5] if a[4] is not None and b[4] is not None else a[:2] == b[:2]
+    bank = a[5] == b[5] if a[5] is not None and b[5] is not None else a[2] == b[2]
+    split = a[3] == b[3] if a[3] is not None and b[3] is not None else a[0] == b[0]
+    return split, data and bank
 
 
 def check_distinct(results: Sequence[dict[str, Any]], label: Callable[[dict[str, Any]], str] = run_label,

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from harness import eval as harness_eval
-from harness import metrics
 from harness.features import box_localisation, extract, pooling_diagnostics
 from harness.localisation import LOCALISATION
 from harness.metrics import POOLING_DIAGNOSTICS
@@ -107,23 +106,16 @@ def _same_images(folder: str | Path, results: dict[str, Any], args: argparse.Nam
         and found["predicted"]["top1"] == logits().argmax(dim=1).tolist()
 
 
-def _bank_content(folder: str | Path, args: argparse.Namespace, results: dict[str, Any], class_ids: list[int],
-                  images: torch.Tensor, embed: Callable[[torch.Tensor], torch.Tensor]) -> str | None:
-    """The bank's content hash when its images can be shown to be the evaluated bank's: the same fingerprint, the
-    content its training run recorded, or the recorded k-NN (bank) prediction of every evaluated image (``images``)
-    reproduced with the model's features (``embed``); else None (left unrecorded)."""
+def _bank_content(args: argparse.Namespace, results: dict[str, Any], class_ids: list[int]) -> str | None:
+    """The bank's content hash when its images can be shown to be the evaluated bank's (the same fingerprint, or
+    the content its training run recorded), else None (left unrecorded: such a bank pairs by fingerprint)."""
     record = results["data"].get("bank")
     if not record or not args.bank_split:
         return None
     bank = harness_eval._load_bank(args, class_ids)
-    if bank.fingerprint == record["fingerprint"] or (
-            args.bank_per_class is None and _run_content(args, results["data"]["dataset"], bank.split) == bank.content):
-        return bank.content
-    found = read_predictions(folder)
-    if found is None or found["predicted"].get("knn_bank") is None:
-        return None
-    knn = metrics.knn_bank_predictions(embed(bank.images), bank.labels, embed(images), args.bank_k, args.temperature)
-    return bank.content if knn.tolist() == found["predicted"]["knn_bank"] else None
+    same = bank.fingerprint == record["fingerprint"] or (
+        args.bank_per_class is None and _run_content(args, results["data"]["dataset"], bank.split) == bank.content)
+    return bank.content if same else None
 
 
 def _local_dir(args: argparse.Namespace) -> str | None:
@@ -165,10 +157,8 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
                         "the evaluation (sha256); re-evaluate it with python -m harness.eval")
     kwargs = {"device": dev, "amp_dtype": DTYPES[results["environment"]["dtype"]], "batch_size": args.batch_size}
 
-    def outputs(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return extract(model, images, info["mean"], info["std"], **kwargs)
-
-    if not _same_images(folder, results, args, sel.data, sel.index, lambda: outputs(sel.data.images)[1]):
+    if not _same_images(folder, results, args, sel.data, sel.index, lambda: extract(
+            model, sel.data.images, info["mean"], info["std"], **kwargs)[1]):
         raise UserError(f"{folder}: the images selected now cannot be shown to be the evaluated ones (neither the "
                         "same fingerprint, nor a recorded content hash, nor the recorded predictions); re-evaluate "
                         "it with python -m harness.eval")
@@ -181,11 +171,11 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     if "content hashes" in todo:
         record = results["data"]
         record.update(split_content=sel.full.content, content=sel.data.content)
-        bank = _bank_content(folder, args, results, sel.class_ids, sel.data.images, lambda x: outputs(x)[0])
+        bank = _bank_content(args, results, sel.class_ids)
         if bank is not None:
             record["bank"]["content"] = bank
         elif record.get("bank"):
-            todo[-1] += " (not the bank's: it cannot be shown to be the evaluated one)"
+            todo[-1] += " (not the bank's, which cannot be shown to be the evaluated one: it pairs by fingerprint)"
     results["timing"]["diagnose"] = round(time.perf_counter() - start, 3)
     write_json(path, results)
     return todo

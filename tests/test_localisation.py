@@ -393,3 +393,19 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
     (old / "predictions.json.gz").write_bytes(gzip.compress(json.dumps(predictions).encode()))
     with pytest.raises(UserError, match="cannot be shown to be the evaluated ones"):
         diagnose.update_evaluation(old)
+
+
+def test_same_images_pairs_by_content_where_both_records_hold_it_else_by_fingerprint():
+    """Each part (evaluated images, bank) by content when both records have it, else by fingerprint: the same
+    content under two fingerprints pairs; a bank known by content in one record only pairs by its fingerprint."""
+    def images(fp, bank_fp, content=None, bank_content=None):
+        return compare.evaluated_images({"data": {"fingerprint": fp, "subset_fingerprint": fp, "split_content":
+                                                  content, "content": content,
+                                                  "bank": {"fingerprint": bank_fp, "content": bank_content}}})
+
+    old, rewritten = images("a", "b", "C", None), images("x", "y", "C", "D")
+    assert compare.same_images(old, rewritten) == (True, False)  # the bank: fingerprints b and y differ
+    assert compare.same_images(old, images("x", "b", "C", "D")) == (True, True)  # the bank by fingerprint
+    assert compare.same_images(rewritten, images("z", "w", "C", "D")) == (True, True)  # all by content
+    assert compare.same_images(rewritten, images("x", "y", "E", "D")) == (False, False)  # other data, same name
+    assert compare.same_images(images("a", "b"), images("a", "b", "C", "D")) == (True, True)  # no content: names
