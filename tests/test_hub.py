@@ -367,6 +367,10 @@ def test_card_defines_the_localisation_metrics_of_each_map():
                                                       ["| gradient_rollout_pointing", "0.75"]]
     assert "share of the rollout map's mass on the object's box" in rows[2]
     assert "pointing game of the gradient_rollout map" in rows[3]
+    masked = {"pooling_fill_mass": 0.4, "pooling_object_share": 0.7, "rollout_fill_mass": 0.3}
+    rows = [line for line in hub._evaluation({"metrics": masked}).splitlines() if line.startswith("| ")][1:]
+    assert [row.split(" | ")[0] for row in rows] == ["| pooling_fill_mass", "| pooling_object_share",
+                                                     "| rollout_fill_mass"]  # each once: `pooling` is no map
 
 
 def test_normalisation_mismatch_is_named():

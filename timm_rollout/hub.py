@@ -24,6 +24,7 @@ from . import online
 from .atomic import atomic_path, write_text
 from .data import ALIASES
 from .errors import UserError
+from .explain import MAP_LABELS
 from .loading import load_model
 from .models import RolloutVisionTransformer
 from .pooling import OPTIONS, POOLED_ARCHITECTURE, RolloutPooling
@@ -525,7 +526,7 @@ def _evaluation(results: dict[str, Any]) -> str:
     rows = []
     for key, definition in METRIC_DEFINITIONS.items():  # a <map>_ key defines that metric of every saliency map
         suffix = key.removeprefix("<map>")
-        found = [k for k in metrics if k.endswith(suffix) and k != suffix] if suffix != key else [key]
+        found = [f"{m}{suffix}" for m in MAP_LABELS if f"{m}{suffix}" in metrics] if suffix != key else [key]
         rows += [f"| {k} | {_fmt(metrics[k])} | {definition.format(**params, map=k.removesuffix(suffix))} |"
                  for k in found if metrics.get(k) is not None]
     data = {**data, "dataset": _dataset_id(str(data["dataset"]))} if data.get("dataset") else data
