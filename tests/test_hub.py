@@ -554,3 +554,41 @@ def test_card_of_a_tiny_model_is_a_study_arm(tmp_path, run):
             "MLP 512, pre-norm, LayerNorm eps 1e-5, exact GELU, qkv bias\n") in card
     assert run[1].blocks[0].norm1.eps == 1e-5 and "It is one arm of the timm-rollout study" in card
     assert "timm knows `vit_tiny_cifar_cls` / `vit_tiny_cifar_gap` / `vit_tiny_cifar_rollout`" in card
+
+
+# a stock ViT trained with a timm pooling unlike the one it was built with: timm's layout (fc_norm or the final norm)
+# follows the build-time pooling, so the run must rebuild that layout, then pool as trained (CPU, fp32)
+REPOOLED = {"avg-on-token": ("vit_tiny_patch16_224", {}, "avg"),
+            "token-on-avg": ("deit_tiny_patch16_224", {"global_pool": "avg"}, "token")}
+
+
+@pytest.mark.parametrize("case", REPOOLED)
+def test_a_stock_vit_trained_with_another_timm_pooling_reloads_as_trained(tmp_path, images, case):
+    """Plain timm (local-dir:), load_model (harness.eval) and the upload folder (push_to_hub.py) give the trained
+    model's logits exactly: the trained model rebuilt by hand from the command's arguments and the run's weights."""
+    arch, built_kwargs, pool = REPOOLED[case]
+    run = tmp_path / "run"
+    kwargs = [f"{k}={v}" for k, v in {**STOCK_ARGS, **built_kwargs}.items()]
+    flags = [a for a in STOCK_TRAIN if a not in ("--pool-kwargs", "head_fusion=max", "discard_ratio=0.5")]
+    flags[flags.index("vit_tiny_patch16_224")] = arch
+    flags[flags.index("rollout")] = pool
+    at = flags.index("--model-kwargs") + 1
+    train.main([*flags[:at], *kwargs, *flags[at + len(STOCK_ARGS):], "--output", str(run)])
+    reference = timm.create_model(arch, num_classes=10, **STOCK_ARGS, **built_kwargs).eval()
+    reference.load_state_dict(load_file(run / "model.safetensors"))
+    with torch.no_grad():
+        as_built = reference(images)
+        want = set_pooling(reference, pool)(images)
+    assert (want - as_built).abs().max() > 0.01  # the pooling changes the logits: a reload as built would show
+    hub.write_upload_folder(run, tmp_path / "up", "me/repooled")
+    for name in (f"local-dir:{run}", f"local-dir:{tmp_path / 'up'}"):
+        model = timm.create_model(name, pretrained=True).eval()
+        with torch.no_grad():
+            assert torch.equal(model(images), want) and torch.equal(load_model(name)[0](images), want)
+        assert model.global_pool == pool and model.pretrained_cfg["input_size"] == (3, 32, 32)
+    config = json.loads((run / "config.json").read_text())
+    assert config["architecture"] == "timm_rollout_pooled" and {
+        k: config["model_args"][k] for k in ("stock_architecture", "global_pool", "pool")} == {
+        "stock_architecture": arch, "global_pool": built_kwargs.get("global_pool", "token"), "pool": pool}
+    card = (tmp_path / "up" / "README.md").read_text()
+    assert f"import timm_rollout  # registers timm_rollout_pooled: {arch} pooled by {pool}" in card

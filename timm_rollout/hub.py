@@ -26,7 +26,7 @@ from .data import ALIASES
 from .errors import UserError
 from .loading import load_model
 from .models import RolloutVisionTransformer
-from .pooling import OPTIONS, POOLED_ARCHITECTURE, RolloutPooling
+from .pooling import OPTIONS, POOLED_ARCHITECTURE, built_pool
 from .records import (
     ARGS_FILE,
     CARD_FILE,
@@ -222,13 +222,14 @@ def check_eval_matches(run_dir: str | os.PathLike, results: dict[str, Any]) -> N
 def describe_model(model: torch.nn.Module) -> dict[str, Any]:
     """Architecture facts of a timm ViT for the card, read off the model: architecture, pooling and its options,
     sizes, norm, activation, parameter count, and the name timm must know to rebuild it (``registered_name``:
-    a tiny model's, ``timm_rollout_pooled`` for a rollout-pooled stock ViT, None for a plain timm model). ``class``
+    a tiny model's, ``timm_rollout_pooled`` for a stock ViT pooled otherwise than it was built, None for a plain timm
+    model). ``class``
     is the timm class it is (or derives from)."""
     block = model.blocks[0]
     stock = next(c for c in type(model).__mro__ if c.__module__.startswith("timm.") or c is torch.nn.Module)
     architecture = model.pretrained_cfg.get("architecture", stock.__name__)
     study = isinstance(model, RolloutVisionTransformer)
-    registered = architecture if study else POOLED_ARCHITECTURE if isinstance(model, RolloutPooling) else None
+    registered = architecture if study else POOLED_ARCHITECTURE if built_pool(model) != model.global_pool else None
     return {
         "architecture": architecture,
         "class": stock.__name__,
@@ -487,12 +488,12 @@ def _import_text(facts: dict[str, Any]) -> tuple[str, str]:
                 "timm knows `vit_tiny_cifar_cls` / `vit_tiny_cifar_gap` / `vit_tiny_cifar_rollout`.",
                 "import timm_rollout  # registers the architecture with timm")
     if name == POOLED_ARCHITECTURE:
-        arch = facts["architecture"]
-        return (f"The model is timm's `{arch}` pooled by attention rollout. Its `config.json` names it `{name}`,\n"
-                "which the `timm_rollout` package registers: import it before creating the model, and timm builds\n"
-                f"`{arch}` with these weights and its rollout pooling (`timm_rollout.set_pooling`). Without the\n"
-                f"import, timm stops at `Unknown model ({name})`.",
-                f"import timm_rollout  # registers {name}: {arch} pooled by rollout")
+        arch, pool = facts["architecture"], facts["pooling"]
+        return (f"The model is timm's `{arch}` pooled with `{pool}`, unlike the layout it was built with. Its\n"
+                f"`config.json` names it `{name}`, which the `timm_rollout` package registers: import it before\n"
+                f"creating the model, and timm builds `{arch}` with these weights and its `{pool}` pooling\n"
+                f"(`timm_rollout.set_pooling`). Without the import, timm stops at `Unknown model ({name})`.",
+                f"import timm_rollout  # registers {name}: {arch} pooled by {pool}")
     return (f"A plain timm `{facts['architecture']}`: timm alone rebuilds it (`timm_rollout` runs the harness).", "")
 
 
