@@ -326,9 +326,9 @@ def _load_data(args: argparse.Namespace, loaded: dict[tuple, tuple]) -> tuple[Im
     cols = {"image_column": args.image_column, "label_column": args.label_column}
     key = (args.dataset, args.train_split, args.eval_split, args.image_column, args.label_column)
     if key not in loaded:
-        train_set = load_image_set(args.dataset, args.train_split, **cols)
+        train_set = load_image_set(args.dataset, args.train_split, **cols, split_flag="--train-split")
         eval_split = args.eval_split or _default_eval_split(args.dataset)
-        loaded[key] = (train_set, load_image_set(args.dataset, eval_split, **cols),
+        loaded[key] = (train_set, load_image_set(args.dataset, eval_split, **cols, split_flag="--eval-split"),
                        *normalization_stats(args.dataset, train_set))
     train_set, eval_set, mean, std = loaded[key]
     if args.pretrained_file:  # fine-tuning: the inputs the pretrained weights expect (their run's, else the model's)
