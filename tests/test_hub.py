@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 import timm_rollout
 from timm_rollout import hub, online, set_pooling, train
+from timm_rollout.data import normalize
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.loading import load_model
 from timm_rollout.pooling import RolloutPooling
@@ -592,3 +593,27 @@ def test_a_stock_vit_trained_with_another_timm_pooling_reloads_as_trained(tmp_pa
         "stock_architecture": arch, "global_pool": built_kwargs.get("global_pool", "token"), "pool": pool}
     card = (tmp_path / "up" / "README.md").read_text()
     assert f"import timm_rollout  # registers timm_rollout_pooled: {arch} pooled by {pool}" in card
+
+
+def test_a_stock_vit_run_describes_the_pixels_it_trained_on_and_its_card_snippet_scores_them(tmp_path, stock_run):
+    """A stock ViT's config says crop_pct 1.0 and no ImageNet tag (training took the pixels as they are), so the
+    card's snippet, run on a grayscale 32x32 PNG, feeds the model exactly what the harness scores: the image's
+    pixels as RGB, normalised with the run's mean/std, with the trained model's probabilities (CPU, fp32)."""
+    saved = json.loads((stock_run / "config.json").read_text())["pretrained_cfg"]
+    assert saved["crop_pct"] == 1.0 and saved["crop_mode"] == "center" and "tag" not in saved
+    assert saved["input_size"] == [3, 32, 32]
+    hub.write_upload_folder(stock_run, tmp_path / "up", REPO)
+    card = (tmp_path / "up" / "README.md").read_text()
+    snippet = card.split("```python\n")[1].split("```")[0]
+    assert 'img = Image.open("image.png").convert("RGB")' in snippet
+    gray = torch.randint(0, 256, (32, 32), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    from PIL import Image
+    Image.fromarray(gray.numpy(), mode="L").save(tmp_path / "image.png")
+    scope: dict = {}
+    code = snippet.replace(f"hf-hub:{REPO}", f"local-dir:{tmp_path / 'up'}").replace("image.png",
+                                                                                    str(tmp_path / "image.png"))
+    exec(code, scope)  # the card's own snippet, on local files
+    pixels = normalize(gray.expand(1, 3, 32, 32), MEAN, STD)
+    assert torch.equal(scope["transform"](scope["img"]).unsqueeze(0), pixels)
+    with torch.no_grad():
+        assert torch.equal(scope["probs"], trained_stock(stock_run)(pixels).softmax(-1))

@@ -499,7 +499,7 @@ def _import_text(facts: dict[str, Any]) -> tuple[str, str]:
 
 def _usage(repo_id: str, dataset: str, facts: dict[str, Any]) -> str:
     sentence, line = _import_text(facts)
-    imports = "\n".join(["import timm", "import torch", *([line] if line else [])])
+    imports = "\n".join(["import timm", "import torch", "from PIL import Image", *([line] if line else [])])
     return f"""{sentence}
 
 ```python
@@ -508,9 +508,10 @@ def _usage(repo_id: str, dataset: str, facts: dict[str, Any]) -> str:
 model = timm.create_model("hf-hub:{repo_id}", pretrained=True).eval()
 transform = timm.data.create_transform(**timm.data.resolve_data_config({{}}, model=model))
 labels = model.pretrained_cfg.get("label_names")
+img = Image.open("image.png").convert("RGB")  # 3-channel RGB, as in training (grayscale, palette, RGBA too)
 
 with torch.no_grad():
-    probs = model(transform(img).unsqueeze(0)).softmax(-1)  # img: a PIL image
+    probs = model(transform(img).unsqueeze(0)).softmax(-1)
     features = model.forward_head(model.forward_features(transform(img).unsqueeze(0)), pre_logits=True)
 ```
 
