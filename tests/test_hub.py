@@ -617,3 +617,23 @@ def test_a_stock_vit_run_describes_the_pixels_it_trained_on_and_its_card_snippet
     assert torch.equal(scope["transform"](scope["img"]).unsqueeze(0), pixels)
     with torch.no_grad():
         assert torch.equal(scope["probs"], trained_stock(stock_run)(pixels).softmax(-1))
+
+
+@pytest.mark.parametrize(("fusion", "said", "not_said"), [("max", "attention fused over heads by max", "averaged"),
+                                                          ("mean", "attention averaged over heads", "fused over")])
+def test_card_pooling_line_states_the_runs_head_fusion(tmp_path, fusion, said, not_said):
+    save_run(tmp_path / "run", "vit_tiny_cifar_rollout", rollout_head_fusion=fusion)
+    hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/tiny")
+    line = next(x for x in (tmp_path / "up" / "README.md").read_text().splitlines() if x.startswith("- **Pooling:**"))
+    assert said in line and not_said not in line and "head-averaged" not in line
+
+
+def test_card_recipe_gives_the_warmup_the_run_used(tmp_path):
+    """--warmup-epochs 5 clipped to a 1-epoch run: train_args.json's warmup_epochs_used is the one stated."""
+    save_run(tmp_path / "run", "vit_tiny_cifar_cls")
+    args = json.loads((tmp_path / "run" / "train_args.json").read_text())
+    (tmp_path / "run" / "train_args.json").write_text(json.dumps({**args, "warmup_epochs": 5,
+                                                                  "warmup_epochs_used": 1}))
+    hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/tiny")
+    card = (tmp_path / "up" / "README.md").read_text()
+    assert "cosine, warmup epochs 1, min lr 1e-05" in card and "warmup epochs 5" not in card

@@ -69,7 +69,7 @@ POOLING_TEXT = {
     "avg": "the plain mean of the final {tokens}",
     "rollout": (
         "the mean of the final {tokens} weighted by the [CLS] row of the attention rollout "
-        "(head-averaged attention plus identity, row-normalised, multiplied over layers; {prefix} dropped "
+        "(each layer's attention {fusion}, plus identity, row-normalised, multiplied over layers; {prefix} dropped "
         "and the row renormalised)"
     ),
     "map": (
@@ -307,7 +307,10 @@ def _pooling_text(facts: dict[str, Any]) -> tuple[str, str]:
     registers = facts.get("num_reg_tokens", 0)
     prefix = "[CLS] column" if facts.get("num_prefix_tokens", 1) == 1 else \
         f"[CLS] and {registers} register-token columns" if registers else "prefix-token columns"
-    text = POOLING_TEXT.get(pooling, f"timm global pooling {pooling!r}").format(tokens=tokens, prefix=prefix)
+    fusion, ratio = facts.get("rollout_head_fusion", "mean"), facts.get("rollout_discard_ratio", 0.0)
+    fused = "averaged over heads" if fusion == "mean" else f"fused over heads by {fusion}"
+    text = POOLING_TEXT.get(pooling, f"timm global pooling {pooling!r}").format(tokens=tokens, prefix=prefix,
+                                                                                fusion=fused)
     if pooling == "avg" and facts.get("study_model"):
         text += STUDY_AVG_TEXT
     elif facts.get("fc_norm") and pooling in ("avg", "rollout"):
@@ -316,7 +319,6 @@ def _pooling_text(facts: dict[str, Any]) -> tuple[str, str]:
     if pooling == "rollout" and facts.get("rollout_grad"):
         text += ROLLOUT_GRAD_TEXT
         short += " (trained with gradients through the rollout weights)"
-    fusion, ratio = facts.get("rollout_head_fusion", "mean"), facts.get("rollout_discard_ratio", 0.0)
     if pooling == "rollout" and (fusion != "mean" or ratio):
         options = f"rollout_head_fusion={fusion!r}, rollout_discard_ratio={ratio:g}"
         text += f"; sharpened rollout ({options}: heads fused by {fusion}, the weakest {ratio:.0%} of " \
@@ -373,6 +375,9 @@ def _dataset_arg(train_args: dict[str, Any]) -> str:
 
 
 def _recipe(train_args: dict[str, Any]) -> dict[str, str]:
+    """The card's training recipe; the warmup is the one the run used (``--warmup-epochs`` clipped to its length)."""
+    used = train_args.get("warmup_epochs_used")
+    train_args = {**train_args, **({"warmup_epochs": used} if used is not None else {})}
     rows = {
         "Epochs": _phrase(train_args, [("epochs", "")]),
         "Batch size": _phrase(train_args, [("batch_size", "")]),
