@@ -61,7 +61,7 @@ CASES = [
     (TRAIN, ["--model", "vit_small_patch16_224", "--model-kwargs", "class_token=False", "global_pool=avg", "--pool",
              "rollout"], "rollout pooling needs a class token"),
     (TRAIN, ["--pretrained-file", "{missing}"], "argument --pretrained-file: "),
-    (TRAIN, ["--pretrained-file", "{file}"], "is not a weights-only checkpoint"),
+    (TRAIN, ["--pretrained-file", "{file}"], "file.txt is not a weights file; pass a .safetensors file, a training"),
     (TRAIN, ["--sched", "cosin"], "argument --sched: invalid choice: 'cosin'"),
     (TRAIN, ["--output", "{file}"], "is a file; pass a folder"),
     (TRAIN, ["--epoch-count", "3"], "unrecognized arguments: --epoch-count 3; did you mean --epochs"),
