@@ -319,7 +319,7 @@ def _load(args: argparse.Namespace, full: ImageSet, device: torch.device) -> tup
 
 def _load_bank(args: argparse.Namespace, class_ids: list[int]) -> ImageSet:
     bank_full = load_image_set(args.dataset, args.bank_split, image_column=args.image_column,
-                               label_column=args.label_column)
+                               label_column=args.label_column, split_flag="--bank-split")
     bank, _ = _subset(bank_full, class_ids, args.bank_per_class, args.seed, "bank")
     if len(bank) < args.bank_k:
         raise UserError(f"the bank has {len(bank)} images, fewer than --bank-k {args.bank_k}")

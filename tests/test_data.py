@@ -244,3 +244,23 @@ def test_a_damaged_image_is_named_by_row_and_file(tmp_path: Path, fmt: str) -> N
     assert "\n" not in message and "disk space" not in message
     bad.unlink()
     assert len(load_image_set(str(folder), "train")) == 5
+
+
+@pytest.mark.parametrize("columns", [{"label_column": "image"}, {"image_column": "image", "label_column": "image"}])
+def test_the_image_column_as_the_labels_is_a_one_line_error_naming_the_flag(tmp_path: Path, columns: dict) -> None:
+    """An imagefolder (columns image, label) with its image column named as the labels: one line naming the fix."""
+    folder = _image_folder(tmp_path / "ds", "png")
+    with pytest.raises(UserError) as e:
+        load_image_set(str(folder), "train", **columns)
+    assert str(e.value) == ("column 'image' would be both the images and the labels; name the label column with "
+                            "--label-column (or the image column with --image-column): the columns are image, label")
+
+
+def test_a_missing_split_names_the_commands_flag(tmp_path: Path) -> None:
+    folder = _image_folder(tmp_path / "ds", "png")
+    with pytest.raises(UserError) as e:
+        load_image_set(str(folder), "test", split_flag="--bank-split")
+    assert str(e.value).endswith("has no split 'test'; its splits are train: name one with --bank-split")
+    with pytest.raises(UserError) as e:
+        load_image_set(str(folder), "test")
+    assert str(e.value).endswith(": name one with --split")

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 import timm_rollout
 from timm_rollout import hub, online, set_pooling, train
+from timm_rollout.data import normalize
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.loading import load_model
 from timm_rollout.pooling import RolloutPooling
@@ -558,3 +559,85 @@ def test_card_of_a_tiny_model_is_a_study_arm(tmp_path, run):
             "MLP 512, pre-norm, LayerNorm eps 1e-5, exact GELU, qkv bias\n") in card
     assert run[1].blocks[0].norm1.eps == 1e-5 and "It is one arm of the timm-rollout study" in card
     assert "timm knows `vit_tiny_cifar_cls` / `vit_tiny_cifar_gap` / `vit_tiny_cifar_rollout`" in card
+
+
+# a stock ViT trained with a timm pooling unlike the one it was built with: timm's layout (fc_norm or the final norm)
+# follows the build-time pooling, so the run must rebuild that layout, then pool as trained (CPU, fp32)
+REPOOLED = {"avg-on-token": ("vit_tiny_patch16_224", {}, "avg"),
+            "token-on-avg": ("deit_tiny_patch16_224", {"global_pool": "avg"}, "token")}
+
+
+@pytest.mark.parametrize("case", REPOOLED)
+def test_a_stock_vit_trained_with_another_timm_pooling_reloads_as_trained(tmp_path, images, case):
+    """Plain timm (local-dir:), load_model (harness.eval) and the upload folder (push_to_hub.py) give the trained
+    model's logits exactly: the trained model rebuilt by hand from the command's arguments and the run's weights."""
+    arch, built_kwargs, pool = REPOOLED[case]
+    run = tmp_path / "run"
+    kwargs = [f"{k}={v}" for k, v in {**STOCK_ARGS, **built_kwargs}.items()]
+    flags = [a for a in STOCK_TRAIN if a not in ("--pool-kwargs", "head_fusion=max", "discard_ratio=0.5")]
+    flags[flags.index("vit_tiny_patch16_224")] = arch
+    flags[flags.index("rollout")] = pool
+    at = flags.index("--model-kwargs") + 1
+    train.main([*flags[:at], *kwargs, *flags[at + len(STOCK_ARGS):], "--output", str(run)])
+    reference = timm.create_model(arch, num_classes=10, **STOCK_ARGS, **built_kwargs).eval()
+    reference.load_state_dict(load_file(run / "model.safetensors"))
+    with torch.no_grad():
+        as_built = reference(images)
+        want = set_pooling(reference, pool)(images)
+    assert (want - as_built).abs().max() > 0.01  # the pooling changes the logits: a reload as built would show
+    hub.write_upload_folder(run, tmp_path / "up", "me/repooled")
+    for name in (f"local-dir:{run}", f"local-dir:{tmp_path / 'up'}"):
+        model = timm.create_model(name, pretrained=True).eval()
+        with torch.no_grad():
+            assert torch.equal(model(images), want) and torch.equal(load_model(name)[0](images), want)
+        assert model.global_pool == pool and model.pretrained_cfg["input_size"] == (3, 32, 32)
+    config = json.loads((run / "config.json").read_text())
+    assert config["architecture"] == "timm_rollout_pooled" and {
+        k: config["model_args"][k] for k in ("stock_architecture", "global_pool", "pool")} == {
+        "stock_architecture": arch, "global_pool": built_kwargs.get("global_pool", "token"), "pool": pool}
+    card = (tmp_path / "up" / "README.md").read_text()
+    assert f"import timm_rollout  # registers timm_rollout_pooled: {arch} pooled by {pool}" in card
+
+
+def test_a_stock_vit_run_describes_the_pixels_it_trained_on_and_its_card_snippet_scores_them(tmp_path, stock_run):
+    """A stock ViT's config says crop_pct 1.0 and no ImageNet tag (training took the pixels as they are), so the
+    card's snippet, run on a grayscale 32x32 PNG, feeds the model exactly what the harness scores: the image's
+    pixels as RGB, normalised with the run's mean/std, with the trained model's probabilities (CPU, fp32)."""
+    saved = json.loads((stock_run / "config.json").read_text())["pretrained_cfg"]
+    assert saved["crop_pct"] == 1.0 and saved["crop_mode"] == "center" and "tag" not in saved
+    assert saved["input_size"] == [3, 32, 32]
+    hub.write_upload_folder(stock_run, tmp_path / "up", REPO)
+    card = (tmp_path / "up" / "README.md").read_text()
+    snippet = card.split("```python\n")[1].split("```")[0]
+    assert 'img = Image.open("image.png").convert("RGB")' in snippet
+    gray = torch.randint(0, 256, (32, 32), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    from PIL import Image
+    Image.fromarray(gray.numpy(), mode="L").save(tmp_path / "image.png")
+    scope: dict = {}
+    code = snippet.replace(f"hf-hub:{REPO}", f"local-dir:{tmp_path / 'up'}").replace("image.png",
+                                                                                    str(tmp_path / "image.png"))
+    exec(code, scope)  # the card's own snippet, on local files
+    pixels = normalize(gray.expand(1, 3, 32, 32), MEAN, STD)
+    assert torch.equal(scope["transform"](scope["img"]).unsqueeze(0), pixels)
+    with torch.no_grad():
+        assert torch.equal(scope["probs"], trained_stock(stock_run)(pixels).softmax(-1))
+
+
+@pytest.mark.parametrize(("fusion", "said", "not_said"), [("max", "attention fused over heads by max", "averaged"),
+                                                          ("mean", "attention averaged over heads", "fused over")])
+def test_card_pooling_line_states_the_runs_head_fusion(tmp_path, fusion, said, not_said):
+    save_run(tmp_path / "run", "vit_tiny_cifar_rollout", rollout_head_fusion=fusion)
+    hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/tiny")
+    line = next(x for x in (tmp_path / "up" / "README.md").read_text().splitlines() if x.startswith("- **Pooling:**"))
+    assert said in line and not_said not in line and "head-averaged" not in line
+
+
+def test_card_recipe_gives_the_warmup_the_run_used(tmp_path):
+    """--warmup-epochs 5 clipped to a 1-epoch run: train_args.json's warmup_epochs_used is the one stated."""
+    save_run(tmp_path / "run", "vit_tiny_cifar_cls")
+    args = json.loads((tmp_path / "run" / "train_args.json").read_text())
+    (tmp_path / "run" / "train_args.json").write_text(json.dumps({**args, "warmup_epochs": 5,
+                                                                  "warmup_epochs_used": 1}))
+    hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/tiny")
+    card = (tmp_path / "up" / "README.md").read_text()
+    assert "cosine, warmup epochs 1, min lr 1e-05" in card and "warmup epochs 5" not in card

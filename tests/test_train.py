@@ -804,3 +804,26 @@ def test_a_data_set_without_a_test_split_names_test_and_eval_split(tmp_path: Pat
     assert str(e.value) == (f"data set {str(tmp_path / 'ds')!r} has no split 'test' or 'validation' to evaluate on; "
                             "its splits are train: name the one to evaluate on with --eval-split")
     assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_pretrained_weights_of_another_model_name_the_mismatch_and_the_model_they_fit(tmp_path: Path) -> None:
+    """A vit_tiny run's weights into vit_small: one line with the first mismatched parameter, both shapes, and the
+    --model and --model-kwargs that build the model they were trained as."""
+    from timm_rollout.checkpoint import save_model
+
+    tiny = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=4, depth=2, num_classes=10)
+    save_model(tmp_path / "vt", tiny, [str(i) for i in range(10)], (0.5,) * 3, (0.25,) * 3)
+    args = [*TINY, *FP32, "--epochs", "1", "--model", "vit_small_patch16_224", "--model-kwargs", "img_size=32",
+            "patch_size=4", "depth=2", "--pretrained-file", str(tmp_path / "vt"), "--output", str(tmp_path / "run")]
+    with pytest.raises(UserError) as e:
+        train(args)
+    assert str(e.value) == (
+        "the pretrained weights do not fit vit_small_patch16_224 built with {'num_classes': 10, 'img_size': 32, "
+        "'patch_size': 4, 'depth': 2}: their shapes differ (e.g. cls_token: [1, 1, 192] in the weights, "
+        "[1, 1, 384] in the model); they were trained as vit_tiny_patch16_224: pass --model vit_tiny_patch16_224 "
+        "--model-kwargs img_size=32 patch_size=4 depth=2 in_chans=3")
+    (tmp_path / "log.csv").write_text("epoch,train_loss\n1,2.3\n")
+    with pytest.raises(UserError) as e:
+        train([*args[:-4], "--pretrained-file", str(tmp_path / "log.csv"), "--output", str(tmp_path / "run")])
+    assert str(e.value) == (f"{tmp_path / 'log.csv'} is not a weights file; pass a .safetensors file, a training "
+                            "output folder or a timm checkpoint (.pth, .pt)")

@@ -27,24 +27,29 @@ from .atomic import atomic_path, publish, write_json
 from .pooling import export_config, option_model_args
 from .records import CONFIG_FILE, MODEL_FILES
 
-__all__ = ["load_resume", "save_model", "save_resume"]
+__all__ = ["TRAINED_INPUT", "load_resume", "save_model", "save_resume"]
+
+TRAINED_INPUT = {"crop_pct": 1.0, "crop_mode": "center"}  # the pixels as they are, as the tiny models' configs say
 
 
 def save_model(
     out: str | os.PathLike, model: nn.Module, class_names: Sequence[str], mean: Sequence[float],
     std: Sequence[float],
 ) -> None:
-    """Export ``model`` to ``out`` as timm's HF layout, recording class names and the training mean/std."""
+    """Export ``model`` to ``out`` as timm's HF layout, recording class names and the input training saw: its
+    mean/std, the pixels as they are (``crop_pct`` 1.0 at the model's input size: training neither resizes nor crops
+    for evaluation) and no source checkpoint ``tag`` (e.g. a stock model's ImageNet one)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model_config = {"label_names": list(class_names)} if len(class_names) == model.num_classes else None
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=".export-"))
     try:
         save_for_hf(model, tmp, model_config=model_config, model_args=option_model_args(model) or None,
-                    safe_serialization=True, data_config={"mean": tuple(mean), "std": tuple(std)})
+                    safe_serialization=True, data_config={"mean": tuple(mean), "std": tuple(std), **TRAINED_INPUT})
         config = json.loads((tmp / CONFIG_FILE).read_text(encoding="utf-8"))
         exported = export_config(config, model)
-        if exported != config:  # a stock timm ViT pooled by set_pooling: named so that timm rebuilds it so
+        exported["pretrained_cfg"] = {k: v for k, v in exported["pretrained_cfg"].items() if k != "tag"}
+        if exported != config:  # a stock ViT: no source tag; pooled by set_pooling: named so that timm rebuilds it so
             write_json(tmp / CONFIG_FILE, exported)
         for name in MODEL_FILES:
             publish(tmp / name, out / name)

@@ -437,6 +437,7 @@ def load_image_set(
     image_column: str | None = None,
     label_column: str | None = None,
     boxes: bool = False,
+    split_flag: str = "--split",
 ) -> ImageSet:
     """Load one split of an image classification data set as decoded uint8 RGB tensors.
 
@@ -445,14 +446,16 @@ def load_image_set(
     ``load_from_disk`` reads. Columns are detected (``img``/``image``, ``label``/``fine_label``) unless named.
     ``boxes``: read a ``bbox`` column (one object box per image) into ``ImageSet.boxes`` and a ``mask`` column (a
     content mask per image, as ``scripts/make_cluttered.py`` writes) into ``ImageSet.masks`` (the harness scores
-    localisation with them; training and the rest leave them alone, whatever they hold).
+    localisation with them; training and the rest leave them alone, whatever they hold). ``split_flag``: the
+    command's flag that names ``split``, for the error when the data set lacks it.
     """
     import datasets
 
     spec = resolve_dataset(dataset)
     splits, key = _load_splits(spec, dataset)
     if split not in splits:
-        raise UserError(f"data set {dataset!r} has no split {split!r}; its splits are {', '.join(splits)}")
+        raise UserError(f"data set {dataset!r} has no split {split!r}; its splits are {', '.join(splits)}: name one "
+                        f"with {split_flag}")
     ds = splits[split]
     features = ds.features
     img_col = _pick_column(features, image_column, IMAGE_COLUMNS, "image", datasets.Image, "--image-column")
@@ -461,6 +464,10 @@ def load_image_set(
                         "name the image column with --image-column")
     lbl_col = _pick_column(features, label_column or spec.label_column, LABEL_COLUMNS, "label",
                            datasets.ClassLabel, "--label-column")
+    if lbl_col == img_col:
+        raise UserError(f"column {img_col!r} would be both the images and the labels; name the label column with "
+                        f"--label-column (or the image column with --image-column): the columns are "
+                        f"{', '.join(features)}")
     images, labels = _decoded_tensors(ds, f"{ds._fingerprint}{key and '-' + key}", img_col, lbl_col,
                                       f"data set {dataset!r}, split {split!r}")
     feature = features[lbl_col]

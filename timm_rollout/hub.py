@@ -27,7 +27,7 @@ from .errors import UserError
 from .explain import MAP_LABELS
 from .loading import load_model
 from .models import RolloutVisionTransformer
-from .pooling import OPTIONS, POOLED_ARCHITECTURE, RolloutPooling
+from .pooling import OPTIONS, POOLED_ARCHITECTURE, built_pool
 from .records import (
     ARGS_FILE,
     CARD_FILE,
@@ -70,7 +70,7 @@ POOLING_TEXT = {
     "avg": "the plain mean of the final {tokens}",
     "rollout": (
         "the mean of the final {tokens} weighted by the [CLS] row of the attention rollout "
-        "(head-averaged attention plus identity, row-normalised, multiplied over layers; {prefix} dropped "
+        "(each layer's attention {fusion}, plus identity, row-normalised, multiplied over layers; {prefix} dropped "
         "and the row renormalised)"
     ),
     "map": (
@@ -223,13 +223,14 @@ def check_eval_matches(run_dir: str | os.PathLike, results: dict[str, Any]) -> N
 def describe_model(model: torch.nn.Module) -> dict[str, Any]:
     """Architecture facts of a timm ViT for the card, read off the model: architecture, pooling and its options,
     sizes, norm, activation, parameter count, and the name timm must know to rebuild it (``registered_name``:
-    a tiny model's, ``timm_rollout_pooled`` for a rollout-pooled stock ViT, None for a plain timm model). ``class``
+    a tiny model's, ``timm_rollout_pooled`` for a stock ViT pooled otherwise than it was built, None for a plain timm
+    model). ``class``
     is the timm class it is (or derives from)."""
     block = model.blocks[0]
     stock = next(c for c in type(model).__mro__ if c.__module__.startswith("timm.") or c is torch.nn.Module)
     architecture = model.pretrained_cfg.get("architecture", stock.__name__)
     study = isinstance(model, RolloutVisionTransformer)
-    registered = architecture if study else POOLED_ARCHITECTURE if isinstance(model, RolloutPooling) else None
+    registered = architecture if study else POOLED_ARCHITECTURE if built_pool(model) != model.global_pool else None
     return {
         "architecture": architecture,
         "class": stock.__name__,
@@ -307,7 +308,10 @@ def _pooling_text(facts: dict[str, Any]) -> tuple[str, str]:
     registers = facts.get("num_reg_tokens", 0)
     prefix = "[CLS] column" if facts.get("num_prefix_tokens", 1) == 1 else \
         f"[CLS] and {registers} register-token columns" if registers else "prefix-token columns"
-    text = POOLING_TEXT.get(pooling, f"timm global pooling {pooling!r}").format(tokens=tokens, prefix=prefix)
+    fusion, ratio = facts.get("rollout_head_fusion", "mean"), facts.get("rollout_discard_ratio", 0.0)
+    fused = "averaged over heads" if fusion == "mean" else f"fused over heads by {fusion}"
+    text = POOLING_TEXT.get(pooling, f"timm global pooling {pooling!r}").format(tokens=tokens, prefix=prefix,
+                                                                                fusion=fused)
     if pooling == "avg" and facts.get("study_model"):
         text += STUDY_AVG_TEXT
     elif facts.get("fc_norm") and pooling in ("avg", "rollout"):
@@ -316,7 +320,6 @@ def _pooling_text(facts: dict[str, Any]) -> tuple[str, str]:
     if pooling == "rollout" and facts.get("rollout_grad"):
         text += ROLLOUT_GRAD_TEXT
         short += " (trained with gradients through the rollout weights)"
-    fusion, ratio = facts.get("rollout_head_fusion", "mean"), facts.get("rollout_discard_ratio", 0.0)
     if pooling == "rollout" and (fusion != "mean" or ratio):
         options = f"rollout_head_fusion={fusion!r}, rollout_discard_ratio={ratio:g}"
         text += f"; sharpened rollout ({options}: heads fused by {fusion}, the weakest {ratio:.0%} of " \
@@ -373,6 +376,9 @@ def _dataset_arg(train_args: dict[str, Any]) -> str:
 
 
 def _recipe(train_args: dict[str, Any]) -> dict[str, str]:
+    """The card's training recipe; the warmup is the one the run used (``--warmup-epochs`` clipped to its length)."""
+    used = train_args.get("warmup_epochs_used")
+    train_args = {**train_args, **({"warmup_epochs": used} if used is not None else {})}
     rows = {
         "Epochs": _phrase(train_args, [("epochs", "")]),
         "Batch size": _phrase(train_args, [("batch_size", "")]),
@@ -488,18 +494,18 @@ def _import_text(facts: dict[str, Any]) -> tuple[str, str]:
                 "timm knows `vit_tiny_cifar_cls` / `vit_tiny_cifar_gap` / `vit_tiny_cifar_rollout`.",
                 "import timm_rollout  # registers the architecture with timm")
     if name == POOLED_ARCHITECTURE:
-        arch = facts["architecture"]
-        return (f"The model is timm's `{arch}` pooled by attention rollout. Its `config.json` names it `{name}`,\n"
-                "which the `timm_rollout` package registers: import it before creating the model, and timm builds\n"
-                f"`{arch}` with these weights and its rollout pooling (`timm_rollout.set_pooling`). Without the\n"
-                f"import, timm stops at `Unknown model ({name})`.",
-                f"import timm_rollout  # registers {name}: {arch} pooled by rollout")
+        arch, pool = facts["architecture"], facts["pooling"]
+        return (f"The model is timm's `{arch}` pooled with `{pool}`, unlike the layout it was built with. Its\n"
+                f"`config.json` names it `{name}`, which the `timm_rollout` package registers: import it before\n"
+                f"creating the model, and timm builds `{arch}` with these weights and its `{pool}` pooling\n"
+                f"(`timm_rollout.set_pooling`). Without the import, timm stops at `Unknown model ({name})`.",
+                f"import timm_rollout  # registers {name}: {arch} pooled by {pool}")
     return (f"A plain timm `{facts['architecture']}`: timm alone rebuilds it (`timm_rollout` runs the harness).", "")
 
 
 def _usage(repo_id: str, dataset: str, facts: dict[str, Any]) -> str:
     sentence, line = _import_text(facts)
-    imports = "\n".join(["import timm", "import torch", *([line] if line else [])])
+    imports = "\n".join(["import timm", "import torch", "from PIL import Image", *([line] if line else [])])
     return f"""{sentence}
 
 ```python
@@ -508,9 +514,10 @@ def _usage(repo_id: str, dataset: str, facts: dict[str, Any]) -> str:
 model = timm.create_model("hf-hub:{repo_id}", pretrained=True).eval()
 transform = timm.data.create_transform(**timm.data.resolve_data_config({{}}, model=model))
 labels = model.pretrained_cfg.get("label_names")
+img = Image.open("image.png").convert("RGB")  # 3-channel RGB, as in training (grayscale, palette, RGBA too)
 
 with torch.no_grad():
-    probs = model(transform(img).unsqueeze(0)).softmax(-1)  # img: a PIL image
+    probs = model(transform(img).unsqueeze(0)).softmax(-1)
     features = model.forward_head(model.forward_features(transform(img).unsqueeze(0)), pre_logits=True)
 ```
 

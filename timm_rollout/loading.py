@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +59,40 @@ def _rejected(arch: str, kwargs: dict[str, Any], error: Exception, fix: str = "f
     return UserError(f"{arch} cannot be built with {shown} ({reason}); {fix}")
 
 
-def create_model(arch: str, fix: str = "fix or drop the model arguments", **kwargs: Any) -> nn.Module:
+_SIZE_MISMATCH = re.compile(r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[[^\]]*\])\) from "
+                            r"checkpoint, the shape in current model is torch\.Size\((\[[^\]]*\])\)")
+_KEYS = re.compile(r"(Missing|Unexpected) key\(s\) in state_dict: \"([^\"]+)\"")
+
+
+def _weights_mismatch(error: Exception) -> str | None:
+    """What torch's ``load_state_dict`` reports first in ``error``: a parameter's shapes in the weights and the
+    model, or a parameter only one of them has; None when ``error`` is no such report."""
+    text = str(error)
+    if "Error(s) in loading state_dict" not in text:
+        return None
+    size, key = _SIZE_MISMATCH.search(text), _KEYS.search(text)
+    if size:
+        return f"their shapes differ (e.g. {size.group(1)}: {size.group(2)} in the weights, {size.group(3)} in the " \
+               "model)"
+    if key:
+        held, lacks = ("model", "weights") if key.group(1) == "Missing" else ("weights", "model")
+        return f"their parameters differ (e.g. {key.group(2)} is in the {held}, not in the {lacks})"
+    return "their parameters differ"
+
+
+def create_model(arch: str, fix: str = "fix or drop the model arguments",
+                 weights_fix: str = "pass weights of this model", **kwargs: Any) -> nn.Module:
     """``timm.create_model`` for a registered ``arch``; arguments the model rejects are a one-line UserError ending
-    with ``fix``."""
+    with ``fix``, and pretrained weights (``pretrained=True``) that do not fit the model one ending with
+    ``weights_fix``."""
     try:
         net = timm.create_model(arch, **kwargs)
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:
+        mismatch = _weights_mismatch(e)
+        if mismatch is not None and kwargs.get("pretrained"):
+            shown = {k: v for k, v in kwargs.items() if k not in ("pretrained", "pretrained_cfg_overlay")}
+            raise UserError(f"the pretrained weights do not fit {arch} built with {shown}: {mismatch}; {weights_fix}"
+                            ) from None
         raise _rejected(arch, kwargs, e, fix) from None
     record_input_size(net)
     return net
@@ -195,6 +225,9 @@ def pretrained_overlay(path: str | Path) -> dict[str, Any]:
         _checkpoint_shapes(file)  # a readable safetensors file, or a one-line error
         state = timm.models.load_state_dict(str(file))
     else:
+        if not _torch_file(path):
+            raise UserError(f"{path} is not a weights file; pass a .safetensors file, a training output folder or a "
+                            "timm checkpoint (.pth, .pt)")
         try:
             state = timm.models.load_state_dict(str(path), weights_only=True)
         except Exception as e:  # any failure to parse the file (read weights-only, never unpickled)
@@ -204,9 +237,19 @@ def pretrained_overlay(path: str | Path) -> dict[str, Any]:
     return {"state_dict": state, **({"num_classes": heads[-1]} if heads else {})}
 
 
+def _torch_file(path: Path) -> bool:
+    """Whether ``path`` is laid out as ``torch.save`` writes (a zip archive, or a legacy pickle stream); read by its
+    first bytes only, never unpickled."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return zipfile.is_zipfile(f) or f.read(1) == b"\x80"
+
+
 def pretrained_config(path: str | Path, arch: str) -> dict[str, Any]:
-    """What the weights at ``path`` were trained with: the ``model_args`` and ``mean``/``std`` of their run's
-    config (a folder's ``config.json``, or the one beside a weights file), else ``arch``'s registered mean/std."""
+    """What the weights at ``path`` were trained with: the ``model_args``, (stock) ``architecture`` and
+    ``mean``/``std`` of their run's config (a folder's ``config.json``, or the one beside a weights file), else
+    ``arch``'s registered mean/std (and no architecture)."""
     path = Path(path)
     config = (_read_config(path) if path.is_dir() else _config_beside(path)) or {}
     saved, registered = config.get("pretrained_cfg") or {}, timm.models.get_pretrained_cfg(arch)
@@ -215,7 +258,10 @@ def pretrained_config(path: str | Path, arch: str) -> dict[str, Any]:
         stats = {"mean": tuple(saved["mean"]), "std": tuple(saved["std"])}
     elif registered is not None:
         stats = {"mean": tuple(registered.mean), "std": tuple(registered.std)}
-    return {"model_args": dict(config.get("model_args") or {}), **stats}
+    args = dict(config.get("model_args") or {})
+    architecture = args.get(STOCK_ARCHITECTURE) if config.get("architecture") == POOLED_ARCHITECTURE \
+        else config.get("architecture")
+    return {"model_args": args, "architecture": architecture, **stats}
 
 
 def _checkpoint_shapes(weights: Path) -> dict[str, tuple[int, ...]]:

@@ -1,5 +1,5 @@
 """The three tiny CIFAR ViTs, registered with timm: [CLS]-token, patch-mean and attention-rollout pooling; and
-``timm_rollout_pooled``, any stock timm ViT pooled by attention rollout (what a saved run of one names).
+``timm_rollout_pooled``, any stock timm ViT pooled otherwise than it was built (what a saved run of one names).
 
 All three are :class:`RolloutVisionTransformer`, a timm ``VisionTransformer`` with the same parameter
 names, so a checkpoint trained with one pooling loads into the others. Pooling is switchable at run time
@@ -24,6 +24,7 @@ from torch import nn
 from .dropout import use_fast_dropout
 from .pooling import (
     OPTION_ARGS,
+    POOL_ARG,
     POOLED_ARCHITECTURE,
     ROLLOUT,
     STOCK_ARCHITECTURE,
@@ -187,24 +188,26 @@ def vit_tiny_cifar_rollout(pretrained: bool = False, **kwargs) -> RolloutVisionT
 
 
 @register_model
-def timm_rollout_pooled(pretrained: bool = False, stock_architecture: str | None = None,
-                        rollout_head_fusion: str = "mean", rollout_discard_ratio: float = 0.0,
-                        rollout_grad: bool = False, **kwargs: Any) -> nn.Module:
-    """A stock timm ViT (``stock_architecture``, built with the other arguments) pooled by attention rollout.
+def timm_rollout_pooled(pretrained: bool = False, stock_architecture: str | None = None, pool: str = ROLLOUT,
+                        rollout_head_fusion: str | None = None, rollout_discard_ratio: float | None = None,
+                        rollout_grad: bool | None = None, **kwargs: Any) -> nn.Module:
+    """A stock timm ViT (``stock_architecture``, built with the other arguments, ``global_pool`` among them) pooled
+    with ``pool`` (any :func:`timm_rollout.set_pooling` pooling; the rollout options go with ``'rollout'``).
 
-    The architecture ``config.json`` names for a stock ViT saved while rollout-pooled
+    The architecture ``config.json`` names for a stock ViT saved while pooled otherwise than it was built
     (:func:`timm_rollout.pooling.export_config`), so that ``timm.create_model("local-dir:RUN", pretrained=True)``
-    rebuilds it as it was trained: the stock model with the run's weights, then :func:`timm_rollout.set_pooling`
-    with the rollout options.
+    rebuilds it as it was trained: the stock layout with the run's weights, then :func:`timm_rollout.set_pooling`.
     """
     if not isinstance(stock_architecture, str) or stock_architecture == POOLED_ARCHITECTURE \
             or not timm.is_model(stock_architecture):
-        raise ValueError(f"{POOLED_ARCHITECTURE} builds a registered timm ViT pooled by rollout; name it with "
-                         f"{STOCK_ARCHITECTURE}=..., e.g. 'vit_small_patch16_224' (got {stock_architecture!r})")
+        raise ValueError(f"{POOLED_ARCHITECTURE} builds a registered timm ViT pooled otherwise than it was built; name "
+                         f"it with {STOCK_ARCHITECTURE}=..., e.g. 'vit_small_patch16_224' (got {stock_architecture!r})")
     source = kwargs.pop("pretrained_model_args", None)  # timm's record of the saved arguments: the stock model's
     if source:
         kwargs["pretrained_model_args"] = {k: v for k, v in source.items()
-                                           if k not in (STOCK_ARCHITECTURE, *OPTION_ARGS)}
+                                           if k not in (STOCK_ARCHITECTURE, POOL_ARG, *OPTION_ARGS)}
+    options = {key: value for key, value in (("head_fusion", rollout_head_fusion),
+                                             ("discard_ratio", rollout_discard_ratio), ("grad", rollout_grad))
+               if value is not None}
     model = record_input_size(timm.create_model(stock_architecture, pretrained=pretrained, **kwargs))
-    return set_pooling(model, ROLLOUT, head_fusion=rollout_head_fusion, discard_ratio=rollout_discard_ratio,
-                       grad=rollout_grad)
+    return set_pooling(model, pool, **options)

@@ -38,10 +38,12 @@ __all__ = [
     "CONFIG_KEY",
     "OPTION_ARGS",
     "POOLED_ARCHITECTURE",
+    "POOL_ARG",
     "ROLLOUT",
     "STOCK_ARCHITECTURE",
     "TIMM_POOLS",
     "RolloutPooling",
+    "built_pool",
     "check_rollout_options",
     "export_config",
     "option_model_args",
@@ -57,12 +59,13 @@ OPTIONS = {"head_fusion": ("rollout_head_fusion", "mean"), "discard_ratio": ("ro
            "grad": ("rollout_grad", False)}  # set_pooling option -> model attribute, default
 OPTION_ARGS = tuple(attr for attr, _ in OPTIONS.values())  # the options as model attributes and model arguments
 _PASSES = "_rollout_passes"  # {id(tokens): _Pass} of live passes
-_STOCK_POOL = "_stock_global_pool"  # the timm pooling the model had before rollout pooling
+_BUILT_POOL = "_built_global_pool"  # the pooling the model was built with (fixes its layout, e.g. fc_norm)
 CONFIG_KEY = "rollout_pooling"  # rollout options of a stock timm ViT in configs that name its stock architecture
-# config.json's architecture for a stock timm ViT saved while rollout-pooled (registered by timm_rollout.models), and
-# its model argument naming the stock architecture
+# config.json's architecture for a stock timm ViT saved while pooled otherwise than it was built (registered by
+# timm_rollout.models), its model argument naming the stock architecture, and the one naming the pooling it runs
 POOLED_ARCHITECTURE = "timm_rollout_pooled"
 STOCK_ARCHITECTURE = "stock_architecture"
+POOL_ARG = "pool"
 
 
 class _Pass(NamedTuple):
@@ -271,14 +274,12 @@ def switch_pooling_class(model: nn.Module, rollout: bool) -> None:
     if isinstance(model, RolloutPooling) == rollout:
         return
     if rollout:
-        model.__dict__[_STOCK_POOL] = model.global_pool
         hold_explicit(model, ROLLOUT)
         model.__class__ = rollout_pooled_class(type(model))
         return
     model.__class__ = model._stock_class
     release_explicit(model, ROLLOUT)
     model.__dict__.pop(_PASSES, None)
-    model.__dict__.pop(_STOCK_POOL, None)
     if not getattr(model, "rollout_options_are_model_args", False):  # the stock model exactly
         for attr, _ in OPTIONS.values():
             model.__dict__.pop(attr, None)
@@ -384,6 +385,7 @@ def set_pooling(model: nn.Module, pool: str, **options: Any) -> nn.Module:
     if unknown or (options and pool != ROLLOUT):
         raise ValueError(f"options {sorted(options)} are not rollout options of pooling {pool!r}; rollout takes "
                          f"{', '.join(OPTIONS)}")
+    model.__dict__.setdefault(_BUILT_POOL, model.global_pool)  # a model built before timm_rollout was imported
     if pool == ROLLOUT:
         values = {key: options.get(key, getattr(model, attr, default)) for key, (attr, default) in OPTIONS.items()}
         for (attr, _), value in zip(OPTIONS.values(), check_rollout_options(**values), strict=True):
@@ -391,6 +393,13 @@ def set_pooling(model: nn.Module, pool: str, **options: Any) -> nn.Module:
         switch_pooling_class(model, rollout=True)
     model.global_pool = pool
     return model
+
+
+def built_pool(model: nn.Module) -> str:
+    """The pooling ``model`` was built with, which fixes its layout (timm's ``fc_norm`` and ``norm``, a ``'map'``
+    attention pool), whatever it pools with now; its current pooling when that was never recorded (a model built
+    before ``timm_rollout`` was imported and never passed to :func:`set_pooling`)."""
+    return model.__dict__.get(_BUILT_POOL, model.global_pool)
 
 
 def option_model_args(model: nn.Module) -> dict[str, Any]:
@@ -404,40 +413,46 @@ def option_model_args(model: nn.Module) -> dict[str, Any]:
 def export_config(config: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     """timm's ``config.json`` of ``model`` (as ``save_for_hf`` writes it), made to rebuild the model as it pools now.
 
-    A stock timm ViT that :func:`set_pooling` made rollout-pooled is named :data:`POOLED_ARCHITECTURE`, with its
-    stock architecture, the pooling it was built with (which fixes its layout, e.g. ``fc_norm``) and the rollout
-    options as model arguments: timm's own loader (``local-dir:``, ``hf-hub:``) then rebuilds it rollout-pooled once
-    ``timm_rollout`` is imported, and without it stops at an unknown model instead of building another pooling.
-    Any other stock model keeps (or gets back) its stock architecture, without those arguments. The tiny models'
-    config is timm's own: their rollout options are model arguments already.
+    timm records the current pooling as ``global_pool``, which at build time would give another layout (e.g.
+    ``fc_norm`` for ``'avg'``) when the model pools otherwise than it was built. Such a stock timm ViT is named
+    :data:`POOLED_ARCHITECTURE`, with its stock architecture, the pooling it was built with (``global_pool``), the
+    pooling it runs (:data:`POOL_ARG`) and, for rollout, the rollout options as model arguments: timm's own loader
+    (``local-dir:``, ``hf-hub:``) then builds the stock layout and applies that pooling once ``timm_rollout`` is
+    imported, and without it stops at an unknown model instead of building another layout. A stock model pooled
+    as built keeps (or gets back) its stock architecture, without those arguments. The tiny models' config is
+    timm's own: their layout does not depend on their pooling, and their rollout options are model arguments.
     """
     if getattr(model, "rollout_options_are_model_args", False):
         return config
     saved = dict(config.get("model_args") or {})
     pooled_before = config.get("architecture") == POOLED_ARCHITECTURE  # built by timm_rollout_pooled
     stock = saved.get(STOCK_ARCHITECTURE) if pooled_before else config.get("architecture")
-    args = {k: v for k, v in saved.items() if k not in (STOCK_ARCHITECTURE, *OPTION_ARGS)}
-    if isinstance(model, RolloutPooling):
-        args.update({STOCK_ARCHITECTURE: stock, "global_pool": model.__dict__[_STOCK_POOL]})
-        args.update({attr: getattr(model, attr) for attr in OPTION_ARGS})
+    args = {k: v for k, v in saved.items() if k not in (STOCK_ARCHITECTURE, POOL_ARG, *OPTION_ARGS)}
+    built, pool = built_pool(model), model.global_pool
+    args["global_pool"] = built
+    if pool != built:
+        args.update({STOCK_ARCHITECTURE: stock, POOL_ARG: pool})
+        if pool == ROLLOUT:
+            args.update({attr: getattr(model, attr) for attr in OPTION_ARGS})
         stock = POOLED_ARCHITECTURE
     config = {k: v for k, v in config.items() if k != CONFIG_KEY}
     config["architecture"] = stock
-    if args:
-        config["model_args"] = args
+    config["model_args"] = args
     return config
 
 
 def _route_rollout_assignment(cls: type[nn.Module]) -> None:
-    """Make ``model.global_pool = 'rollout'`` on an instance of timm's ``cls`` (or a subclass) run
-    ``set_pooling(model, 'rollout')``, as on the tiny models: timm would take the string and fail on the next forward
-    pass (``Unknown pool type``); a model that cannot be rollout-pooled is refused there, with set_pooling's
-    ValueError. Other assignments are timm's own."""
+    """Record the pooling an instance of timm's ``cls`` (or a subclass) is built with (:func:`built_pool`), and make
+    ``model.global_pool = 'rollout'`` on one run ``set_pooling(model, 'rollout')``, as on the tiny models: timm
+    would take the string and fail on the next forward pass (``Unknown pool type``); a model that cannot be
+    rollout-pooled is refused there, with set_pooling's ValueError. Other assignments are timm's own."""
     inherited = cls.__setattr__
     if getattr(inherited, "_routes_rollout", False):
         return
 
     def __setattr__(self: nn.Module, name: str, value: object) -> None:
+        if name == "global_pool":  # the first assignment is the constructor's: the pooling it was built with
+            self.__dict__.setdefault(_BUILT_POOL, value)
         routed = name == "global_pool" and isinstance(value, str) and value == ROLLOUT
         if routed and not isinstance(self, RolloutPooling) and not getattr(self, "rollout_options_are_model_args",
                                                                            False):  # the tiny models switch themselves

@@ -88,7 +88,7 @@ from .errors import (
 )
 from .loading import check_input_size, check_model, create_model, pretrained_config, pretrained_overlay
 from .packed import Stack, Streams, own_streams, seed_everything
-from .pooling import ROLLOUT, TIMM_POOLS, set_pooling
+from .pooling import OPTION_ARGS, ROLLOUT, TIMM_POOLS, set_pooling
 from .progress import progress, tqdm
 from .records import ARGS_FILE, CURVES_FILE, LOG_FILE, MODEL_FILES, RESUME_FILE, SUMMARY_FILE, versions
 from .train_log import plot_curves, write_log
@@ -326,9 +326,9 @@ def _load_data(args: argparse.Namespace, loaded: dict[tuple, tuple]) -> tuple[Im
     cols = {"image_column": args.image_column, "label_column": args.label_column}
     key = (args.dataset, args.train_split, args.eval_split, args.image_column, args.label_column)
     if key not in loaded:
-        train_set = load_image_set(args.dataset, args.train_split, **cols)
+        train_set = load_image_set(args.dataset, args.train_split, **cols, split_flag="--train-split")
         eval_split = args.eval_split or _default_eval_split(args.dataset)
-        loaded[key] = (train_set, load_image_set(args.dataset, eval_split, **cols),
+        loaded[key] = (train_set, load_image_set(args.dataset, eval_split, **cols, split_flag="--eval-split"),
                        *normalization_stats(args.dataset, train_set))
     train_set, eval_set, mean, std = loaded[key]
     if args.pretrained_file:  # fine-tuning: the inputs the pretrained weights expect (their run's, else the model's)
@@ -762,12 +762,14 @@ def _create_model(args: argparse.Namespace, data: RunData, device: torch.device)
     kwargs = dict(args.model_kwargs)
     if args.drop_path is not None:
         kwargs["drop_path_rate"] = args.drop_path
+    weights_fix = "pass weights of this model"
     if args.pretrained_file:
         kwargs.update(pretrained=True, pretrained_cfg_overlay=pretrained_overlay(args.pretrained_file))
+        weights_fix = _weights_fix(args)
     elif args.model.startswith(("hf-hub:", "local-dir:")):
         print(f"{args.model}: its architecture with fresh random weights, as timm builds it without pretrained=True; "
               "to start from its weights pass --pretrained-file with its folder", file=sys.stderr)
-    model = create_model(args.model, num_classes=data.num_classes, **kwargs)
+    model = create_model(args.model, weights_fix=weights_fix, num_classes=data.num_classes, **kwargs)
     check_input_size(model, data.train.images, fix=_size_fix(args, model, data.train.images.shape[-1]))
     if args.pool is not None:
         set_pooling(model, args.pool, **args.pool_kwargs)
@@ -776,6 +778,20 @@ def _create_model(args: argparse.Namespace, data: RunData, device: torch.device)
     if device.type == "cpu" or attention_dropout:
         set_fused_attention(model, False)
     return model
+
+
+def _weights_fix(args: argparse.Namespace) -> str:
+    """How to fine-tune ``--pretrained-file`` weights that do not fit ``--model``: the model their run trained."""
+    trained = pretrained_config(args.pretrained_file, args.model)
+    arch, saved = trained.get("architecture"), trained["model_args"]
+    def value(v: object) -> object:  # img_size [32, 32] as --model-kwargs takes it
+        return (v[0] if len(set(v)) == 1 else ",".join(map(str, v))) if isinstance(v, list) else v
+
+    shown = " ".join(f"{k}={value(v)}" for k, v in saved.items()
+                     if k not in ("num_classes", "global_pool", "pool", "stock_architecture", *OPTION_ARGS))
+    if arch and arch != args.model:
+        return f"they were trained as {arch}: pass --model {arch}" + (f" --model-kwargs {shown}" if shown else "")
+    return f"pass the --model and --model-kwargs they were trained with, or weights of {args.model}"
 
 
 def _size_fix(args: argparse.Namespace, model: nn.Module, size: int) -> str:
