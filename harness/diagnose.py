@@ -76,9 +76,10 @@ def _relocate(args: argparse.Namespace, runs: Path, folder: str | Path) -> None:
                         "it; drop --runs or run it on its own")
 
 
-def _run_content(args: argparse.Namespace, dataset: str, split: str) -> str | None:
+def _run_content(args: argparse.Namespace, dataset: str, split: str, fingerprint: str) -> str | None:
     """The content hash the evaluated checkpoint's training run recorded for ``split`` of ``dataset`` (its
-    train_args.json), or None."""
+    train_args.json), when the run read that split under the ``fingerprint`` the evaluation recorded (so the hash
+    describes what the evaluation read, not only what training read); else None."""
     path = Path(args.checkpoint or _local_dir(args) or "") / ARGS_FILE
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
@@ -87,6 +88,8 @@ def _run_content(args: argparse.Namespace, dataset: str, split: str) -> str | No
     if record.get("dataset_resolved") != dataset:
         return None
     role = {record.get("train_split"): "train", record.get("eval_split"): "eval"}.get(split)
+    if role is None or (record.get("fingerprints") or {}).get(role) != fingerprint:
+        return None
     return (record.get("content") or {}).get(role)
 
 
@@ -97,7 +100,7 @@ def _same_images(folder: str | Path, results: dict[str, Any], args: argparse.Nam
     record = results["data"]
     if data.fingerprint == record["subset_fingerprint"]:
         return True
-    recorded = record.get("content") or (_run_content(args, record["dataset"], record["split"])
+    recorded = record.get("content") or (_run_content(args, record["dataset"], record["split"], record["fingerprint"])
                                          if record["subset_fingerprint"] == record["fingerprint"] else None)
     if recorded is not None:
         return recorded == data.content
@@ -114,7 +117,8 @@ def _bank_content(args: argparse.Namespace, results: dict[str, Any], class_ids: 
         return None
     bank = harness_eval._load_bank(args, class_ids)
     same = bank.fingerprint == record["fingerprint"] or (
-        args.bank_per_class is None and _run_content(args, results["data"]["dataset"], bank.split) == bank.content)
+        args.bank_per_class is None
+        and _run_content(args, results["data"]["dataset"], bank.split, record["fingerprint"]) == bank.content)
     return bank.content if same else None
 
 

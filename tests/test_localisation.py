@@ -409,3 +409,22 @@ def test_same_images_pairs_by_content_where_both_records_hold_it_else_by_fingerp
     assert compare.same_images(rewritten, images("z", "w", "C", "D")) == (True, True)  # all by content
     assert compare.same_images(rewritten, images("x", "y", "E", "D")) == (False, False)  # other data, same name
     assert compare.same_images(images("a", "b"), images("a", "b", "C", "D")) == (True, True)  # no content: names
+
+
+def test_diagnose_takes_a_runs_content_hash_only_for_the_data_the_evaluation_read(tmp_path):
+    """A training run's recorded content hash describes what the evaluation read only if the run read that split
+    under the fingerprint the evaluation recorded; else (the folder was written again in between) it is no proof."""
+    import argparse
+    import json
+
+    from harness import diagnose
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train_args.json").write_text(json.dumps({
+        "dataset_resolved": "/data/c", "train_split": "train", "eval_split": "test",
+        "fingerprints": {"train": "ft", "eval": "fe"}, "content": {"train": "ct", "eval": "ce"}}))
+    args = argparse.Namespace(checkpoint=str(tmp_path / "run"), model="vit_tiny_cifar_gap")
+    assert diagnose._run_content(args, "/data/c", "test", "fe") == "ce"
+    assert diagnose._run_content(args, "/data/c", "train", "ft") == "ct"
+    assert diagnose._run_content(args, "/data/c", "test", "another") is None  # the folder was written again
+    assert diagnose._run_content(args, "/data/other", "test", "fe") is None
