@@ -30,13 +30,13 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from timm_rollout.data import CLUTTER, FILL, OBJECT
 from timm_rollout.diagnostics import effective_patches
 from timm_rollout.explain import MAP_LABELS
 
 __all__ = ["LOCALISATION", "box_coverage", "box_mass", "centres_inside", "content_weights", "localisation_metrics",
            "map_shares", "mask_fractions", "object_mass", "object_share", "pointing_hits", "weight_inside_outside"]
 
-FILL, CLUTTER, OBJECT = 0, 1, 2  # content mask values (timm_rollout.clutter)
 # results.json["metrics"] keys of localisation_metrics, in report order: means over the images. The mask keys
 # (fill mass, content chance, object shares) are None for images without content masks.
 LOCALISATION = (

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .data import CLUTTER, FILL, MASK_COLUMN, OBJECT
 from .errors import UserError
 from .progress import progress
 
@@ -30,8 +31,6 @@ __all__ = ["CLUTTER", "FILL", "MASK_COLUMN", "OBJECT", "ClutterRecipe", "check_s
            "fill_colour", "make_cluttered", "object_positions", "split_file"]
 
 _OBJECTS, _CLUTTER = 0, 1  # the two random streams of a split
-FILL, CLUTTER, OBJECT = 0, 1, 2  # the content mask's values: flat fill, visible clutter, the object
-MASK_COLUMN = "mask"  # an Image column (mode L) of FILL / CLUTTER / OBJECT per pixel
 
 
 @dataclass(frozen=True)

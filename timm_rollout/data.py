@@ -73,8 +73,9 @@ _HUB_TO_STATS = {spec.path: spec.stats_key for spec in ALIASES.values() if spec.
 
 IMAGE_COLUMNS = ("img", "image")
 BOX_COLUMN = "bbox"  # one object box per image, [x, y, w, h] in pixels (COCO order): kept for the harness
-MASK_COLUMN = "mask"  # a per-pixel content mask per image: 0 flat fill, 1 clutter, 2 the object (timm_rollout.clutter)
-MASK_VALUES = 3
+MASK_COLUMN = "mask"  # a per-pixel content mask per image, as timm_rollout.clutter writes it
+FILL, CLUTTER, OBJECT = 0, 1, 2  # the content mask's values: flat fill, visible clutter, the object
+MASK_VALUES = OBJECT + 1
 LABEL_COLUMNS = ("label", "fine_label", "labels")
 CACHE_VERSION = 1
 # What makes a folder a data set: datasets' save_to_disk markers, or data files load_dataset reads as images.
