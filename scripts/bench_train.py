@@ -41,6 +41,15 @@ included, as a short study pays them), and in epoch 2 alone (training only, what
 ``--compile MODE ...`` adds (a) with the model through ``torch.compile`` in each mode (``reduce-overhead``: CUDA
 graphs), as ``train --compile --compile-mode MODE`` runs it; compilation and graph recording happen in the
 untimed warm-up rounds.
+``--capture-runs 1 8 32`` (CUDA) adds (g), the full loop with its step recorded once as a CUDA graph and replayed
+(``train --capture``: data, augmentation and step on the GPU, :mod:`timm_rollout.graphed`), to the race, then
+for each N times whole ``python -m timm_rollout.train`` commands of N seeds, two epochs of ``3 * --steps`` updates
+each at batch B: N runs stacked and captured in one process (``--stack --capture``; ``--capture`` alone for N = 1),
+N captured processes side by side, and N runs stacked eagerly (``--stack``); each figure is the total training
+images/s of epoch 2 (start-up, recording and evaluation left out, as a long study runs)::
+
+    python scripts/bench_train.py --device cuda --steps 50 --capture-runs 1 8 32 --json results/bench/h100.json
+
 ``--json PATH`` writes every figure of the run with the machine's name (GPU, or CPU model and whether it has
 native bf16), ``ratio_vs_stock_timm_b128`` ((a)/(c) when the batch is 128) and ``packed_total_img_per_s``
 (the stacked command; ``serial_total_img_per_s`` and ``separate_total_img_per_s`` beside it, and the epoch-2
@@ -76,6 +85,7 @@ from timm_rollout.capture import set_fused_attention
 from timm_rollout.data import load_image_set, normalization_stats, resolve_dataset
 from timm_rollout.device import cpu_supports_bf16, device_arg, device_name, resolve_amp, resolve_device
 from timm_rollout.errors import CliParser, UserError, non_negative_int, positive_int, run_cli
+from timm_rollout.graphed import Graphed, Plan, epoch_draws, fill_lrs, learning_rates, tensor_lrs
 from timm_rollout.models import _TINY_CIFAR
 from timm_rollout.packed import Stack
 from timm_rollout.progress import progress
@@ -132,6 +142,37 @@ def full_loop(dataset: str, batch: int, dtype, device, compile_mode: str | None 
         x, y = batches(order[(k - 1) * batch:k * batch], gen)
         step(x, y)
         sched.step_update(k)
+        return batch
+
+    return run
+
+
+def captured_loop(dataset: str, batch: int, dtype, device) -> Step:
+    """(g): (a) with the step recorded as a CUDA graph after its first steps and replayed, as ``train --capture``
+    runs it: the epoch's order and crop/flip draws, the images and the learning rates on the GPU."""
+    train = load_image_set(dataset, "train")
+    mean, std = normalization_stats(dataset, train)
+    model = ours().to(device).train()
+    opt = create_optimizer_v2(model, opt="adamw", lr=5e-4, weight_decay=1e-4, capturable=device.type == "cuda")
+    steps = len(train) // batch
+    sched, _ = create_scheduler_v2(opt, sched="cosine", num_epochs=200, warmup_epochs=5, min_lr=5e-6,
+                                   step_on_epochs=False, updates_per_epoch=steps)
+    gen = torch.Generator().manual_seed(0)
+    plan = Plan([train.images.to(device)], [train.labels.to(device)], mean, std, 4, steps, batch)
+    plan.start([torch.randperm(len(train), generator=gen)[:steps * batch]], [epoch_draws(steps, batch, 4, 0.5, gen)])
+    lrs, loss_fn = learning_rates(opt), nn.CrossEntropyLoss()
+
+    def body(_: object) -> None:
+        x, y = plan.batch()
+        with tensor_lrs(opt, lrs):
+            plan.record(optimizer_step(model, x[0], y[0], loss_fn, opt, device=device, amp_dtype=dtype))
+
+    step, updates = Graphed(body, device), iter(range(1, steps))
+
+    def run() -> int:
+        fill_lrs(opt, lrs)
+        step(None)
+        sched.step_update(next(updates))
         return batch
 
     return run
@@ -316,6 +357,37 @@ def pack_rates(dataset: str, batch: int, steps: int, n: int, device: torch.devic
             "members": n}
 
 
+def capture_rates(dataset: str, batch: int, steps: int, counts: list[int], device: torch.device) -> dict[str, float]:
+    """Epoch-2 images/s in all of N runs (each N of ``counts``): stacked and captured in one process, N captured
+    processes side by side, and stacked eagerly; two epochs of ``steps`` updates per run, no dropout (which a
+    captured stack cannot replay per run)."""
+    args = [sys.executable, "-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset,
+            "--epochs", "2", "--max-train-samples", str(batch * steps), "--max-eval-samples", "100",
+            "--batch-size", str(batch), "--device", str(device), "--no-progress", "--save-every", "2", "--overwrite",
+            "--model-kwargs", *(f"{k}=0" for k in NO_DROPOUT)]
+    figures: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-capture-") as tmp:
+        for n in counts:
+            seeds = ["--seed", *map(str, range(n))]
+            for name, flags in (("stacked+captured", ["--capture"] + ["--stack"] * (n > 1)),
+                                ("stacked eager", ["--stack"] if n > 1 else [])):
+                subprocess.run([*args, *seeds, *flags, "--output", f"{tmp}/{name}{n}-s{{seed}}"], check=True,
+                               capture_output=True)
+                figures[f"{n} {name}"] = epoch2_total([Path(f"{tmp}/{name}{n}-s{i}") for i in range(n)], True)
+            if n > 1:
+                env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
+                procs = [subprocess.Popen([*args, "--seed", str(i), "--capture", "--output", f"{tmp}/p{n}-{i}"],
+                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         for i in range(n)]
+                if any(proc.wait() for proc in procs):
+                    raise UserError("a captured training process of --capture-runs failed; run it alone to see why")
+                figures[f"{n} captured processes side by side"] = epoch2_total(
+                    [Path(f"{tmp}/p{n}-{i}") for i in range(n)], True)
+    for label, rate in figures.items():
+        print(f"{label + f', batch {batch} each, epoch 2':<64} {rate:10.1f} img/s in all")
+    return figures
+
+
 def epoch2_total(runs: list[Path], together: bool) -> float:
     """Images/s in all of ``runs`` in their epoch 2 (each ``log.csv`` row: the run's own training rate): the sum
     when they trained at the same time (stacked, or processes side by side), the rate of doing them one after
@@ -360,6 +432,9 @@ def build_parser() -> CliParser:
                    help="also time N seeds in one train process vs N processes")
     p.add_argument("--compile", nargs="+", default=[], choices=COMPILE_MODES, metavar="MODE",
                    help=f"also time (a) through torch.compile in each mode given ({', '.join(COMPILE_MODES)})")
+    p.add_argument("--capture-runs", type=positive_int, nargs="+", default=[],
+                   help="CUDA: add (g), the captured full loop, and time N runs captured (stacked, and N processes) "
+                        "for each N given (e.g. 1 8 32)")
     p.add_argument("--json", type=Path, help="write every figure of this run, with the machine's name, to this file")
     return p
 
@@ -381,6 +456,9 @@ def single_runs(args: argparse.Namespace, dtype: torch.dtype, precision: str,
         labels["s"] = f"(s) bare step, {args.pack} runs stacked, in all ({precision})"
     compiled = {f"a:{mode}": full_loop(args.dataset, b, dtype, device, compile_mode=mode) for mode in args.compile}
     labels |= {key: f"(a) full loop, torch.compile mode={key[2:]} ({precision})" for key in compiled}
+    if args.capture_runs:
+        compiled["g"] = captured_loop(args.dataset, b, dtype, device)
+        labels["g"] = f"(g) full loop, step captured as a CUDA graph ({precision})"
     r = race({
         **({"s": stacked(args.pack, b, dtype, device)} if "s" in labels else {}),
         **compiled,
@@ -397,7 +475,8 @@ def single_runs(args: argparse.Namespace, dtype: torch.dtype, precision: str,
     print(f"ratios ({precision}): (a)/(b) = {r['a'] / r['b']:.2f}, (a)/(c) = {r['a'] / r['c']:.2f}, "
           f"(b)/(b0) = {r['b'] / r['b0']:.2f}, (a0)/(c) = {r['a0'] / r['c']:.2f}, "
           f"(e)/(f) = {r['e'] / r['f']:.2f}" + (f", (s)/(b) = {r['s'] / r['b']:.2f}" if "s" in r else "")
-          + "".join(f", (a {key[2:]})/(c) = {r[key] / r['c']:.2f}" for key in compiled))
+          + "".join(f", (a {key[2:]})/(c) = {r[key] / r['c']:.2f}" for key in compiled if key != "g")
+          + (f", (g)/(a) = {r['g'] / r['a']:.2f}, (g)/(c) = {r['g'] / r['c']:.2f}" if "g" in r else ""))
     return r, labels
 
 
@@ -407,6 +486,8 @@ def main(argv: list[str] | None = None) -> None:
     device = resolve_device(args.device)
     if args.ranks and device.type != "cpu":
         raise UserError("--ranks compares CPU processes; drop it or pass --device cpu")
+    if args.capture_runs and device.type != "cuda":
+        raise UserError("--capture-runs times CUDA graphs; pass --device cuda (or drop it)")
     dtype = resolve_amp("auto", device)
     precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     b = args.batch_size
@@ -425,12 +506,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.concurrent:
         compare_concurrent(args.dataset, b, args.steps * 3, args.concurrent, device)
     packed = pack_rates(args.dataset, b, args.steps * 3, args.pack, device) if args.pack else {}
+    captured = capture_rates(args.dataset, b, args.steps * 3, args.capture_runs, device) if args.capture_runs else {}
     if args.json:
         write_json(args.json, {
             **machine_record(device), "batch_size": b, "steps": args.steps, "precision": precision,
             "img_per_s": {labels[k]: v for k, v in r.items()},
             "ratio_vs_stock_timm_b128": r["a"] / r["c"] if b == 128 else None,
-            "packed_total_img_per_s": packed.get("packed_total_img_per_s"), **packed})
+            "captured_vs_stock_timm": r["g"] / r["c"] if "g" in r else None,
+            "packed_total_img_per_s": packed.get("packed_total_img_per_s"), **packed,
+            "epoch2_img_per_s_in_all": captured})
 
 if __name__ == "__main__":
     run_cli(main)

@@ -597,12 +597,13 @@ def test_the_machine_record_names_compilation_and_processes() -> None:
     from timm_rollout import train as train_module
 
     d, data = SimpleNamespace(device=torch.device("cpu"), world=1), SimpleNamespace(amp_dtype=None)
-    eager = train_module._machine(d, data, SimpleNamespace(compile=False, compile_mode="default"))
-    compiled = train_module._machine(d, data, SimpleNamespace(compile=True, compile_mode="reduce-overhead"))
+    eager = train_module._machine(d, data, SimpleNamespace(compile=False, compile_mode="default", capture=False))
+    compiled = train_module._machine(d, data,
+                                     SimpleNamespace(compile=True, compile_mode="reduce-overhead", capture=False))
     assert eager.startswith("CPU ") and eager.endswith(", float32")
     assert compiled == f"{eager}, torch.compile mode reduce-overhead"
     two = train_module._machine(SimpleNamespace(device=d.device, world=2), data,
-                                SimpleNamespace(compile=False, compile_mode="default"))
+                                SimpleNamespace(compile=False, compile_mode="default", capture=False))
     assert two == f"{eager}, 2 processes"
 
 

@@ -9,7 +9,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["random_crop_flip"]
+__all__ = ["crop_flip", "crop_flip_draws", "random_crop_flip"]
+
+
+def crop_flip_draws(b: int, padding: int, hflip: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The random numbers of one batch's crop and flip, (3, B) int64 on the CPU: row offset, column offset, flip.
+    Drawn on the CPU from ``generator``, so seeded runs are reproducible across devices."""
+    offsets = torch.randint(0, 2 * padding + 1, (2, b), generator=generator)
+    flips = torch.rand(b, generator=generator) < hflip
+    return torch.cat([offsets, flips[None].long()])
+
+
+def crop_flip(images: torch.Tensor, draws: torch.Tensor, padding: int) -> torch.Tensor:
+    """Pad each image of (B, C, H, W) by ``padding`` zero pixels and crop it back to (H, W) at its drawn offset,
+    flipped where drawn; ``draws`` (3, B) on the images' device. One ``gather``, no host work."""
+    b, c, h, w = images.shape
+    row_off, col_off, flip = draws
+    padded = F.pad(images, (padding, padding, padding, padding)) if padding else images
+    rows = row_off[:, None] + torch.arange(h, device=images.device)  # (B, H)
+    cols = torch.arange(w, device=images.device).expand(b, w)
+    cols = torch.where(flip[:, None].bool(), cols.flip(1), cols) + col_off[:, None]  # (B, W)
+    index = (rows[:, :, None] * (w + 2 * padding) + cols[:, None, :]).view(b, 1, h * w).expand(b, c, h * w)
+    return padded.reshape(b, c, -1).gather(2, index).view(b, c, h, w)
 
 
 def random_crop_flip(
@@ -17,20 +38,10 @@ def random_crop_flip(
 ) -> torch.Tensor:
     """Pad each image by ``padding`` zero pixels, crop it back to (H, W) at a random offset, flip with prob ``hflip``.
 
-    ``images``: (B, C, H, W) of any dtype on any device; offsets and flips are drawn on the CPU from
-    ``generator`` (seeded runs are reproducible across devices) and reach a GPU in one pinned, non-blocking
-    copy, so the host never waits for the GPU here. Returns a new tensor of the same shape.
+    ``images``: (B, C, H, W) of any dtype on any device; the draws (:func:`crop_flip_draws`) reach a GPU in one
+    pinned, non-blocking copy, so the host never waits for the GPU here. Returns a new tensor of the same shape.
     """
-    b, c, h, w = images.shape
-    offsets = torch.randint(0, 2 * padding + 1, (2, b), generator=generator)
-    flips = torch.rand(b, generator=generator) < hflip
-    draws = torch.cat([offsets, flips[None].long()])  # (3, B): row offset, column offset, flip
+    draws = crop_flip_draws(images.shape[0], padding, hflip, generator)
     if images.device.type == "cuda":
         draws = draws.pin_memory()
-    row_off, col_off, flip = draws.to(images.device, non_blocking=True)
-    padded = F.pad(images, (padding, padding, padding, padding)) if padding else images
-    rows = row_off[:, None] + torch.arange(h, device=images.device)  # (B, H)
-    cols = torch.arange(w, device=images.device).expand(b, w)
-    cols = torch.where(flip[:, None].bool(), cols.flip(1), cols) + col_off[:, None]  # (B, W)
-    index = (rows[:, :, None] * (w + 2 * padding) + cols[:, None, :]).view(b, 1, h * w).expand(b, c, h * w)
-    return padded.reshape(b, c, -1).gather(2, index).view(b, c, h, w)
+    return crop_flip(images, draws.to(images.device, non_blocking=True), padding)

@@ -182,8 +182,8 @@ def rollout_cls_row(
     """
     if len(attentions) == 0:
         raise ValueError("attention rollout needs at least one layer of attention")
-    onehot = torch.zeros(attentions[-1].shape[-1])
-    onehot[token_index] = 1.0
+    onehot = torch.zeros(attentions[-1].shape[-1], device=attentions[-1].device)  # no host copy: a CUDA graph can
+    onehot[token_index] = 1.0  # record the pass (train --capture)
     return rollout_row(attentions, onehot, head_fusion, discard_ratio, num_prefix_tokens)
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from timm.data import Mixup
-from timm.layers import to_2tuple
+from timm.layers import DropPath, to_2tuple
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -86,6 +86,17 @@ from .errors import (
     run_cli,
     seed_arg,
 )
+from .graphed import (
+    CAPTURE_DEVICES,
+    CAPTURE_OPTIMIZERS,
+    Graphed,
+    Plan,
+    epoch_draws,
+    fill_lrs,
+    learning_rates,
+    set_capturable,
+    tensor_lrs,
+)
 from .loading import check_input_size, check_model, create_model, pretrained_config, pretrained_overlay
 from .packed import Stack, Streams, own_streams, seed_everything
 from .pooling import OPTION_ARGS, ROLLOUT, TIMM_POOLS, set_pooling
@@ -99,7 +110,7 @@ __all__ = ["build_parser", "main", "train"]
 RUN_FILES = (*MODEL_FILES, ARGS_FILE, SUMMARY_FILE, LOG_FILE, CURVES_FILE, RESUME_FILE)
 # Flags that may differ when a run is resumed: where it lives and how it runs, not what it computes.
 RESUME_FREE = {"resume", "overwrite", "output", "workers", "device", "no_progress", "save_every", "compile",
-               "compile_mode", "stack"}
+               "compile_mode", "stack", "capture"}
 # torch.compile's modes: reduce-overhead replays the compiled passes as CUDA graphs (GPUs; plain compilation on CPU).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 EVAL_BATCH = 500
@@ -200,6 +211,9 @@ def _run_args(g: argparse._ArgumentGroup) -> None:
                    help="torch.compile the model for training and evaluation (with --stack: the stacked pass)")
     g.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
                    help="torch.compile's mode with --compile (reduce-overhead: CUDA graphs, for launch-bound GPUs)")
+    g.add_argument("--capture", action="store_true",
+                   help="CUDA: record the whole step (batch, forward, backward, clipping, optimizer, EMA) once as a "
+                        "CUDA graph and replay it, the data resident on the GPU (timm_rollout.graphed)")
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true",
                       help="continue the run in --output; a larger --epochs trains a finished run further, on a "
@@ -565,12 +579,17 @@ def _open(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, lo
         raise UserError(f"mixup/cutmix need an even --batch-size, got {args.batch_size}")
 
     data = _prepare_data(args, d, loaded)
+    if args.capture:
+        _check_capture(args, d, data)
     if state == "resume":
         _check_same_data(out, args, data)
     t = _build(args, data, d)
+    if args.capture and args.stack:
+        _check_captured_stack(t.model)
     if state == "resume":
         _restore(t, out / RESUME_FILE)
-    return Run(args, out, data, t, _batches(args, data, d), data.eval.images.to(d.device),
+        set_capturable(t.optimizer, _capturable(args, d.device))
+    return Run(args, out, data, t, _batches(args, data, d, loaded), data.eval.images.to(d.device),
                data.eval.labels.to(d.device), saved_epochs if state == "resume" else None)
 
 
@@ -596,9 +615,13 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, l
         return Path(args.output)
     _begin(run, d)
     machine = _machine(d, run.data, run.args)
+    captured = _capture([run], None, d) if run.args.capture else None
     for epoch in range(run.t.epoch, run.args.epochs):
         t0 = time.perf_counter()
-        train_loss, lr = _train_epoch(run, d, epoch)
+        if captured is not None:
+            (train_loss,), lr = _captured_epoch([run], captured, d, epoch)
+        else:
+            train_loss, lr = _train_epoch(run, d, epoch)
         _end_epoch(run, d, train_loss, lr, time.perf_counter() - t0, machine)
     if d.main:
         _write_summary(run.out, run.args, run.data, run.t)
@@ -637,8 +660,12 @@ def _train_stacked(runs: list[argparse.Namespace], parser: argparse.ArgumentPars
         group = [run for run in pending if run.t.epoch == epoch]
         if group != stacked:  # the runs behind catch up first; a stack lives while its runs train together
             stack, stacked = _stack(group), group
+            captured = _capture(group, stack, d) if group[0].args.capture else None
         t0 = time.perf_counter()
-        losses, lr = _stacked_epoch(group, stack, d, epoch)
+        if captured is not None:
+            losses, lr = _captured_epoch(group, captured, d, epoch)
+        else:
+            losses, lr = _stacked_epoch(group, stack, d, epoch)
         runs_stacked = f"{len(group)} run{'s' if len(group) > 1 else ''} stacked"
         seconds, machine = time.perf_counter() - t0, f"{_machine(d, group[0].data, group[0].args)}, {runs_stacked}"
         for run, loss in zip(group, losses, strict=True):
@@ -654,7 +681,8 @@ def _stack(group: list[Run]) -> Stack:
     first = group[0]
     return Stack([run.t.model for run in group], [run.t.optimizer for run in group],
                  [run.t.ema.module for run in group] if first.t.ema is not None else None, first.t.criterion,
-                 lambda groups: _optimizer(groups, first.args), compile=first.args.compile,
+                 lambda groups: _optimizer(groups, first.args, _capturable(first.args, first.eval_labels.device)),
+                 compile=first.args.compile,
                   compile_mode=first.args.compile_mode)
 
 
@@ -687,6 +715,38 @@ def _check_stackable(runs: list[Run], d: Dist) -> None:
             diff = sorted(k for k in same if same[k] != first.get(k))
             raise UserError(f"--stack trains runs of one recipe, but {run.out} was trained with other "
                             f"{', '.join(diff)}; resume it on its own")
+
+
+def _check_capture(args: argparse.Namespace, d: Dist, data: RunData) -> None:
+    """``--capture`` where the recorded step would compute what the eager step does, refused otherwise."""
+    if d.device.type not in CAPTURE_DEVICES:
+        raise UserError(f"--capture records the training step as a CUDA graph; on {d.device} drop it "
+                        "(or pass --device cuda)")
+    problems = [
+        (args.compile, "--capture and --compile both record the step; pass one of them"),
+        (d.world > 1, "--capture trains in one process; drop torchrun (or --capture)"),
+        (args.mixup > 0 or args.cutmix > 0, "timm's Mixup draws on the host every step, which a CUDA graph cannot "
+                                            "replay; drop --mixup/--cutmix or --capture"),
+        (data.amp_dtype == torch.float16, "fp16's GradScaler checks the gradients on the host every step; with "
+                                          "--capture use --amp bf16 or --amp none"),
+        (args.opt.lower() not in CAPTURE_OPTIMIZERS, f"--capture needs an optimizer that reads its learning rate on "
+                                                     f"the GPU ({', '.join(CAPTURE_OPTIMIZERS)}); --opt {args.opt} "
+                                                     "would replay the first one; drop --capture"),
+    ]
+    for problem, message in problems:
+        if problem:
+            raise UserError(message)
+
+
+def _check_captured_stack(model: nn.Module) -> None:
+    """A stacked pass draws each run's dropout and drop-path masks on the host, run by run, which no recorded
+    graph replays: ``--capture --stack`` trains without them."""
+    random = [name for name, m in model.named_modules()
+              if (isinstance(m, nn.Dropout) and m.p > 0) or (isinstance(m, DropPath) and m.drop_prob > 0)]
+    if random:
+        raise UserError(f"--capture --stack cannot replay per-run dropout or drop path ({random[0]} draws); pass "
+                        "--model-kwargs pos_drop_rate=0 attn_drop_rate=0 proj_drop_rate=0 (and --drop-path 0), or "
+                        "drop --capture")
 
 
 def _recipe(run: Run) -> dict[str, Any]:
@@ -724,6 +784,80 @@ def _stacked_epoch(group: list[Run], stack: Stack, d: Dist, epoch: int) -> tuple
             stack.update_ema(first.t.ema.get_decay(first.t.num_updates))
     stack.unstack()
     return [_epoch_loss(losses[:, i], run, d, epoch) for i, run in enumerate(group)], lr
+
+
+@dataclass
+class Captured:
+    """A step recorded once and replayed (:mod:`timm_rollout.graphed`): one run's, or a stack's of runs."""
+
+    plan: Plan
+    graphed: Graphed
+    optimizer: torch.optim.Optimizer  # whose learning rates the step reads: the run's, or the stack's
+    lrs: list[torch.Tensor] | None  # their device copies (None off CUDA)
+    stack: Stack | None
+
+
+def _capture(group: list[Run], stack: Stack | None, d: Dist) -> Captured:
+    """The step of one run (``stack`` None) or of a stack, reading its batches from a :class:`Plan`."""
+    first = group[0]
+    args, data, t = first.args, first.data, first.t
+    plan = Plan([run.batches.images for run in group], [run.batches.labels for run in group], data.mean, data.std,
+                args.crop_padding, data.steps, args.batch_size)
+    optimizer = stack.optimizer if stack is not None else t.optimizer
+    if stack is not None:
+        set_capturable(optimizer, _capturable(args, d.device))
+    lrs = learning_rates(optimizer)
+
+    def step(decay: float | None) -> None:
+        x, y = plan.batch()
+        with tensor_lrs(optimizer, lrs):
+            if stack is not None:
+                losses = stack.step(x, y, device=d.device, amp_dtype=data.amp_dtype, clip_grad=args.clip_grad)
+            else:
+                losses = optimizer_step(t.net, x[0], y[0], t.criterion, optimizer, device=d.device,
+                                        amp_dtype=data.amp_dtype, clip_grad=args.clip_grad)
+        if decay is not None and stack is not None:
+            stack.update_ema(decay)
+        elif decay is not None:
+            t.ema.apply_update_(t.model, decay)
+        plan.record(losses)
+
+    return Captured(plan, Graphed(step, d.device), optimizer, lrs, stack)
+
+
+def _captured_epoch(group: list[Run], c: Captured, d: Dist, epoch: int) -> tuple[list[float], float]:
+    """One epoch of recorded steps: each run's data order, augmentation and schedule, as the eager loop's; the
+    host fills the learning rates and replays, and reads the losses once at the end."""
+    first = group[0]
+    if c.stack is not None:
+        c.stack.seed([_seed(run.args.seed, epoch, d.rank) for run in group])
+    else:
+        seed_everything(_seed(first.args.seed, epoch, d.rank))
+    orders = [_epoch_order(run.args, run.data, d, epoch) for run in group]
+    c.plan.start([order for order, _ in orders], [epoch_draws(first.data.steps, first.args.batch_size,
+                                                              first.args.crop_padding, first.data.hflip, gen)
+                                                  for _, gen in orders])
+    for run in group:
+        run.t.net.train()
+    runs = f" ({len(group)} runs stacked)" if c.stack is not None else ""
+    bar = progress(range(first.data.steps), desc=f"epoch {epoch + 1}/{first.args.epochs}{runs}",
+                   disable=not d.main or first.args.no_progress, leave=False, file=sys.stderr)
+    ema = first.t.ema
+    for step in bar:
+        lr = first.t.optimizer.param_groups[0]["lr"]
+        fill_lrs(c.optimizer, c.lrs)
+        c.graphed(ema.get_decay(first.t.num_updates + 1) if ema is not None else None)
+        for run in group:
+            run.t.num_updates += 1
+            if run.t.scheduler is not None:
+                run.t.scheduler.step_update(run.t.num_updates)
+        if c.stack is not None:
+            c.stack.follow_schedule()
+        if not bar.disable and (step + 1) % BAR_EVERY == 0:  # one local sync per BAR_EVERY steps, rank 0 only
+            bar.set_postfix(loss=f"{c.plan.losses[step + 1 - BAR_EVERY:step + 1].mean().item():.3f}", refresh=False)
+    if c.stack is not None:
+        c.stack.unstack()
+    return [_epoch_loss(c.plan.losses[:, i], run, d, epoch) for i, run in enumerate(group)], lr
 
 
 def _batch(run: Run, streams: Streams, idx: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -811,7 +945,7 @@ def _size_fix(args: argparse.Namespace, model: nn.Module, size: int) -> str:
 def _build(args: argparse.Namespace, data: RunData, d: Dist) -> Trainer:
     """Model, optimizer, per-update schedule, EMA, grad scaler (fp16 only), loss, DDP and ``--compile``."""
     model = _create_model(args, data, d.device).to(d.device)
-    optimizer = _optimizer(model, args)
+    optimizer = _optimizer(model, args, _capturable(args, d.device))
     scheduler, _ = create_scheduler_v2(optimizer, sched=args.sched, num_epochs=args.epochs, min_lr=args.min_lr,
                                        warmup_lr=args.warmup_lr, warmup_epochs=data.warmup, step_on_epochs=False,
                                        updates_per_epoch=data.steps)
@@ -824,19 +958,30 @@ def _build(args: argparse.Namespace, data: RunData, d: Dist) -> Trainer:
     return Trainer(model, net, optimizer, scheduler, ema, scaler, _criterion(args), evaluator)
 
 
-def _optimizer(model_or_groups: nn.Module | list[dict], args: argparse.Namespace) -> torch.optim.Optimizer:
+def _optimizer(model_or_groups: nn.Module | list[dict], args: argparse.Namespace,
+               capturable: bool = False) -> torch.optim.Optimizer:
     """timm's optimizer for ``--opt``; given a model, without weight decay on norms, biases, position embedding
-    and CLS token (timm's grouping), given parameter groups, with theirs."""
+    and CLS token (timm's grouping), given parameter groups, with theirs. ``capturable``: torch's Adam/AdamW
+    stepping inside a CUDA graph (``--capture``)."""
     return create_optimizer_v2(model_or_groups, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
-                               momentum=args.momentum)
+                               momentum=args.momentum, **({"capturable": True} if capturable else {}))
 
 
-def _batches(args: argparse.Namespace, data: RunData, d: Dist) -> Batches:
-    """Training batches from the uint8 train images moved once to the device: crop, flip, mixup/CutMix."""
+def _capturable(args: argparse.Namespace, device: torch.device) -> bool:
+    """Whether the run's optimizer steps inside a recorded CUDA graph: ``--capture`` on CUDA."""
+    return bool(args.capture) and device.type == "cuda"
+
+
+def _batches(args: argparse.Namespace, data: RunData, d: Dist, loaded: dict[tuple, tuple]) -> Batches:
+    """Training batches from the uint8 train images moved once to the device (once for the runs of one command
+    that share them: ``loaded`` keeps the copy): crop, flip, mixup/CutMix."""
     mixup = (Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, label_smoothing=args.smoothing,
                    num_classes=data.num_classes) if args.mixup > 0 or args.cutmix > 0 else None)
-    return Batches(data.train.images.to(d.device), data.train.labels.to(d.device), data.mean, data.std,
-                   args.crop_padding, data.hflip, mixup)
+    key = ("on device", id(data.train), str(d.device))
+    if key not in loaded:
+        loaded[key] = (data.train, data.train.images.to(d.device), data.train.labels.to(d.device))
+    _, images, labels = loaded[key]
+    return Batches(images, labels, data.mean, data.std, args.crop_padding, data.hflip, mixup)
 
 
 def _restore(t: Trainer, path: Path) -> None:
@@ -962,6 +1107,7 @@ def _machine(d: Dist, data: RunData, args: argparse.Namespace) -> str:
     """What trains this session's epochs, for ``summary.json``: a resumed run may continue on another machine,
     precision or compilation."""
     compiled = f", torch.compile mode {args.compile_mode}" if args.compile else ""
+    compiled += ", step captured as a CUDA graph" if _capturable(args, d.device) else ""
     processes = f", {d.world} processes" if d.world > 1 else ""
     return f"{device_name(d.device)}, {precision_name(data.amp_dtype)}{compiled}{processes}"
 

@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# What a lent GPU machine runs, one prepared step per call (see scripts/README.md, "On a lent GPU").
+#
+#   bash scripts/gpu_lease.sh kit            # here, once: wheels (Python 3.12) and CIFAR-10 into .gpu/ (git-ignored)
+#   bash scripts/gpu_lease.sh check          # there: versions, then tests/test_graphed.py and tests/test_cuda.py
+#   bash scripts/gpu_lease.sh bench          # there: the benchmark record, into $OUT
+#   bash scripts/gpu_lease.sh dose 1 2 3     # there: the clutter dose study's four cells of these seeds, into $OUT
+#
+# There, nothing installs from the network: the wheels travel in .gpu/whl and go to /tmp/site; the project runs from
+# the checkout (PYTHONPATH). The dose step writes the 0- and 256-fragment canvases beside the checkout (the paths the
+# study records), checks their hashes against the committed study's, trains each cell's seeds stacked with the step
+# captured as a CUDA graph (the exact train commands of scripts/study.py), and packs the finished runs, without
+# their resume states, into tars of at most three runs each; evaluating them is the study command's job here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+step=${1:?usage: gpu_lease.sh kit|check|bench|dose SEED...}
+shift
+
+WHEELS="timm==1.0.31 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19"
+TA='--amp none --opt adamw --lr 1e-3 --weight-decay 0.05 --smoothing 0.1 --warmup-epochs 2 --model-kwargs img_size=64 patch_size=8 pos_drop_rate=0 attn_drop_rate=0 proj_drop_rate=0'
+DOSE=results/cifar10-clutter-dose
+# test-split canvas sha256 (pixels, labels, boxes) in the data cards of the committed dose study's canvases
+HASH0=7918179caa76797ae981473298517a1b24fe3bc033a5a8daea5410e3cb7bf141
+HASH256=58cd71a0c383c95d0d9a62b2ac3fbe86968e43fb34f2dbbac372e23fa7149a35
+
+setup() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
+  export PYTHONPATH="$PWD:/tmp/site"
+  OUT=${OUT:?set by the device tool}
+}
+
+case $step in
+kit)
+  grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+  mkdir -p .gpu/whl
+  # shellcheck disable=SC2086
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .gpu/whl $WHEELS
+  rm -rf .gpu/cifar10 && cp -r ../shared/data/cifar10 .gpu/cifar10 && chmod -R u+w .gpu/cifar10
+  du -sh .gpu .
+  echo "carry .gpu; keep results/ out of the working tree that travels (scripts/README.md, On a lent GPU)"
+  ;;
+check)
+  setup
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, timm, datasets, pyarrow; print('torch', torch.__version__, 'timm', timm.__version__, \
+'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
+  timeout 420 python3 -m pytest -p no:cacheprovider -n 0 -q -x tests/test_graphed.py tests/test_cuda.py \
+    2>&1 | tail -25 | tee "$OUT/check.txt"
+  ;;
+bench)
+  setup
+  timeout 540 python3 scripts/bench_train.py --device cuda --dataset .gpu/cifar10 --steps 50 --capture-runs 1 8 32 \
+    --json "$OUT/bench.json" 2>&1 | tail -40 | tee "$OUT/bench.txt"
+  ;;
+dose)
+  setup
+  seeds=("$@")
+  (( ${#seeds[@]} )) || { echo "error: name the seeds, e.g. dose 1 2 3" >&2; exit 2; }
+  t0=$(date +%s)
+  python3 scripts/make_cluttered.py --dataset .gpu/cifar10 --fragments 256 --seed 0 --output ../cifar10-clutter256 &
+  python3 scripts/make_cluttered.py --dataset .gpu/cifar10 --fragments 0 --seed 0 --output ../cifar10-clutter0 &
+  wait
+  grep -q "$HASH256" ../cifar10-clutter256/README.md && grep -q "$HASH0" ../cifar10-clutter0/README.md \
+    || { echo "error: the canvases differ from the committed study's (hashes in the data cards)" >&2; exit 1; }
+  echo "data in $(( $(date +%s) - t0 )) s"
+  mapfile -t cmds < <(python3 - "${seeds[@]}" <<EOF
+import importlib.util, shlex, sys
+spec = importlib.util.spec_from_file_location("study", "scripts/study.py")
+study = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(study)
+seeds = [int(s) for s in sys.argv[1:]]
+for dataset, out, extra in (("../cifar10-clutter256", "$DOSE", ["--also-eval", "../cifar10-clutter0"]),
+                            ("../cifar10-clutter0", "$DOSE/fragments0", [])):
+    args = study.build_parser().parse_args(
+        ["--dataset", dataset, *extra, "--primary", "gap:rollout", "--epochs", "20", "--seeds", *sys.argv[1:],
+         "--arms", "gap", "rollout", "--faithfulness-images", "1000", "--output", out, "--train-args", """$TA""",
+         "--device", "cuda", "--pack", str(len(seeds)), "--stack", "--capture"])
+    for arm in args.arms:
+        flags = study.train_command(args, arm, seeds, f"{out}/runs/{arm}-s{{seed}}")
+        print(shlex.join(["python3", "-m", "timm_rollout.train", "--no-progress", *flags]))
+EOF
+)
+  for i in "${!cmds[@]}"; do
+    echo "+ ${cmds[i]}"
+    (eval "${cmds[i]}" > "$OUT/train-$i.log" 2>&1 || echo "failed: ${cmds[i]}" >> "$OUT/failed.txt") &
+  done
+  wait
+  echo "trained in $(( $(date +%s) - t0 )) s"
+  runs=()
+  for s in "${seeds[@]}"; do
+    for dir in $DOSE/runs/{gap,rollout}-s$s $DOSE/fragments0/runs/{gap,rollout}-s$s; do
+      [[ -f $dir/summary.json ]] && runs+=("$dir") || echo "unfinished: $dir" | tee -a "$OUT/failed.txt"
+    done
+  done
+  for ((i = 0; i < ${#runs[@]}; i += 3)); do
+    tar -cf "$OUT/runs-$((i / 3)).tar" --exclude=resume.safetensors "${runs[@]:i:3}"
+  done
+  tail -n 3 "$OUT"/train-*.log
+  ;;
+*)
+  echo "error: unknown step $step; use kit, check, bench or dose" >&2
+  exit 2
+  ;;
+esac
