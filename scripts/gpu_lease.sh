@@ -5,15 +5,19 @@
 #   bash scripts/gpu_lease.sh check          # there: versions, then tests/test_graphed.py and tests/test_cuda.py
 #   bash scripts/gpu_lease.sh bench          # there: the benchmark record, into $OUT
 #   bash scripts/gpu_lease.sh dose 1 2 3     # there: the clutter dose study's four cells of these seeds, into $OUT
+#   bash scripts/gpu_lease.sh eval 1 2 3     # there, next call while the machine is warm: their evaluations
 #
 # There, nothing installs from the network: the wheels travel in .gpu/whl and go to /tmp/site; the project runs from
 # the checkout (PYTHONPATH). The dose step writes the 0- and 256-fragment canvases beside the checkout (the paths the
 # study records), checks their hashes against the committed study's, trains each cell's seeds stacked with the step
 # captured as a CUDA graph (the exact train commands of scripts/study.py), and packs the finished runs, without
-# their resume states, into tars of at most three runs each; evaluating them is the study command's job here.
+# their resume states, into tars of at most three runs each. faiss (which harness.eval needs) does not fit beside
+# CIFAR-10 in one call's 64 MiB, so the evaluations are the next call's (`eval`, carrying .gpu/whl and .gpu/faiss),
+# on the canvases and runs the first left on the machine; if it went cold meanwhile, the study command evaluates
+# the runs here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_lease.sh kit|check|bench|dose SEED...}
+step=${1:?usage: gpu_lease.sh kit|check|bench|dose SEED...|eval SEED...}
 shift
 
 WHEELS="timm==1.0.31 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19"
@@ -24,7 +28,8 @@ HASH0=7918179caa76797ae981473298517a1b24fe3bc033a5a8daea5410e3cb7bf141
 HASH256=58cd71a0c383c95d0d9a62b2ac3fbe86968e43fb34f2dbbac372e23fa7149a35
 
 setup() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .gpu/whl/*.whl $(ls .gpu/faiss/*.whl 2>/dev/null)
   export PYTHONPATH="$PWD:/tmp/site"
   OUT=${OUT:?set by the device tool}
 }
@@ -37,9 +42,13 @@ kit)
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .gpu/whl $WHEELS
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .gpu/faiss faiss-cpu==1.15.1
   rm -rf .gpu/cifar10 && cp -r ../shared/data/cifar10 .gpu/cifar10 && chmod -R u+w .gpu/cifar10
-  du -sh .gpu .
-  echo "carry .gpu; keep results/ out of the working tree that travels (scripts/README.md, On a lent GPU)"
+  du -sh .gpu/*
+  git ls-files -z -- . ':!results' | du -ch --files0-from=- | tail -n 1 | sed 's/total/tracked files outside results\//'
+  echo "carry .gpu/whl with .gpu/cifar10 (check, bench, dose) or with .gpu/faiss (eval); keep results/ out of the"
+  echo "working tree that travels (scripts/README.md, On a lent GPU)"
   ;;
 check)
   setup
@@ -99,8 +108,30 @@ EOF
   done
   tail -n 3 "$OUT"/train-*.log
   ;;
+eval)
+  setup
+  (( $# )) || { echo "error: name the seeds, e.g. eval 1 2 3" >&2; exit 2; }
+  [[ -f ../cifar10-clutter256/README.md && -f ../cifar10-clutter0/README.md ]] \
+    || { echo "error: the canvases of the dose step are gone (the machine went cold); evaluate the runs here" >&2; exit 2; }
+  common=(--primary gap:rollout --epochs 20 --seeds "$@" --arms gap rollout --faithfulness-images 1000
+          --train-args "$TA" --device cuda --pack $# --stack --capture --jobs 4)
+  python3 scripts/study.py --dataset ../cifar10-clutter256 --also-eval ../cifar10-clutter0 --output $DOSE "${common[@]}" \
+    > "$OUT/eval-256.log" 2>&1 || echo "failed: the 256-fragment evaluations" >> "$OUT/failed.txt"
+  python3 scripts/study.py --dataset ../cifar10-clutter0 --output $DOSE/fragments0 "${common[@]}" \
+    > "$OUT/eval-0.log" 2>&1 || echo "failed: the 0-fragment evaluations" >> "$OUT/failed.txt"
+  folders=()
+  for s in "$@"; do
+    for arm in gap rollout; do
+      for f in $DOSE/eval/$arm-s$s $DOSE/eval-cifar10-clutter0/$arm-s$s $DOSE/fragments0/eval/$arm-s$s; do
+        [[ -f $f/results.json ]] && folders+=("$f") || echo "not evaluated: $f" | tee -a "$OUT/failed.txt"
+      done
+    done
+  done
+  tar -cf "$OUT/evals.tar" "${folders[@]}"
+  tail -n 5 "$OUT"/eval-*.log
+  ;;
 *)
-  echo "error: unknown step $step; use kit, check, bench or dose" >&2
+  echo "error: unknown step $step; use kit, check, bench, dose or eval" >&2
   exit 2
   ;;
 esac
