@@ -195,6 +195,24 @@ def test_a_captured_stack_on_cuda_equals_separate_eager_runs(tmp_path: Path) -> 
         assert rows[-1]["train_loss"] < rows[0]["train_loss"] and rows[-1]["eval_top1"] > 15
 
 
+def test_keyed_dropout_in_a_captured_stack_on_cuda_equals_separate_eager_runs(tmp_path: Path) -> None:
+    """--dropout-draws keyed: dropout at every site and drop path, drawn on the GPU inside the recorded stacked step,
+    as each separate eager run draws them (the same integer hash on any device: also as on the CPU)."""
+    run = [a for a in SAMPLE if a not in ("--seed", "0")] + ["--amp", "none", "--epochs", "2", "--dropout-draws",
+                                                             "keyed", "--drop-path", "0.1"]
+    train([*run, "--seed", "0", "1", "--stack", "--capture", "--output", str(tmp_path / "stacked-s{seed}")])
+    for seed in (0, 1):
+        alone = train([*run, "--seed", str(seed), "--output", str(tmp_path / f"alone-s{seed}")])
+        for a, b in zip(read_log(tmp_path / f"stacked-s{seed}" / "log.csv"), read_log(alone / "log.csv"), strict=True):
+            for key, tol in (("train_loss", 0.01), ("eval_loss", 0.02), ("eval_top1", 1.0)):
+                assert a[key] == pytest.approx(b[key], abs=tol), (seed, key)
+    cpu = train([*[a if a != DEVICE else "cpu" for a in run], "--seed", "0", "--epochs", "1",
+                 "--output", str(tmp_path / "cpu")])
+    gpu = train([*run, "--seed", "0", "--epochs", "1", "--output", str(tmp_path / "gpu")])
+    assert read_log(cpu / "log.csv")[0]["train_loss"] == pytest.approx(read_log(gpu / "log.csv")[0]["train_loss"],
+                                                                       abs=0.01)
+
+
 def _eval(run: Path, out: Path, device: str) -> dict:
     from harness import eval as harness_eval
 

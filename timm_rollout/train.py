@@ -97,6 +97,7 @@ from .graphed import (
     set_capturable,
     tensor_lrs,
 )
+from .keyed import KeyedDropout, KeyedDropPath, set_draw_counters, use_keyed_draws
 from .loading import check_input_size, check_model, create_model, pretrained_config, pretrained_overlay
 from .packed import Stack, Streams, own_streams, seed_everything
 from .pooling import OPTION_ARGS, ROLLOUT, TIMM_POOLS, set_pooling
@@ -119,6 +120,7 @@ BAR_EVERY = 50  # steps between loss updates of the progress bar (each costs one
 
 
 POOLS = (*[p for p in TIMM_POOLS if p], ROLLOUT)  # --pool choices
+DRAWS = ("streams", "keyed")  # --dropout-draws choices
 # Optimizer schedules that train steps every update (timm's plateau steps on epochs only).
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt", "none")
 
@@ -170,6 +172,10 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--pretrained-file", type=existing_path, default=None,
                    help="start from these weights (safetensors or a timm checkpoint, never unpickled); the head is "
                         "new when the class count differs, the data are normalised with the model's mean/std")
+    g.add_argument("--dropout-draws", choices=DRAWS, default="streams",
+                   help="streams: dropout and drop-path masks from torch's generators (seeded per epoch); keyed: from "
+                        "a hash of (seed, site, update), so stacked runs draw them in one batched op and --stack "
+                        "--capture can replay them (timm_rollout.keyed)")
     g.add_argument("--model-ema", action="store_true", help="keep a timm ModelEmaV3; evaluate and export it")
     g.add_argument("--model-ema-decay", type=number(float, 0, 1, low_open=True, high_open=True), default=0.9998)
 
@@ -739,14 +745,13 @@ def _check_capture(args: argparse.Namespace, d: Dist, data: RunData) -> None:
 
 
 def _check_captured_stack(model: nn.Module) -> None:
-    """A stacked pass draws each run's dropout and drop-path masks on the host, run by run, which no recorded
-    graph replays: ``--capture --stack`` trains without them."""
-    random = [name for name, m in model.named_modules()
-              if (isinstance(m, nn.Dropout) and m.p > 0) or (isinstance(m, DropPath) and m.drop_prob > 0)]
+    """A stacked pass draws each run's stream-drawn dropout and drop-path masks on the host, run by run, which no
+    recorded graph replays; keyed masks (``--dropout-draws keyed``) it draws on the device."""
+    random = [name for name, m in model.named_modules() if not isinstance(m, KeyedDropout | KeyedDropPath)
+              and ((isinstance(m, nn.Dropout) and m.p > 0) or (isinstance(m, DropPath) and m.drop_prob > 0))]
     if random:
-        raise UserError(f"--capture --stack cannot replay per-run dropout or drop path ({random[0]} draws); pass "
-                        "--model-kwargs pos_drop_rate=0 attn_drop_rate=0 proj_drop_rate=0 (and --drop-path 0), or "
-                        "drop --capture")
+        raise UserError(f"--capture --stack cannot replay dropout or drop path drawn from each run's generator "
+                        f"({random[0]} draws); pass --dropout-draws keyed, or drop --capture")
 
 
 def _recipe(run: Run) -> dict[str, Any]:
@@ -762,6 +767,7 @@ def _stacked_epoch(group: list[Run], stack: Stack, d: Dist, epoch: int) -> tuple
     mean training loss and the last learning rate. The runs' own objects get the state at the end."""
     first = group[0]
     stack.seed([_seed(run.args.seed, epoch, d.rank) for run in group])  # each run's streams, as _train_epoch's
+    set_draw_counters(stack.buffers, _first_draw(epoch, d, first.data.steps))
     orders = [_epoch_order(run.args, run.data, d, epoch) for run in group]
     for run in group:
         run.t.model.train()
@@ -833,6 +839,8 @@ def _captured_epoch(group: list[Run], c: Captured, d: Dist, epoch: int) -> tuple
         c.stack.seed([_seed(run.args.seed, epoch, d.rank) for run in group])
     else:
         seed_everything(_seed(first.args.seed, epoch, d.rank))
+    set_draw_counters(c.stack.buffers if c.stack is not None else dict(first.t.model.named_buffers()),
+                      _first_draw(epoch, d, first.data.steps))
     orders = [_epoch_order(run.args, run.data, d, epoch) for run in group]
     c.plan.start([order for order, _ in orders], [epoch_draws(first.data.steps, first.args.batch_size,
                                                               first.args.crop_padding, first.data.hflip, gen)
@@ -908,6 +916,8 @@ def _create_model(args: argparse.Namespace, data: RunData, device: torch.device)
     if args.pool is not None:
         set_pooling(model, args.pool, **args.pool_kwargs)
     use_fast_dropout(model)
+    if args.dropout_draws == "keyed":
+        use_keyed_draws(model, args.seed)
     attention_dropout = any(getattr(getattr(m, "attn_drop", None), "p", 0.0) > 0 for m in model.modules())
     if device.type == "cpu" or attention_dropout:
         set_fused_attention(model, False)
@@ -1035,6 +1045,11 @@ def _write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -
         "world_size": d.world, "device": str(d.device), "amp_dtype": amp, "versions": versions()})
 
 
+def _first_draw(epoch: int, d: Dist, steps: int) -> int:
+    """The keyed dropout counter of an epoch's first pass on this rank: each (epoch, rank, step) its own."""
+    return (epoch * d.world + d.rank) * steps
+
+
 def _epoch_order(args: argparse.Namespace, data: RunData, d: Dist, epoch: int) -> tuple[torch.Tensor, torch.Generator]:
     """This rank's image order for the epoch and the generator of its augmentation, both from the run's seed."""
     order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(_seed(args.seed, epoch)))
@@ -1049,6 +1064,7 @@ def _train_epoch(run: Run, d: Dist, epoch: int) -> tuple[float, float]:
     """
     t, args, data = run.t, run.args, run.data
     seed_everything(_seed(args.seed, epoch, d.rank))
+    set_draw_counters(dict(t.model.named_buffers()), _first_draw(epoch, d, data.steps))
     order, aug_gen = _epoch_order(args, data, d, epoch)
     losses = torch.zeros(data.steps, device=d.device)
     t.net.train()

@@ -1,0 +1,120 @@
+"""``--dropout-draws keyed``: masks from SplitMix64 keyed by (seed, site, update), the same in a stacked pass as in
+the separate run's, and in a captured stack. fp32 on CPU, one thread."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from timm_rollout import train as train_module
+from timm_rollout.keyed import KeyedDropout, splitmix64, use_keyed_draws
+from timm_rollout.train import train
+from timm_rollout.train_log import read_log
+
+# Dropout at every ViT site and stochastic depth, keyed; EMA, clipping and weight decay as in test_packed.
+KEYED = ["--dataset", "cifar10-sample", "--max-train-samples", "96", "--max-eval-samples", "100", "--batch-size",
+         "16", "--workers", "1", "--no-progress", "--device", "cpu", "--amp", "none", "--epochs", "2",
+         "--weight-decay", "0.5", "--clip-grad", "0.1", "--model-ema", "--model-ema-decay", "0.9",
+         "--dropout-draws", "keyed", "--drop-path", "0.2", "--model", "vit_tiny_cifar_rollout",
+         "--model-kwargs", "depth=2", "embed_dim=32", "drop_rate=0.1"]
+
+
+def _splitmix64_by_hand(seed: int, n: int) -> list[int]:
+    """Steele, Lea and Flood's SplitMix64, as published, in Python's unbounded ints reduced mod 2**64."""
+    out, state, mask = [], seed % 2**64, 2**64 - 1
+    for _ in range(n):
+        state = (state + 0x9E3779B97F4A7C15) & mask
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append(z ^ (z >> 31))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345, -7, 2**62 + 3])
+def test_splitmix64_equals_the_published_algorithm(seed: int) -> None:
+    ours = splitmix64(torch.tensor(seed, dtype=torch.int64), 64)
+    assert [v % 2**64 for v in ours.tolist()] == _splitmix64_by_hand(seed, 64)
+    assert _splitmix64_by_hand(1234567, 3)[0] == 6457827717110365317  # the reference's first output for 1234567
+
+
+def test_keyed_dropout_drops_at_its_rate_and_differs_per_site_and_update() -> None:
+    """Over 200,000 elements the realised drop rate is p within 5 binomial sds; kept values are scaled by
+    1 / (1 - p_eff); a second pass, or another site, draws another mask; eval mode is the identity."""
+    net = nn.Sequential(nn.Dropout(0.3), nn.Dropout(0.3))
+    assert use_keyed_draws(net, seed=5) == 2 and all(type(m) is KeyedDropout for m in net)
+    x = torch.ones(200_000)
+    a, b, again = net[0](x), net[1](x), net[0](x)
+    p_eff = 1 - round(0.7 * 65536) / 65536
+    dropped = (a == 0).float().mean().item()
+    assert abs(dropped - p_eff) < 5 * math.sqrt(p_eff * (1 - p_eff) / x.numel())
+    assert torch.allclose(a[a != 0], torch.tensor(1 / (1 - p_eff)))
+    assert not torch.equal(a, b) and not torch.equal(a, again)
+    net.eval()
+    assert torch.equal(net(x), x)
+
+
+def test_keyed_stacked_runs_equal_separate_runs(tmp_path: Path) -> None:
+    """With dropout at every site and drop path, keyed: each stacked run equals its separate run (weights, EMA,
+    resume state, log), and seeds draw differently."""
+    train([*KEYED, "--seed", "3", "4", "--stack", "--output", str(tmp_path / "stacked-s{seed}")])
+    for seed in (3, 4):
+        alone = train([*KEYED, "--seed", str(seed), "--output", str(tmp_path / f"alone-s{seed}")])
+        for name in ("model.safetensors", "resume.safetensors"):
+            x, y = load_file(tmp_path / f"stacked-s{seed}" / name), load_file(alone / name)
+            assert all(torch.allclose(x[k].double(), y[k].double(), atol=1e-5, rtol=0) for k in x), (seed, name)
+        for a, b in zip(read_log(tmp_path / f"stacked-s{seed}" / "log.csv"), read_log(alone / "log.csv"), strict=True):
+            assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)
+    streams = train([*KEYED[:KEYED.index("--dropout-draws")], *KEYED[KEYED.index("--dropout-draws") + 2:],
+                     "--seed", "3", "--output", str(tmp_path / "streams")])
+    x, y = load_file(streams / "model.safetensors"), load_file(tmp_path / "alone-s3" / "model.safetensors")
+    assert not all(torch.equal(x[k], y[k]) for k in x)  # the scheme matters: the comparison can fail
+
+
+def test_a_captured_keyed_stack_equals_the_separate_runs(monkeypatch, tmp_path: Path) -> None:
+    """--stack --capture with keyed dropout (refused with stream-drawn dropout): each run equals its separate run."""
+    monkeypatch.setattr(train_module, "CAPTURE_DEVICES", ("cuda", "cpu"))
+    train([*KEYED, "--seed", "3", "4", "--stack", "--capture", "--output", str(tmp_path / "captured-s{seed}")])
+    for seed in (3, 4):
+        alone = train([*KEYED, "--seed", str(seed), "--output", str(tmp_path / f"alone-s{seed}")])
+        x, y = load_file(tmp_path / f"captured-s{seed}" / "model.safetensors"), load_file(alone / "model.safetensors")
+        assert all(torch.allclose(x[k].double(), y[k].double(), atol=1e-5, rtol=0) for k in x), seed
+
+
+def test_a_killed_keyed_run_resumes_to_the_uninterrupted_run(monkeypatch, tmp_path: Path) -> None:
+    """The counters are not saved: each epoch sets them from its number, so a resumed run draws the same masks."""
+    whole = train([*KEYED, "--output", str(tmp_path / "whole")])
+    evaluate, calls = train_module.evaluate, []
+
+    class Died(Exception):
+        pass
+
+    def die_in_epoch_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Died
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "evaluate", die_in_epoch_2)
+    with pytest.raises(Died):
+        train([*KEYED, "--output", str(tmp_path / "run")])
+    monkeypatch.setattr(train_module, "evaluate", evaluate)
+    resumed = train([*KEYED, "--resume", "--output", str(tmp_path / "run")])
+    x, y = load_file(whole / "resume.safetensors"), load_file(resumed / "resume.safetensors")
+    assert all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_keyed_masks_do_not_enter_the_weights_files(tmp_path: Path) -> None:
+    """Key and counter buffers are non-persistent: the export loads into the stock model."""
+    import timm
+
+    run = train([*KEYED, "--epochs", "1", "--output", str(tmp_path / "run")])
+    assert not any("draw_" in k for k in load_file(run / "model.safetensors"))
+    model = timm.create_model(f"local-dir:{run}", pretrained=True)
+    assert np.isfinite(model(torch.zeros(1, 3, 32, 32)).detach().numpy()).all()
