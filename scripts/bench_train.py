@@ -50,6 +50,10 @@ images/s of epoch 2 (start-up, recording and evaluation left out, as a long stud
 
     python scripts/bench_train.py --device cuda --steps 50 --capture-runs 1 8 32 --json results/bench/h100.json
 
+``--profile N`` (CUDA) then profiles 20 steps each of (a), (g) and (gs), N runs stacked with one captured step
+(``torch.profiler``): wall time against the GPU's kernel time per step (how busy the GPU is), kernels per step and
+the costliest kernels, the figures that say where the time goes when a goal is missed.
+
 ``--json PATH`` writes every figure of the run with the machine's name (GPU, or CPU model and whether it has
 native bf16), ``ratio_vs_stock_timm_b128`` ((a)/(c) when the batch is 128) and ``packed_total_img_per_s``
 (the stacked command; ``serial_total_img_per_s`` and ``separate_total_img_per_s`` beside it, and the epoch-2
@@ -176,6 +180,71 @@ def captured_loop(dataset: str, batch: int, dtype, device) -> Step:
         return batch
 
     return run
+
+
+def captured_stack(dataset: str, n: int, batch: int, dtype, device) -> Step:
+    """(gs): ``n`` runs of the default model without dropout stacked, their step recorded as one CUDA graph, as
+    ``train --stack --capture`` runs it (each run its own order and draws)."""
+    train = load_image_set(dataset, "train")
+    mean, std = normalization_stats(dataset, train)
+    models = []
+    for seed in range(n):
+        torch.manual_seed(seed)
+        models.append(timm.create_model("vit_tiny_cifar_rollout", num_classes=10, **NO_DROPOUT).to(device).train())
+    make = lambda groups: create_optimizer_v2(groups, opt="adamw", lr=5e-4, weight_decay=1e-4,  # noqa: E731
+                                              capturable=device.type == "cuda")
+    stack = Stack(models, [make(m) for m in models], None, nn.CrossEntropyLoss(), make)
+    steps, gen = len(train) // batch, torch.Generator().manual_seed(0)
+    images, labels = train.images.to(device), train.labels.to(device)
+    plan = Plan([images] * n, [labels] * n, mean, std, 4, steps, batch)
+    plan.start([torch.randperm(len(train), generator=gen)[:steps * batch] for _ in range(n)],
+               [epoch_draws(steps, batch, 4, 0.5, gen) for _ in range(n)])
+    lrs = learning_rates(stack.optimizer)
+
+    def body(_: object) -> None:
+        x, y = plan.batch()
+        with tensor_lrs(stack.optimizer, lrs):
+            plan.record(stack.step(x, y, device=device, amp_dtype=dtype))
+
+    step = Graphed(body, device)
+
+    def run() -> int:
+        step(None)
+        return n * batch
+
+    return run
+
+
+def profile_steps(steps: dict[str, Step], rounds: int, device: torch.device) -> dict[str, dict]:
+    """Where a step's time goes, per variant: wall time per step against the GPU's kernel time per step (their
+    ratio: how busy the GPU is), kernels per step and the costliest kernels (``torch.profiler``, ``rounds`` steps
+    after the warm-up ones)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    found, sync = {}, (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
+    for name, run in steps.items():
+        for _ in range(WARMUP_ROUNDS):
+            run()
+        sync()
+        with profile(activities=activities) as prof:
+            t = time.perf_counter()
+            images = sum(run() for _ in range(rounds))
+            sync()
+            wall = (time.perf_counter() - t) / rounds
+        kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        gpu = sum(e.self_device_time_total for e in kernels) / 1e6 / rounds
+        top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:6]
+        found[name] = {"wall_ms_per_step": 1e3 * wall, "gpu_kernel_ms_per_step": 1e3 * gpu,
+                       "gpu_busy": gpu / wall, "kernels_per_step": sum(e.count for e in kernels) / rounds,
+                       "img_per_s": images / rounds / wall,
+                       "top_kernels_ms_per_step": {e.key[:80]: e.self_device_time_total / 1e3 / rounds for e in top}}
+        f = found[name]
+        print(f"profile {name}: {f['wall_ms_per_step']:.2f} ms a step, GPU kernels {f['gpu_kernel_ms_per_step']:.2f} "
+              f"ms ({100 * f['gpu_busy']:.0f}% busy), {f['kernels_per_step']:.0f} kernels a step; costliest: "
+              + ", ".join(f"{k[:40]} {v:.3f} ms" for k, v in list(f["top_kernels_ms_per_step"].items())[:3]))
+    return found
 
 
 def cls_model(fused: bool) -> nn.Module:
@@ -435,6 +504,9 @@ def build_parser() -> CliParser:
     p.add_argument("--capture-runs", type=positive_int, nargs="+", default=[],
                    help="CUDA: add (g), the captured full loop, and time N runs captured (stacked, and N processes) "
                         "for each N given (e.g. 1 8 32)")
+    p.add_argument("--profile", type=positive_int, nargs="?", const=8, default=None, metavar="N",
+                   help="CUDA: profile (a), (g) and N runs stacked and captured (gs; default N 8): wall against GPU "
+                        "kernel time per step, kernels per step, the costliest kernels")
     p.add_argument("--json", type=Path, help="write every figure of this run, with the machine's name, to this file")
     return p
 
@@ -486,8 +558,8 @@ def main(argv: list[str] | None = None) -> None:
     device = resolve_device(args.device)
     if args.ranks and device.type != "cpu":
         raise UserError("--ranks compares CPU processes; drop it or pass --device cpu")
-    if args.capture_runs and device.type != "cuda":
-        raise UserError("--capture-runs times CUDA graphs; pass --device cuda (or drop it)")
+    if (args.capture_runs or args.profile) and device.type != "cuda":
+        raise UserError("--capture-runs and --profile time CUDA graphs and kernels; pass --device cuda (or drop them)")
     dtype = resolve_amp("auto", device)
     precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     b = args.batch_size
@@ -507,6 +579,11 @@ def main(argv: list[str] | None = None) -> None:
         compare_concurrent(args.dataset, b, args.steps * 3, args.concurrent, device)
     packed = pack_rates(args.dataset, b, args.steps * 3, args.pack, device) if args.pack else {}
     captured = capture_rates(args.dataset, b, args.steps * 3, args.capture_runs, device) if args.capture_runs else {}
+    profiled = profile_steps({"(a) full loop": full_loop(args.dataset, b, dtype, device),
+                              "(g) full loop, captured": captured_loop(args.dataset, b, dtype, device),
+                              f"(gs) {args.profile} runs stacked, captured": captured_stack(args.dataset, args.profile,
+                                                                                        b, dtype, device)},
+                             20, device) if args.profile else {}
     if args.json:
         write_json(args.json, {
             **machine_record(device), "batch_size": b, "steps": args.steps, "precision": precision,
@@ -514,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
             "ratio_vs_stock_timm_b128": r["a"] / r["c"] if b == 128 else None,
             "captured_vs_stock_timm": r["g"] / r["c"] if "g" in r else None,
             "packed_total_img_per_s": packed.get("packed_total_img_per_s"), **packed,
-            "epoch2_img_per_s_in_all": captured})
+            "epoch2_img_per_s_in_all": captured, "profile": profiled})
 
 if __name__ == "__main__":
     run_cli(main)

@@ -55,13 +55,13 @@ check)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, timm, datasets, pyarrow; print('torch', torch.__version__, 'timm', timm.__version__, \
 'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
-  timeout 420 python3 -m pytest -p no:cacheprovider -n 0 -q -x tests/test_graphed.py tests/test_cuda.py \
+  timeout 480 python3 -m pytest -p no:cacheprovider -n 4 -q tests/test_graphed.py tests/test_keyed.py tests/test_cuda.py \
     2>&1 | tail -25 | tee "$OUT/check.txt"
   ;;
 bench)
   setup
-  timeout 540 python3 scripts/bench_train.py --device cuda --dataset .gpu/cifar10 --steps 50 --capture-runs 1 8 32 \
-    --json "$OUT/bench.json" 2>&1 | tail -40 | tee "$OUT/bench.txt"
+  timeout 560 python3 scripts/bench_train.py --device cuda --dataset .gpu/cifar10 --steps 20 --capture-runs 1 8 32 \
+    --profile 8 --json "$OUT/bench.json" 2>&1 | tail -40 | tee "$OUT/bench.txt"
   ;;
 dose)
   setup
