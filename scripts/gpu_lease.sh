@@ -2,6 +2,8 @@
 # What a lent GPU machine runs, one prepared step per call (see scripts/README.md, "On a lent GPU").
 #
 #   bash scripts/gpu_lease.sh kit            # here, once: wheels (Python 3.12) and CIFAR-10 into .gpu/ (git-ignored)
+#   bash scripts/gpu_lease.sh away           # here, before the calls: pause training, take results/ out of the tree
+#   bash scripts/gpu_lease.sh back           # here, after them: results/ back, training continues
 #   bash scripts/gpu_lease.sh check          # there: versions, then tests/test_graphed.py and tests/test_cuda.py
 #   bash scripts/gpu_lease.sh bench          # there: the benchmark record, into $OUT
 #   bash scripts/gpu_lease.sh dose 1 2 3     # there: the clutter dose study's four cells of these seeds, into $OUT
@@ -17,7 +19,7 @@
 # the runs here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_lease.sh kit|check|bench|dose SEED...|eval SEED...}
+step=${1:?usage: gpu_lease.sh kit|away|back|check|bench|dose SEED...|eval SEED...}
 shift
 
 WHEELS="timm==1.0.31 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19"
@@ -49,6 +51,18 @@ kit)
   git ls-files -z -- . ':!results' | du -ch --files0-from=- | tail -n 1 | sed 's/total/tracked files outside results\//'
   echo "carry .gpu/whl with .gpu/cifar10 (check, bench, dose) or with .gpu/faiss (eval); keep results/ out of the"
   echo "working tree that travels (scripts/README.md, On a lent GPU)"
+  ;;
+away)
+  pkill -STOP -f 'scripts/study.py|timm_rollout.train|harness.eval' || true
+  grep -qx '/results/' .git/info/exclude || echo '/results/' >> .git/info/exclude
+  git sparse-checkout set --no-cone '/*' '!/results/'
+  git status --short | head
+  ;;
+back)
+  git sparse-checkout disable
+  sed -i '\#^/results/$#d' .git/info/exclude
+  pkill -CONT -f 'scripts/study.py|timm_rollout.train|harness.eval' || true
+  git status --short | head
   ;;
 check)
   setup
@@ -131,7 +145,7 @@ eval)
   tail -n 5 "$OUT"/eval-*.log
   ;;
 *)
-  echo "error: unknown step $step; use kit, check, bench, dose or eval" >&2
+  echo "error: unknown step $step; use kit, away, back, check, bench, dose or eval" >&2
   exit 2
   ;;
 esac
