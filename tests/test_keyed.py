@@ -110,6 +110,28 @@ def test_a_killed_keyed_run_resumes_to_the_uninterrupted_run(monkeypatch, tmp_pa
     assert all(torch.equal(x[k], y[k]) for k in x)
 
 
+def test_a_run_from_before_the_flag_resumes_with_the_draws_it_had(tmp_path: Path) -> None:
+    """A run whose record predates --dropout-draws trained with stream draws: it resumes with them, and a typed
+    --dropout-draws keyed is refused rather than switching the scheme mid-run."""
+    import json
+
+    from timm_rollout.errors import UserError
+
+    streams = [*KEYED[:KEYED.index("--dropout-draws")], *KEYED[KEYED.index("--dropout-draws") + 2:]]
+    one = [*streams[:streams.index("--epochs") + 1], "1", *streams[streams.index("--epochs") + 2:]]
+    run = train([*one, "--output", str(tmp_path / "old")])
+    record = json.loads((run / "train_args.json").read_text())
+    del record["dropout_draws"]
+    (run / "train_args.json").write_text(json.dumps(record))
+    with pytest.raises(UserError, match="was trained before --dropout-draws existed, as with --dropout-draws streams"):
+        train([*streams, "--dropout-draws", "keyed", "--resume", "--output", str(run)])
+    resumed = train([*streams, "--resume", "--output", str(run)])
+    train([*one, "--output", str(tmp_path / "new")])  # the same, its record intact
+    intact = train([*streams, "--resume", "--output", str(tmp_path / "new")])
+    x, y = load_file(intact / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(x[k], y[k]) for k in x)
+
+
 def test_keyed_masks_do_not_enter_the_weights_files(tmp_path: Path) -> None:
     """Key and counter buffers are non-persistent: the export loads into the stock model."""
     import timm

@@ -390,7 +390,13 @@ def _merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) ->
     saved = _saved_args(out)
     merged = vars(args).copy()
     for key, value in vars(args).items():
-        if key in RESUME_FREE or key not in saved:
+        if key in RESUME_FREE:
+            continue
+        if key not in saved:  # a flag newer than the run: the run trained with its default
+            if key in parser.given and value != parser.get_default(key):
+                flag = "--" + key.replace("_", "-")
+                raise UserError(f"{out} was trained before {flag} existed, as with {flag} "
+                                f"{_shown(parser.get_default(key))}; drop {flag} to resume it, or start a new --output")
             continue
         if key == "epochs" and key in parser.given and value > saved[key]:
             continue  # training goes on to the typed count, on a schedule rebuilt for it
