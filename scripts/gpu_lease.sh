@@ -2,8 +2,9 @@
 # What a lent GPU machine runs, one prepared step per call (see scripts/README.md, "On a lent GPU").
 #
 #   bash scripts/gpu_lease.sh kit            # here, once: wheels (Python 3.12) and CIFAR-10 into .gpu/ (git-ignored)
-#   bash scripts/gpu_lease.sh away           # here, before the calls: pause training, take results/ out of the tree
-#   bash scripts/gpu_lease.sh back           # here, after them: results/ back, training continues
+#   bash scripts/gpu_lease.sh away PID...    # here, before the calls: pause these processes (a study command, say)
+#                                            # and their children, take results/ out of the tree that travels
+#   bash scripts/gpu_lease.sh back PID...    # here, after them: results/ back, the processes continue
 #   bash scripts/gpu_lease.sh check          # there: versions, then tests/test_graphed.py and tests/test_cuda.py
 #   bash scripts/gpu_lease.sh bench          # there: the benchmark record, into $OUT
 #   bash scripts/gpu_lease.sh dose 1 2 3     # there: the clutter dose study's four cells of these seeds, into $OUT
@@ -29,6 +30,17 @@ DOSE=results/cifar10-clutter-dose
 HASH0=7918179caa76797ae981473298517a1b24fe3bc033a5a8daea5410e3cb7bf141
 HASH256=58cd71a0c383c95d0d9a62b2ac3fbe86968e43fb34f2dbbac372e23fa7149a35
 
+tree() {  # the processes and all their descendants
+  for pid in "$@"; do
+    echo "$pid"
+    # shellcheck disable=SC2046
+    tree $(pgrep -P "$pid" || true)
+  done
+}
+
+steps=()  # --pack N --stack for N seeds, when there are several
+pack() { (( $# > 1 )) && steps=(--pack $# --stack) || steps=(); }
+
 setup() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .gpu/whl/*.whl $(ls .gpu/faiss/*.whl 2>/dev/null)
@@ -53,7 +65,9 @@ kit)
   echo "working tree that travels (scripts/README.md, On a lent GPU)"
   ;;
 away)
-  pkill -STOP -f 'scripts/study.py|timm_rollout.train|harness.eval' || true
+  (( $# )) || { echo "error: name the processes to pause (e.g. the study command's PID: pgrep -f scripts/study.py)" >&2; exit 2; }
+  # shellcheck disable=SC2046
+  kill -STOP $(tree "$@")
   grep -qx '/results/' .git/info/exclude || echo '/results/' >> .git/info/exclude
   git sparse-checkout set --no-cone '/*' '!/results/'
   git status --short | head
@@ -61,7 +75,8 @@ away)
 back)
   git sparse-checkout disable
   sed -i '\#^/results/$#d' .git/info/exclude
-  pkill -CONT -f 'scripts/study.py|timm_rollout.train|harness.eval' || true
+  # shellcheck disable=SC2046
+  (( $# )) && kill -CONT $(tree "$@")
   git status --short | head
   ;;
 check)
@@ -83,25 +98,29 @@ dose)
   (( ${#seeds[@]} )) || { echo "error: name the seeds, e.g. dose 1 2 3" >&2; exit 2; }
   t0=$(date +%s)
   python3 scripts/make_cluttered.py --dataset .gpu/cifar10 --fragments 256 --seed 0 --output ../cifar10-clutter256 &
+  p256=$!
   python3 scripts/make_cluttered.py --dataset .gpu/cifar10 --fragments 0 --seed 0 --output ../cifar10-clutter0 &
-  wait
+  p0=$!
+  wait $p256 && wait $p0 || { echo "error: make_cluttered.py failed (its output above)" >&2; exit 1; }
   grep -q "$HASH256" ../cifar10-clutter256/README.md && grep -q "$HASH0" ../cifar10-clutter0/README.md \
     || { echo "error: the canvases differ from the committed study's (hashes in the data cards)" >&2; exit 1; }
   echo "data in $(( $(date +%s) - t0 )) s"
-  mapfile -t cmds < <(python3 - "${seeds[@]}" <<EOF
+  pack "${seeds[@]}"
+  mapfile -t cmds < <(python3 - "${seeds[@]}" -- "${steps[@]}" <<EOF
 import importlib.util, shlex, sys
 spec = importlib.util.spec_from_file_location("study", "scripts/study.py")
 study = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(study)
-seeds = [int(s) for s in sys.argv[1:]]
+split = sys.argv.index("--")
+seeds, packing = sys.argv[1:split], sys.argv[split + 1:]
 for dataset, out, extra in (("../cifar10-clutter256", "$DOSE", ["--also-eval", "../cifar10-clutter0"]),
                             ("../cifar10-clutter0", "$DOSE/fragments0", [])):
     args = study.build_parser().parse_args(
-        ["--dataset", dataset, *extra, "--primary", "gap:rollout", "--epochs", "20", "--seeds", *sys.argv[1:],
+        ["--dataset", dataset, *extra, "--primary", "gap:rollout", "--epochs", "20", "--seeds", *seeds,
          "--arms", "gap", "rollout", "--faithfulness-images", "1000", "--output", out, "--train-args", """$TA""",
-         "--device", "cuda", "--pack", str(len(seeds)), "--stack", "--capture"])
+         "--device", "cuda", *packing, "--capture"])
     for arm in args.arms:
-        flags = study.train_command(args, arm, seeds, f"{out}/runs/{arm}-s{{seed}}")
+        flags = study.train_command(args, arm, [int(s) for s in seeds], f"{out}/runs/{arm}-s{{seed}}")
         print(shlex.join(["python3", "-m", "timm_rollout.train", "--no-progress", *flags]))
 EOF
 )
@@ -114,21 +133,27 @@ EOF
   runs=()
   for s in "${seeds[@]}"; do
     for dir in $DOSE/runs/{gap,rollout}-s$s $DOSE/fragments0/runs/{gap,rollout}-s$s; do
-      [[ -f $dir/summary.json ]] && runs+=("$dir") || echo "unfinished: $dir" | tee -a "$OUT/failed.txt"
+      if [[ -f $dir/summary.json ]]; then
+        runs+=("$dir")
+      elif [[ -f $dir/resume.safetensors ]]; then  # its resume state comes back, to continue it here or there
+        echo "unfinished: $dir" | tee -a "$OUT/failed.txt"
+        tar -cf "$OUT/unfinished-$(basename "$(dirname "$(dirname "$dir")")")-$(basename "$dir").tar" "$dir"
+      fi
     done
   done
   for ((i = 0; i < ${#runs[@]}; i += 3)); do
     tar -cf "$OUT/runs-$((i / 3)).tar" --exclude=resume.safetensors "${runs[@]:i:3}"
   done
-  tail -n 3 "$OUT"/train-*.log
+  tail -n 3 "$OUT"/train-*.log || true
   ;;
 eval)
   setup
   (( $# )) || { echo "error: name the seeds, e.g. eval 1 2 3" >&2; exit 2; }
   [[ -f ../cifar10-clutter256/README.md && -f ../cifar10-clutter0/README.md ]] \
     || { echo "error: the canvases of the dose step are gone (the machine went cold); evaluate the runs here" >&2; exit 2; }
+  pack "$@"
   common=(--primary gap:rollout --epochs 20 --seeds "$@" --arms gap rollout --faithfulness-images 1000
-          --train-args "$TA" --device cuda --pack $# --stack --capture --jobs 4)
+          --train-args "$TA" --device cuda "${steps[@]}" --capture --jobs 4)
   python3 scripts/study.py --dataset ../cifar10-clutter256 --also-eval ../cifar10-clutter0 --output $DOSE "${common[@]}" \
     > "$OUT/eval-256.log" 2>&1 || echo "failed: the 256-fragment evaluations" >> "$OUT/failed.txt"
   python3 scripts/study.py --dataset ../cifar10-clutter0 --output $DOSE/fragments0 "${common[@]}" \
@@ -141,7 +166,7 @@ eval)
       done
     done
   done
-  tar -cf "$OUT/evals.tar" "${folders[@]}"
+  (( ${#folders[@]} )) && tar -cf "$OUT/evals.tar" "${folders[@]}"
   tail -n 5 "$OUT"/eval-*.log
   ;;
 *)

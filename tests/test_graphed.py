@@ -8,12 +8,15 @@ recording itself is checked against this eager body on CUDA (``tests/test_cuda.p
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from timm_rollout import graphed
 from timm_rollout import train as train_module
@@ -151,3 +154,95 @@ def test_graphed_runs_its_body_every_call_off_cuda() -> None:
     for k in range(graphed.WARMUP + 3):
         step(k % 2)
     assert keys == [k % 2 for k in range(graphed.WARMUP + 3)] and step.graph is None
+
+
+class _HostTraffic(TorchDispatchMode):
+    """Records what a CUDA graph cannot: a host sync, or a copy between host and device memory."""
+
+    SYNCS = frozenset({"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "item", "_assert_async"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        devices = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        if name == "_to_copy" and kwargs.get("device") is not None:
+            devices.add(torch.device(kwargs["device"]).type)
+        if name in self.SYNCS or (name in ("copy_", "_to_copy", "copy") and {"cpu", "cuda"} <= devices):
+            self.found.append(str(func))
+        return func(*args, **kwargs)
+
+
+def _recorded_step_traffic(model: torch.nn.Module, monkeypatch) -> list[str]:
+    """The host traffic of the recorded step (the second call; the first is the eager warm-up), traced on fake
+    CUDA tensors: batch, forward, loss, clipping, capturable AdamW with device learning rates, EMA. The backward
+    pass is not traced (autograd needs a real GPU): gradients of ones stand in."""
+    from timm.loss import LabelSmoothingCrossEntropy
+    from timm.optim import create_optimizer_v2
+    from timm.utils import ModelEmaV3
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from timm_rollout.graphed import learning_rates, tensor_lrs
+    from timm_rollout.train_step import optimizer_step
+
+    ema = ModelEmaV3(model, decay=0.9)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        cuda = torch.device("cuda")
+        model, ema.module = model.to(cuda).train(), ema.module.to(cuda)
+        optimizer = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05, capturable=True)
+        lrs = learning_rates(optimizer)
+        plan = Plan([torch.zeros(64, 3, 32, 32, dtype=torch.uint8, device=cuda)],
+                    [torch.zeros(64, dtype=torch.long, device=cuda)], (0.5,) * 3, (0.25,) * 3, 4, steps=2, batch=16)
+        params = [p for p in model.parameters() if p.requires_grad]
+        monkeypatch.setattr(torch.Tensor, "backward", lambda self, *a, **k: [setattr(p, "grad", torch.ones_like(p))
+                                                                             for p in params] and None)
+        watch = _HostTraffic()
+        for recorded in (False, True):
+            with watch if recorded else contextlib.nullcontext():
+                x, y = plan.batch()
+                with tensor_lrs(optimizer, lrs):
+                    loss = optimizer_step(model, x[0], y[0], LabelSmoothingCrossEntropy(0.1), optimizer, device=cuda,
+                                          amp_dtype=None, clip_grad=1.0)
+                ema.apply_update_(model, 0.9)
+                plan.record(loss)
+    return watch.found
+
+
+@pytest.mark.parametrize("build", [
+    "vit_tiny_cifar_rollout depth=2",
+    "vit_tiny_cifar_gap depth=2 drop_path_rate=0.1 keyed",
+    "vit_tiny_patch16_224 img_size=32 patch_size=8 depth=2 pool=rollout",
+    "vit_tiny_cifar_cls depth=2 global_pool=map",
+])
+def test_the_recorded_step_neither_syncs_nor_copies_from_the_host(build: str, monkeypatch) -> None:
+    """What --capture records must run on the device alone: traced on fake CUDA tensors (no GPU needed), the step
+    of each pooling (rollout among them: its one-hot row once came from a host copy) makes no host traffic."""
+    import timm
+
+    from timm_rollout.keyed import use_keyed_draws
+    from timm_rollout.pooling import set_pooling
+
+    name, *options = build.split()
+    kwargs = {k: (int(v) if v.isdigit() else float(v) if "." in v else v)
+              for k, v in (o.split("=") for o in options if "=" in o and not o.startswith("pool="))}
+    model = timm.create_model(name, num_classes=10, **kwargs)
+    if "pool=rollout" in options:
+        set_pooling(model, "rollout")
+    if "keyed" in options:
+        use_keyed_draws(model, seed=0)
+    assert _recorded_step_traffic(model, monkeypatch) == []
+
+
+def test_the_host_traffic_trace_finds_a_host_copy() -> None:
+    """The trace above can fail: indexing a device tensor with a Python value copies from the host."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True), _HostTraffic() as watch:
+        row = torch.zeros(5, device="cuda")
+        row[0] = 1.0
+        with pytest.raises(DataDependentOutputException):  # a fake tensor has no value to sync
+            row.sum().item()
+    assert any("copy_" in f for f in watch.found) and any("_local_scalar_dense" in f for f in watch.found)

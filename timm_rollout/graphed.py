@@ -58,6 +58,8 @@ class Plan:
         self.images = kept[0][0] if len(kept) == 1 else torch.cat([i for i, _ in kept])
         self.labels = kept[0][1] if len(kept) == 1 else torch.cat([lab for _, lab in kept])
         self.mean, self.std, self.padding = mean, std, padding
+        normalize(self.images[:1], mean, std)  # its device copies of mean and std are made (and cached) here, not
+        # in a recorded step, which cannot copy from the host
         device, runs = self.images.device, len(offsets)
         self.offsets = torch.tensor(offsets, device=device).view(runs, 1)  # each run's first row in self.images
         self.order = torch.zeros(runs, steps, batch, dtype=torch.long, device=device)
@@ -96,6 +98,7 @@ class Graphed:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.key: Hashable = None
         self.calls = 0
+        self.side: torch.cuda.Stream | None = None  # the warm-up's stream
 
     @property
     def captures(self) -> bool:
@@ -117,11 +120,11 @@ class Graphed:
         if not self.captures or self.graph is not None:
             self.body(key)
             return
-        side = torch.cuda.Stream(self.device)  # warm-up on a side stream, as torch.cuda.graph's docs ask
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        self.side = self.side or torch.cuda.Stream(self.device)  # warm-up on a side stream, as torch.cuda.graph's
+        self.side.wait_stream(torch.cuda.current_stream(self.device))  # docs ask
+        with torch.cuda.stream(self.side):
             self.body(key)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.current_stream(self.device).wait_stream(self.side)
 
 
 def set_capturable(optimizer: torch.optim.Optimizer, capturable: bool) -> None:
