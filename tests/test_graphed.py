@@ -78,25 +78,13 @@ def test_a_captured_stack_equals_the_separate_eager_runs(on_cpu, shared: bool, t
             assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-5)
 
 
-def test_a_killed_captured_run_resumes_eagerly_to_the_uninterrupted_run(on_cpu, monkeypatch, tmp_path: Path) -> None:
+def test_a_killed_captured_run_resumes_eagerly_to_the_uninterrupted_run(on_cpu, killed_at_evaluation,
+                                                                          tmp_path: Path) -> None:
     """Killed in epoch 2's evaluation, a --capture run resumes without --capture (its optimizer state moved back
     where the eager AdamW keeps it) to the weights of the uninterrupted run."""
     whole = train([*TINY, "--output", str(tmp_path / "whole")])
-    evaluate, calls = train_module.evaluate, []
-
-    class Died(Exception):
-        pass
-
-    def die_in_epoch_2(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise Died
-        return evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "evaluate", die_in_epoch_2)
-    with pytest.raises(Died):
+    with killed_at_evaluation(2):
         train([*TINY, "--capture", "--output", str(tmp_path / "run")])
-    monkeypatch.setattr(train_module, "evaluate", evaluate)
     resumed = train([*TINY, "--resume", "--output", str(tmp_path / "run")])
     assert _equal(whole, resumed, "model.safetensors") and _equal(whole, resumed, "resume.safetensors")
 

@@ -87,24 +87,11 @@ def test_a_captured_keyed_stack_equals_the_separate_runs(monkeypatch, tmp_path: 
         assert all(torch.allclose(x[k].double(), y[k].double(), atol=1e-5, rtol=0) for k in x), seed
 
 
-def test_a_killed_keyed_run_resumes_to_the_uninterrupted_run(monkeypatch, tmp_path: Path) -> None:
+def test_a_killed_keyed_run_resumes_to_the_uninterrupted_run(killed_at_evaluation, tmp_path: Path) -> None:
     """The counters are not saved: each epoch sets them from its number, so a resumed run draws the same masks."""
     whole = train([*KEYED, "--output", str(tmp_path / "whole")])
-    evaluate, calls = train_module.evaluate, []
-
-    class Died(Exception):
-        pass
-
-    def die_in_epoch_2(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise Died
-        return evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "evaluate", die_in_epoch_2)
-    with pytest.raises(Died):
+    with killed_at_evaluation(2):
         train([*KEYED, "--output", str(tmp_path / "run")])
-    monkeypatch.setattr(train_module, "evaluate", evaluate)
     resumed = train([*KEYED, "--resume", "--output", str(tmp_path / "run")])
     x, y = load_file(whole / "resume.safetensors"), load_file(resumed / "resume.safetensors")
     assert all(torch.equal(x[k], y[k]) for k in x)

@@ -77,29 +77,14 @@ def test_stacked_runs_equal_separate_runs(model: str, tmp_path: Path) -> None:
         assert not _close(tmp_path / "alone-s3", changed, "model.safetensors"), other
 
 
-def test_a_killed_stacked_command_resumes_every_run_from_its_last_epoch(tmp_path: Path, monkeypatch) -> None:
+def test_a_killed_stacked_command_resumes_every_run_from_its_last_epoch(tmp_path: Path, killed_at_evaluation) -> None:
     """Killed between the two runs' saves of epoch 2: --resume trains the run behind alone for one epoch, then
     both together; both equal an uninterrupted stacked command's runs."""
-    import timm_rollout.train as train_module
-
     flags = [*TINY, "--model", "vit_tiny_cifar_gap", "--epochs", "3", "--seed", "0", "1", "--stack"]
     train([*flags, "--output", str(tmp_path / "whole-s{seed}")])
-    evaluate, calls = train_module.evaluate, []
-
-    class Died(Exception):
-        pass
-
-    def die_before_the_second_run_saves_epoch_2(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 4:
-            raise Died
-        return evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "evaluate", die_before_the_second_run_saves_epoch_2)
-    with pytest.raises(Died):
+    with killed_at_evaluation(4):  # the second run's evaluation of epoch 2, before its save
         train([*flags, "--output", str(tmp_path / "run-s{seed}")])
     assert [len(read_log(tmp_path / f"run-s{s}" / "log.csv")) for s in (0, 1)] == [2, 1]
-    monkeypatch.setattr(train_module, "evaluate", evaluate)
     train([*flags, "--resume", "--output", str(tmp_path / "run-s{seed}")])
     for seed in (0, 1):
         run, ref = tmp_path / f"run-s{seed}", tmp_path / f"whole-s{seed}"

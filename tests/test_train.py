@@ -498,29 +498,18 @@ def test_several_seeds_need_one_folder_each(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir())
 
 
-def test_a_killed_several_seed_command_resumes_every_run_from_its_last_epoch(tmp_path: Path, monkeypatch) -> None:
+def test_a_killed_several_seed_command_resumes_every_run_from_its_last_epoch(tmp_path: Path, monkeypatch,
+                                                                              killed_at_evaluation) -> None:
     """Seed 0 finishes, seed 1 dies after its first epoch; --resume skips seed 0 and trains seed 1's epochs 2-3:
     both equal an uninterrupted command's runs."""
     import timm_rollout.train as train_module
 
     flags = [*TINY_RUN, "--model", "vit_tiny_cifar_gap", "--max-train-samples", "128", "--seed", "0", "1"]
     whole = train([*flags, "--output", str(tmp_path / "whole-s{seed}")])
-    evaluate, calls = train_module.evaluate, []
-
-    class Died(Exception):
-        pass
-
-    def die_in_the_second_run(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 5:  # seed 1, epoch 2 (epoch 1 saved)
-            raise Died
-        return evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "evaluate", die_in_the_second_run)
-    with pytest.raises(Died):
+    with killed_at_evaluation(5):  # seed 1, epoch 2 (epoch 1 saved)
         train([*flags, "--output", str(tmp_path / "run-s{seed}")])
     assert (tmp_path / "run-s0" / "summary.json").exists() and len(read_log(tmp_path / "run-s1" / "log.csv")) == 1
-    calls.clear()
+    evaluate, calls = train_module.evaluate, []
     monkeypatch.setattr(train_module, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
     train([*flags, "--resume", "--output", str(tmp_path / "run-s{seed}")])
     assert len(calls) == 2  # the finished run skipped, the other one's epochs 2 and 3 only
