@@ -127,3 +127,62 @@ def test_keyed_masks_do_not_enter_the_weights_files(tmp_path: Path) -> None:
     assert not any("draw_" in k for k in load_file(run / "model.safetensors"))
     model = timm.create_model(f"local-dir:{run}", pretrained=True)
     assert np.isfinite(model(torch.zeros(1, 3, 32, 32)).detach().numpy()).all()
+
+
+def _draws_recorded(monkeypatch, log: list) -> None:
+    """Record the (key, counter) of every keyed draw."""
+    from timm_rollout import keyed
+
+    keep = keyed._keep
+    monkeypatch.setattr(keyed, "_keep", lambda key, counter, n, p: log.append((int(key), int(counter)))
+                        or keep(key, counter, n, p))
+
+
+def test_a_site_called_twice_per_pass_never_repeats_a_draw(monkeypatch, tmp_path: Path) -> None:
+    """timm's CaiT calls each block's drop path twice per pass: over two epochs no (key, counter) comes twice."""
+    draws: list[tuple[int, int]] = []
+    _draws_recorded(monkeypatch, draws)
+    run = [*KEYED[:KEYED.index("--model")], "--model", "cait_xxs24_224", "--model-kwargs", "img_size=32",
+           "patch_size=8", "depth=2", "depth_token_only=1", "embed_dim=48", "num_heads=3"]
+    train([*run, "--output", str(tmp_path / "cait")])
+    assert len(draws) > 2 * 2 * 6 and len(set(draws)) == len(draws)  # 2 epochs of 6 steps, sites called twice
+
+
+def test_keyed_draws_differ_between_torchrun_ranks(tmp_path: Path) -> None:
+    """Under torchrun each rank draws from its own counters (DDP would otherwise copy rank 0's buffers to every
+    rank each pass, and all ranks would drop the same elements)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(f"""
+import json, os, sys
+from timm_rollout import keyed
+from timm_rollout.train import train
+draws, keep = [], keyed._keep
+keyed._keep = lambda key, counter, n, p: draws.append((int(key), int(counter))) or keep(key, counter, n, p)
+train(sys.argv[1:])
+open(os.path.join({str(tmp_path)!r}, "rank" + os.environ["RANK"] + ".json"), "w").write(json.dumps(draws))
+""")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(probe), *KEYED, "--epochs", "1", "--output", str(tmp_path / "ddp")],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ranks = [{tuple(d) for d in json.loads((tmp_path / f"rank{r}.json").read_text())} for r in (0, 1)]
+    assert ranks[0] and ranks[1] and not ranks[0] & ranks[1]
+
+
+@pytest.mark.parametrize("p", [1e-6, 0.9999999])
+def test_keyed_dropout_at_the_ends_of_its_range(p: float) -> None:
+    """A rate too small to drop at 1/65536 steps keeps everything and draws nothing (so a stack can train it); a rate
+    too close to 1 to keep anything drops everything, also as drop path."""
+    from timm.layers import DropPath
+
+    net = nn.Sequential(nn.Dropout(p), DropPath(p))
+    use_keyed_draws(net, seed=0)
+    x = torch.ones(4, 8)
+    out = net[1](net[0](x))
+    assert torch.equal(out, x) if p < 0.5 else torch.equal(out, torch.zeros_like(x))

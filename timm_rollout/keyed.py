@@ -1,7 +1,8 @@
 """Keyed dropout: masks as a pure function of (run, site, update), not of a random generator's state.
 
 ``train --dropout-draws keyed``. Each dropout and drop-path site of a run holds a key (from the run's seed and the
-site's place in the model) and a counter (set from the epoch at its start, advanced by each training pass). Its
+site's place in the model) and a counter: at each epoch's start a block of its own for the epoch and process
+(rank), then advanced by each draw, so no two draws of a site share it. Its
 mask is SplitMix64 (Steele, Lea and Flood 2014) seeded by the key and counter, one 64-bit output per element (per
 sample for drop path), whose low 16 bits are compared with the threshold :class:`~timm_rollout.dropout.FastDropout`
 uses: the same keep probability, quantised to 1/65536, and the same scaling. No generator is involved, so a
@@ -14,7 +15,6 @@ buffers, so checkpoints and exported weights are unchanged.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from timm.layers import DropPath
 from torch import nn
 
@@ -51,17 +51,19 @@ def _stream(key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
 
 
 def _keep(key: torch.Tensor, counter: torch.Tensor, n: int, p: float) -> tuple[torch.Tensor, float]:
-    """Keep-mask (n,) of a draw and the scale of kept values."""
+    """Keep-mask (n,) of a draw and the scale of kept values (0 when nothing can be kept)."""
     keep = _keep_threshold(p)
-    return (splitmix64(_stream(key, counter), n) & 0xFFFF) < keep, 65536 / keep
+    return (splitmix64(_stream(key, counter), n) & 0xFFFF) < keep, 65536 / keep if keep else 0.0
 
 
 class KeyedDropout(nn.Dropout):
     """``nn.Dropout`` whose training mask is keyed (see the module docstring); eval mode is the identity."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p <= 0.0 or self.p >= 1.0 or _keep_threshold(self.p) == 65536:
-            return F.dropout(x, self.p, self.training)
+        if not self.training or _keep_threshold(self.p) == 65536:  # p too small to drop at 1/65536 steps
+            return x
+        if self.p >= 1.0:
+            return x * 0.0  # all dropped, nothing drawn
         mask, scale = _keep(self.draw_key, self.draw_counter, x.numel(), self.p)
         self.draw_counter.add_(1)
         return torch.where(mask.view(x.shape), x, 0.0).mul_(scale)

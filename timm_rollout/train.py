@@ -757,7 +757,7 @@ def _check_captured_stack(model: nn.Module) -> None:
               and ((isinstance(m, nn.Dropout) and m.p > 0) or (isinstance(m, DropPath) and m.drop_prob > 0))]
     if random:
         raise UserError(f"--capture --stack cannot replay dropout or drop path drawn from each run's generator "
-                        f"({random[0]} draws); pass --dropout-draws keyed, or drop --capture")
+                        f"({random[0]} draws); drop --capture (or train new runs with --dropout-draws keyed)")
 
 
 def _recipe(run: Run) -> dict[str, Any]:
@@ -773,7 +773,7 @@ def _stacked_epoch(group: list[Run], stack: Stack, d: Dist, epoch: int) -> tuple
     mean training loss and the last learning rate. The runs' own objects get the state at the end."""
     first = group[0]
     stack.seed([_seed(run.args.seed, epoch, d.rank) for run in group])  # each run's streams, as _train_epoch's
-    set_draw_counters(stack.buffers, _first_draw(epoch, d, first.data.steps))
+    set_draw_counters(stack.buffers, _first_draw(epoch, d))
     orders = [_epoch_order(run.args, run.data, d, epoch) for run in group]
     for run in group:
         run.t.model.train()
@@ -846,7 +846,7 @@ def _captured_epoch(group: list[Run], c: Captured, d: Dist, epoch: int) -> tuple
     else:
         seed_everything(_seed(first.args.seed, epoch, d.rank))
     set_draw_counters(c.stack.buffers if c.stack is not None else dict(first.t.model.named_buffers()),
-                      _first_draw(epoch, d, first.data.steps))
+                      _first_draw(epoch, d))
     orders = [_epoch_order(run.args, run.data, d, epoch) for run in group]
     c.plan.start([order for order, _ in orders], [epoch_draws(first.data.steps, first.args.batch_size,
                                                               first.args.crop_padding, first.data.hflip, gen)
@@ -967,6 +967,9 @@ def _build(args: argparse.Namespace, data: RunData, d: Dist) -> Trainer:
                                        updates_per_epoch=data.steps)
     ema = ModelEmaV3(model, decay=args.model_ema_decay) if args.model_ema else None
     scaler = torch.amp.GradScaler(d.device.type) if data.amp_dtype == torch.float16 else None
+    if d.world > 1:  # each rank keeps its own keyed dropout counters: DDP would copy rank 0's to all each pass
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [name for name, _ in model.named_buffers() if name.endswith(("draw_key", "draw_counter"))])
     net = nn.parallel.DistributedDataParallel(model) if d.world > 1 else model
     evaluator = ema.module if ema is not None else model
     if args.compile:
@@ -1051,9 +1054,10 @@ def _write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -
         "world_size": d.world, "device": str(d.device), "amp_dtype": amp, "versions": versions()})
 
 
-def _first_draw(epoch: int, d: Dist, steps: int) -> int:
-    """The keyed dropout counter of an epoch's first pass on this rank: each (epoch, rank, step) its own."""
-    return (epoch * d.world + d.rank) * steps
+def _first_draw(epoch: int, d: Dist) -> int:
+    """The keyed dropout counter of an epoch's first draw on this rank: each (epoch, rank) its own block of 2**40
+    draws per site, however often a site is called per pass (timm's CaiT calls a drop path twice)."""
+    return (epoch * d.world + d.rank) << 40
 
 
 def _epoch_order(args: argparse.Namespace, data: RunData, d: Dist, epoch: int) -> tuple[torch.Tensor, torch.Generator]:
@@ -1070,7 +1074,7 @@ def _train_epoch(run: Run, d: Dist, epoch: int) -> tuple[float, float]:
     """
     t, args, data = run.t, run.args, run.data
     seed_everything(_seed(args.seed, epoch, d.rank))
-    set_draw_counters(dict(t.model.named_buffers()), _first_draw(epoch, d, data.steps))
+    set_draw_counters(dict(t.model.named_buffers()), _first_draw(epoch, d))
     order, aug_gen = _epoch_order(args, data, d, epoch)
     losses = torch.zeros(data.steps, device=d.device)
     t.net.train()
