@@ -47,14 +47,14 @@ class Plan:
 
     def __init__(self, images: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], mean: Sequence[float],
                  std: Sequence[float], padding: int, steps: int, batch: int):
-        firsts: dict[int, int] = {}  # a shared tensor's data pointer -> its first row in self.images
+        firsts: dict[int, int] = {}  # a shared tensor (by identity) -> its first row in self.images
         kept, offsets, rows = [], [], 0
         for run_images, run_labels in zip(images, labels, strict=True):
-            if run_images.data_ptr() not in firsts:
-                firsts[run_images.data_ptr()] = rows
+            if id(run_images) not in firsts:
+                firsts[id(run_images)] = rows
                 kept.append((run_images, run_labels))
                 rows += len(run_images)
-            offsets.append(firsts[run_images.data_ptr()])
+            offsets.append(firsts[id(run_images)])
         self.images = kept[0][0] if len(kept) == 1 else torch.cat([i for i, _ in kept])
         self.labels = kept[0][1] if len(kept) == 1 else torch.cat([lab for _, lab in kept])
         self.mean, self.std, self.padding = mean, std, padding
