@@ -693,7 +693,7 @@ def _stack(group: list[Run]) -> Stack:
     first = group[0]
     return Stack([run.t.model for run in group], [run.t.optimizer for run in group],
                  [run.t.ema.module for run in group] if first.t.ema is not None else None, first.t.criterion,
-                 lambda groups: _optimizer(groups, first.args, _capturable(first.args, first.eval_labels.device)),
+                 lambda groups: _optimizer(groups, first.args, _capturable(first.args, first.eval_images.device)),
                  compile=first.args.compile,
                   compile_mode=first.args.compile_mode)
 
@@ -816,8 +816,6 @@ def _capture(group: list[Run], stack: Stack | None, d: Dist) -> Captured:
     plan = Plan([run.batches.images for run in group], [run.batches.labels for run in group], data.mean, data.std,
                 args.crop_padding, data.steps, args.batch_size)
     optimizer = stack.optimizer if stack is not None else t.optimizer
-    if stack is not None:
-        set_capturable(optimizer, _capturable(args, d.device))
     lrs = learning_rates(optimizer)
 
     def step(decay: float | None) -> None:
