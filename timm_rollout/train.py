@@ -671,7 +671,7 @@ def _train_stacked(runs: list[argparse.Namespace], parser: argparse.ArgumentPars
         epoch = min(run.t.epoch for run in pending)
         group = [run for run in pending if run.t.epoch == epoch]
         if group != stacked:  # the runs behind catch up first; a stack lives while its runs train together
-            stack, stacked = _stack(group), group
+            stack, stacked = _stack(group, d), group
             captured = _capture(group, stack, d) if group[0].args.capture else None
         t0 = time.perf_counter()
         if captured is not None:
@@ -688,14 +688,14 @@ def _train_stacked(runs: list[argparse.Namespace], parser: argparse.ArgumentPars
     return [Path(args.output) for args in runs]
 
 
-def _stack(group: list[Run]) -> Stack:
+def _stack(group: list[Run], d: Dist) -> Stack:
     """The runs' models, optimizers and EMAs stacked, with timm's optimizer for the stacked parameters."""
     first = group[0]
     return Stack([run.t.model for run in group], [run.t.optimizer for run in group],
                  [run.t.ema.module for run in group] if first.t.ema is not None else None, first.t.criterion,
-                 lambda groups: _optimizer(groups, first.args, _capturable(first.args, first.eval_images.device)),
+                 lambda groups: _optimizer(groups, first.args, _capturable(first.args, d.device)),
                  compile=first.args.compile,
-                  compile_mode=first.args.compile_mode)
+                 compile_mode=first.args.compile_mode)
 
 
 # timm optimizers whose update of a parameter element depends on that element's own state only: on stacked
