@@ -57,7 +57,8 @@ the costliest kernels, the figures that say where the time goes when a goal is m
 ``--json PATH`` writes every figure of the run with the machine's name (GPU, or CPU model and whether it has
 native bf16), ``ratio_vs_stock_timm_b128`` ((a)/(c) when the batch is 128) and ``packed_total_img_per_s``
 (the stacked command; ``serial_total_img_per_s`` and ``separate_total_img_per_s`` beside it, and the epoch-2
-figures ``*_epoch2_img_per_s``)::
+figures ``*_epoch2_img_per_s``). It is rewritten after each section, with ``complete`` false until the last,
+so that a run cut off by a time limit keeps what it measured::
 
     python scripts/bench_train.py --steps 20 --pack 2 --json results/bench/cpu.json
 """
@@ -565,7 +566,13 @@ def main(argv: list[str] | None = None) -> None:
     b = args.batch_size
     print(f"{device_name(device)}, torch {torch.__version__}, batch {b}, median of {args.steps} rounds, "
           f"--amp auto = {precision}")
+    record: dict[str, object] = {**machine_record(device), "batch_size": b, "steps": args.steps,
+                                 "precision": precision, "complete": False}
     r, labels = single_runs(args, dtype, precision, device)
+    record |= {"img_per_s": {labels[k]: v for k, v in r.items()},
+               "ratio_vs_stock_timm_b128": r["a"] / r["c"] if b == 128 else None,
+               "captured_vs_stock_timm": r["g"] / r["c"] if "g" in r else None}
+    save(args.json, record)
     if args.bf16_steps:
         n = args.bf16_steps
         rb = race({"b": bare(ours(), b, torch.bfloat16, device),
@@ -573,25 +580,32 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'(b) bare step, FastDropout (bf16)':<64} {rb['b']:8.1f} img/s")
         print(f"{'(c) stock timm + PIL DataLoader (bf16)':<64} {rb['c']:8.1f} img/s")
         print(f"bf16: (b)/(c) = {rb['b'] / rb['c']:.2f}; (a, {precision}) / (c, bf16) = {r['a'] / rb['c']:.2f}")
+        record["bf16_img_per_s"] = {"(b) bare step": rb["b"], "(c) stock timm": rb["c"]}
+        save(args.json, record)
     if args.ranks:
         compare_ranks(args.dataset, b, args.steps * 3, args.ranks, args.repeats)
     if args.concurrent:
         compare_concurrent(args.dataset, b, args.steps * 3, args.concurrent, device)
     packed = pack_rates(args.dataset, b, args.steps * 3, args.pack, device) if args.pack else {}
-    captured = capture_rates(args.dataset, b, args.steps * 3, args.capture_runs, device) if args.capture_runs else {}
-    profiled = profile_steps({"(a) full loop": full_loop(args.dataset, b, dtype, device),
-                              "(g) full loop, captured": captured_loop(args.dataset, b, dtype, device),
-                              f"(gs) {args.profile} runs stacked, captured": captured_stack(args.dataset, args.profile,
-                                                                                        b, dtype, device)},
-                             20, device) if args.profile else {}
-    if args.json:
-        write_json(args.json, {
-            **machine_record(device), "batch_size": b, "steps": args.steps, "precision": precision,
-            "img_per_s": {labels[k]: v for k, v in r.items()},
-            "ratio_vs_stock_timm_b128": r["a"] / r["c"] if b == 128 else None,
-            "captured_vs_stock_timm": r["g"] / r["c"] if "g" in r else None,
-            "packed_total_img_per_s": packed.get("packed_total_img_per_s"), **packed,
-            "epoch2_img_per_s_in_all": captured, "profile": profiled})
+    record |= {"packed_total_img_per_s": packed.get("packed_total_img_per_s"), **packed}
+    save(args.json, record)
+    if args.capture_runs:
+        record["epoch2_img_per_s_in_all"] = capture_rates(args.dataset, b, args.steps * 3, args.capture_runs, device)
+        save(args.json, record)
+    if args.profile:
+        record["profile"] = profile_steps({
+            "(a) full loop": full_loop(args.dataset, b, dtype, device),
+            "(g) full loop, captured": captured_loop(args.dataset, b, dtype, device),
+            f"(gs) {args.profile} runs stacked, captured": captured_stack(args.dataset, args.profile, b, dtype,
+                                                                          device)}, 20, device)
+    save(args.json, record | {"complete": True})
+
+
+def save(path: Path | None, record: dict[str, object]) -> None:
+    """Write the figures measured so far (atomically; ``complete`` false until the last section), so that a
+    benchmark cut off by a time limit still leaves its finished sections."""
+    if path:
+        write_json(path, record)
 
 if __name__ == "__main__":
     run_cli(main)
