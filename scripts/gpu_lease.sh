@@ -11,13 +11,16 @@
 #   bash scripts/gpu_lease.sh eval 1 2 3     # there, next call while the machine is warm: their evaluations
 #
 # There, nothing installs from the network: the wheels travel in .gpu/whl and go to /tmp/site; the project runs from
-# the checkout (PYTHONPATH). The dose step writes the 0- and 256-fragment canvases beside the checkout (the paths the
-# study records), checks their hashes against the committed study's, trains each cell's seeds stacked with the step
-# captured as a CUDA graph (the exact train commands of scripts/study.py), and packs the finished runs, without
-# their resume states, into tars of at most three runs each. faiss (which harness.eval needs) does not fit beside
-# CIFAR-10 in one call's 64 MiB, so the evaluations are the next call's (`eval`, carrying .gpu/whl and .gpu/faiss),
-# on the canvases and runs the first left on the machine; if it went cold meanwhile, the study command evaluates
-# the runs here.
+# the checkout (PYTHONPATH). Each step ends within BUDGET_S seconds (540; the device tool stops a call at 600) and
+# returns at most 8 files, its logs in one logs.tar. The dose step writes the 0- and 256-fragment canvases beside
+# the checkout (the paths the study records) unless an earlier call on the machine did, checks their hashes against
+# the committed study's, trains each cell's seeds stacked with the step captured as a CUDA graph (the exact train
+# commands of scripts/study.py, which resume), stops them in time to pack the finished runs, without their resume
+# states, into tars of at most three runs each. Unfinished runs keep their state on the machine: `dose` again,
+# while it is warm (30 s), continues them and returns the runs finished since. faiss (which harness.eval needs) does
+# not fit beside CIFAR-10 in one call's 64 MiB, so the evaluations are the next call's (`eval`, carrying .gpu/whl
+# and .gpu/faiss), of the seeds whose four cells finished, on the canvases and runs the dose calls left on the
+# machine; if it went cold meanwhile, the study command evaluates the runs here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step=${1:?usage: gpu_lease.sh kit|away|back|check|bench|dose SEED...|eval SEED...}
@@ -26,6 +29,8 @@ shift
 WHEELS="timm==1.0.31 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19"
 TA='--amp none --opt adamw --lr 1e-3 --weight-decay 0.05 --smoothing 0.1 --warmup-epochs 2 --model-kwargs img_size=64 patch_size=8 pos_drop_rate=0 attn_drop_rate=0 proj_drop_rate=0'
 DOSE=results/cifar10-clutter-dose
+BUDGET_S=${BUDGET_S:-540}  # seconds a call may take on the machine (the device tool's limit is 600)
+PACKING_S=45  # of those, kept for packing what dose trained
 # test-split canvas sha256 (pixels, labels, boxes) in the data cards of the committed dose study's canvases
 HASH0=7918179caa76797ae981473298517a1b24fe3bc033a5a8daea5410e3cb7bf141
 HASH256=58cd71a0c383c95d0d9a62b2ac3fbe86968e43fb34f2dbbac372e23fa7149a35
@@ -42,10 +47,24 @@ steps=()  # --pack N --stack for N seeds, when there are several
 pack() { (( $# > 1 )) && steps=(--pack $# --stack) || steps=(); }
 
 setup() {
+  t0=$(date +%s)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .gpu/whl/*.whl $(ls .gpu/faiss/*.whl 2>/dev/null)
   export PYTHONPATH="$PWD:/tmp/site"
   OUT=${OUT:?set by the device tool}
+  LOGS=$(mktemp -d)  # the logs come back as one tar (at most 8 files come back from a call)
+  trap 'tar -C "$LOGS" -cf "$OUT/logs.tar" . 2>/dev/null || true' EXIT
+}
+
+canvases() {  # the 0- and 256-fragment canvases beside the checkout, unless a call before this one made them
+  local f
+  for f in 256 0; do
+    [[ -f ../cifar10-clutter$f/README.md ]] && continue
+    python3 scripts/make_cluttered.py --dataset .gpu/cifar10 --fragments $f --seed 0 --output ../cifar10-clutter$f &
+  done
+  wait || true
+  grep -q "$HASH256" ../cifar10-clutter256/README.md && grep -q "$HASH0" ../cifar10-clutter0/README.md \
+    || { echo "error: the canvases differ from the committed study's (hashes in the data cards)" >&2; exit 1; }
 }
 
 case $step in
@@ -89,21 +108,15 @@ check)
   ;;
 bench)
   setup
-  timeout 560 python3 scripts/bench_train.py --device cuda --dataset .gpu/cifar10 --steps 20 --capture-runs 1 8 32 \
-    --profile 8 --json "$OUT/bench.json" 2>&1 | tail -40 | tee "$OUT/bench.txt"
+  # bench.json is rewritten after each section: a run stopped at the budget keeps what it measured
+  timeout $(( BUDGET_S - 20 )) python3 scripts/bench_train.py --device cuda --dataset .gpu/cifar10 --steps 20 \
+    --capture-runs 1 8 32 --profile 8 --json "$OUT/bench.json" 2>&1 | tail -40 | tee "$OUT/bench.txt"
   ;;
 dose)
   setup
   seeds=("$@")
   (( ${#seeds[@]} )) || { echo "error: name the seeds, e.g. dose 1 2 3" >&2; exit 2; }
-  t0=$(date +%s)
-  python3 scripts/make_cluttered.py --dataset .gpu/cifar10 --fragments 256 --seed 0 --output ../cifar10-clutter256 &
-  p256=$!
-  python3 scripts/make_cluttered.py --dataset .gpu/cifar10 --fragments 0 --seed 0 --output ../cifar10-clutter0 &
-  p0=$!
-  wait $p256 && wait $p0 || { echo "error: make_cluttered.py failed (its output above)" >&2; exit 1; }
-  grep -q "$HASH256" ../cifar10-clutter256/README.md && grep -q "$HASH0" ../cifar10-clutter0/README.md \
-    || { echo "error: the canvases differ from the committed study's (hashes in the data cards)" >&2; exit 1; }
+  canvases
   echo "data in $(( $(date +%s) - t0 )) s"
   pack "${seeds[@]}"
   mapfile -t cmds < <(python3 - "${seeds[@]}" -- "${steps[@]}" <<EOF
@@ -124,50 +137,68 @@ for dataset, out, extra in (("../cifar10-clutter256", "$DOSE", ["--also-eval", "
         print(shlex.join(["python3", "-m", "timm_rollout.train", "--no-progress", *flags]))
 EOF
 )
+  (( ${#cmds[@]} == 4 )) || { echo "error: the four train commands could not be built (the error above)" >&2; exit 1; }
+  left=$(( BUDGET_S - PACKING_S - ($(date +%s) - t0) ))
+  (( left > 30 )) || { echo "error: no time left to train in BUDGET_S=$BUDGET_S s; raise it" >&2; exit 2; }
+  echo "training for at most $left s"
   for i in "${!cmds[@]}"; do
     echo "+ ${cmds[i]}"
-    (eval "${cmds[i]}" > "$OUT/train-$i.log" 2>&1 || echo "failed: ${cmds[i]}" >> "$OUT/failed.txt") &
+    (timeout -s TERM "$left" bash -c "exec ${cmds[i]}" > "$LOGS/train-$i.log" 2>&1 \
+      || echo "stopped or failed ($?): ${cmds[i]}" >> "$LOGS/failed.txt") &
   done
   wait
   echo "trained in $(( $(date +%s) - t0 )) s"
   runs=()
   for s in "${seeds[@]}"; do
     for dir in $DOSE/runs/{gap,rollout}-s$s $DOSE/fragments0/runs/{gap,rollout}-s$s; do
-      if [[ -f $dir/summary.json ]]; then
+      if [[ -f $dir/summary.json && ! -f $dir/.returned ]]; then
         runs+=("$dir")
-      elif [[ -f $dir/resume.safetensors ]]; then  # its resume state comes back, to continue it here or there
-        echo "unfinished: $dir" | tee -a "$OUT/failed.txt"
-        tar -cf "$OUT/unfinished-$(basename "$(dirname "$(dirname "$dir")")")-$(basename "$dir").tar" "$dir"
+      elif [[ ! -f $dir/summary.json ]]; then
+        echo "unfinished: $dir (its state stays on this machine: run dose again while it is warm)" >> "$LOGS/failed.txt"
       fi
     done
   done
-  for ((i = 0; i < ${#runs[@]}; i += 3)); do
+  for ((i = 0; i < ${#runs[@]} && i < 18; i += 3)); do  # 3 fp32 runs (~15 MiB) a tar, 6 tars and the logs' tar
     tar -cf "$OUT/runs-$((i / 3)).tar" --exclude=resume.safetensors "${runs[@]:i:3}"
+    for dir in "${runs[@]:i:3}"; do touch "$dir/.returned"; done
   done
-  tail -n 3 "$OUT"/train-*.log || true
+  (( ${#runs[@]} <= 18 )) || echo "not returned yet (over 18 runs): ${runs[*]:18} (run dose again)" >> "$LOGS/failed.txt"
+  tail -n 3 "$LOGS"/train-*.log || true
   ;;
 eval)
   setup
   (( $# )) || { echo "error: name the seeds, e.g. eval 1 2 3" >&2; exit 2; }
   [[ -f ../cifar10-clutter256/README.md && -f ../cifar10-clutter0/README.md ]] \
     || { echo "error: the canvases of the dose step are gone (the machine went cold); evaluate the runs here" >&2; exit 2; }
-  pack "$@"
-  common=(--primary gap:rollout --epochs 20 --seeds "$@" --arms gap rollout --faithfulness-images 1000
-          --train-args "$TA" --device cuda "${steps[@]}" --capture --jobs 4)
-  python3 scripts/study.py --dataset ../cifar10-clutter256 --also-eval ../cifar10-clutter0 --output $DOSE "${common[@]}" \
-    > "$OUT/eval-256.log" 2>&1 || echo "failed: the 256-fragment evaluations" >> "$OUT/failed.txt"
-  python3 scripts/study.py --dataset ../cifar10-clutter0 --output $DOSE/fragments0 "${common[@]}" \
-    > "$OUT/eval-0.log" 2>&1 || echo "failed: the 0-fragment evaluations" >> "$OUT/failed.txt"
-  folders=()
+  done_seeds=()  # only seeds whose four cells finished: the study commands would train the others
   for s in "$@"; do
+    if ls $DOSE/runs/{gap,rollout}-s$s/summary.json $DOSE/fragments0/runs/{gap,rollout}-s$s/summary.json >/dev/null 2>&1; then
+      done_seeds+=("$s")
+    else
+      echo "seed $s: not all four cells finished; not evaluated" | tee -a "$LOGS/failed.txt"
+    fi
+  done
+  (( ${#done_seeds[@]} )) || { echo "error: no seed of $* has its four cells finished; run dose first" >&2; exit 2; }
+  pack "${done_seeds[@]}"
+  common=(--primary gap:rollout --epochs 20 --seeds "${done_seeds[@]}" --arms gap rollout --faithfulness-images 1000
+          --train-args "$TA" --device cuda "${steps[@]}" --capture --jobs 3)
+  stop=$(( BUDGET_S - 20 - ($(date +%s) - t0) ))  # both studies side by side, stopped in time to pack
+  (timeout -s TERM $stop python3 scripts/study.py --dataset ../cifar10-clutter256 --also-eval ../cifar10-clutter0 \
+    --output $DOSE "${common[@]}" > "$LOGS/eval-256.log" 2>&1 \
+    || echo "failed or stopped: the 256-fragment evaluations" >> "$LOGS/failed.txt") &
+  (timeout -s TERM $stop python3 scripts/study.py --dataset ../cifar10-clutter0 --output $DOSE/fragments0 \
+    "${common[@]}" > "$LOGS/eval-0.log" 2>&1 || echo "failed or stopped: the 0-fragment evaluations" >> "$LOGS/failed.txt") &
+  wait
+  folders=()
+  for s in "${done_seeds[@]}"; do
     for arm in gap rollout; do
       for f in $DOSE/eval/$arm-s$s $DOSE/eval-cifar10-clutter0/$arm-s$s $DOSE/fragments0/eval/$arm-s$s; do
-        [[ -f $f/results.json ]] && folders+=("$f") || echo "not evaluated: $f" | tee -a "$OUT/failed.txt"
+        [[ -f $f/results.json ]] && folders+=("$f") || echo "not evaluated: $f" | tee -a "$LOGS/failed.txt"
       done
     done
   done
   (( ${#folders[@]} )) && tar -cf "$OUT/evals.tar" "${folders[@]}"
-  tail -n 5 "$OUT"/eval-*.log
+  tail -n 5 "$LOGS"/eval-*.log
   ;;
 *)
   echo "error: unknown step $step; use kit, away, back, check, bench, dose or eval" >&2
