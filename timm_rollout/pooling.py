@@ -79,8 +79,11 @@ class _Pass(NamedTuple):
 
 def _while_pooled(method: Any) -> Any:
     """A method bound (``f = model.forward_features``) or compiled while the model was rollout-pooled runs the
-    model's current class's method once :func:`set_pooling` has switched it back to a timm pooling."""
+    model's current class's method once :func:`set_pooling` has switched it back to a timm pooling. The dispatch
+    runs eagerly under ``torch.compile`` (the method it picks is compiled): some torch releases (2.11) do not guard
+    a compiled frame on the class that ``set_pooling`` reassigns, and would replay the rollout branch."""
 
+    @torch.compiler.disable(recursive=False)
     @functools.wraps(method)
     def run(self: nn.Module, *args, **kwargs) -> Any:
         if isinstance(self, RolloutPooling):
