@@ -11,17 +11,22 @@ import os
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from timm_rollout.clutter import (
+    _CLUTTER,
     CLUTTER,
     OBJECT,
     ClutterRecipe,
     _check_memory,
+    _fragment_sources,
+    _rng,
     clutter_split,
     make_cluttered,
+    object_positions,
     split_file,
 )
 from timm_rollout.data import SAMPLE_DIR, load_image_set
@@ -93,6 +98,44 @@ def test_mask_says_where_every_pixel_comes_from() -> None:
     # The masks follow the draws: the same seed at another fragment count keeps the object's pixels.
     _, _, none = clutter_split(images, torch.tensor(labels), FILL, ClutterRecipe(24, 0, 3, seed=7), "test")
     assert torch.equal(none == OBJECT, masks == OBJECT) and not (none == CLUTTER).any()
+
+
+def painted_one_by_one(images: torch.Tensor, labels: torch.Tensor, fill: tuple, recipe: ClutterRecipe,
+                       split: str) -> tuple[np.ndarray, np.ndarray]:
+    """The reference: the same draws as :func:`clutter_split`, each canvas painted in a plain loop, fragment after
+    fragment, then its object."""
+    n, _, h, w = images.shape
+    lab, k, f, c = labels.numpy(), recipe.fragments, recipe.fragment_size, recipe.canvas
+    pos = object_positions(n, (h, w), recipe, split)
+    rng = _rng(recipe.seed, split, _CLUTTER)
+    src = _fragment_sources(lab, rng.integers(0, (n - np.bincount(lab)[lab])[:, None], (n, k)))
+    crop = np.stack([rng.integers(0, h - f + 1, (n, k)), rng.integers(0, w - f + 1, (n, k))], axis=-1)
+    at = rng.integers(0, c - f + 1, (n, k, 2))
+    out = np.empty((n, 3, c, c), np.uint8)
+    out[:] = np.asarray(fill, np.uint8)[:, None, None]
+    masks = np.zeros((n, c, c), np.uint8)
+    for i in range(n):
+        for t in range(k):
+            (sy, sx), (cy, cx), j = at[i, t], crop[i, t], src[i, t]
+            out[i, :, sy:sy + f, sx:sx + f] = images[j, :, cy:cy + f, cx:cx + f].numpy()
+            masks[i, sy:sy + f, sx:sx + f] = CLUTTER
+        x, y = pos[i]
+        out[i, :, y:y + h, x:x + w] = images[i].numpy()
+        masks[i, y:y + h, x:x + w] = OBJECT
+    return out, masks
+
+
+@pytest.mark.parametrize("recipe", [ClutterRecipe(24, 40, 3, seed=2), ClutterRecipe(16, 5, 8, seed=1),
+                                    ClutterRecipe(8, 3, 8, seed=0), ClutterRecipe(20, 0, 4, seed=3)])
+def test_canvases_equal_painting_each_canvas_in_a_plain_loop(recipe: ClutterRecipe) -> None:
+    """Every fragment of every canvas painted at once equals painting canvas after canvas, fragment after fragment
+    (dense overlaps: a later fragment covers an earlier one, the object covers all), pixels and masks."""
+    labels = torch.tensor([0, 1, 2, 2, 1] * 12)
+    images = torch.randint(0, 256, (60, 3, 8, 8), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    canvases, _, masks = clutter_split(images, labels, (9, 8, 7), recipe, "train")
+    want, want_masks = painted_one_by_one(images, labels, (9, 8, 7), recipe, "train")
+    np.testing.assert_array_equal(canvases.numpy(), want)
+    np.testing.assert_array_equal(masks.numpy(), want_masks)
 
 
 def test_one_fragment_is_one_crop_of_fragment_size_from_a_random_spot() -> None:

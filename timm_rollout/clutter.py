@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import as_strided
 
 from .data import CLUTTER, FILL, MASK_COLUMN, OBJECT
 from .errors import UserError
@@ -110,16 +111,25 @@ def clutter_split(images: torch.Tensor, labels: torch.Tensor, fill: tuple[int, i
     out = np.empty((n, 3, c, c), dtype=np.uint8)
     out[:] = np.asarray(fill, dtype=np.uint8)[:, None, None]
     masks = np.full((n, c, c), FILL, dtype=np.uint8)
-    for i in progress(range(n), desc=f"clutter {split}", leave=False):
-        canvas, mask = out[i], masks[i]
-        for (sy, sx), (cy, cx), j in zip(at[i], crop[i], src[i], strict=True):
-            canvas[:, sy:sy + f, sx:sx + f] = source[j, :, cy:cy + f, cx:cx + f]
-            mask[sy:sy + f, sx:sx + f] = CLUTTER
-        x, y = pos[i]
-        canvas[:, y:y + h, x:x + w] = source[i]
-        mask[y:y + h, x:x + w] = OBJECT
+    canvases, marks = _windows(out, (f, f)), _windows(masks[:, None], (f, f))
+    patches, every = _windows(source, (f, f)), np.arange(n)
+    for t in progress(range(k), desc=f"clutter {split}", leave=False):  # fragment t of every canvas at once
+        (y, x), (cy, cx) = at[:, t].T, crop[:, t].T
+        canvases[every, :, y, x] = patches[src[:, t], :, cy, cx]
+        marks[every, :, y, x] = CLUTTER
+    objects, object_marks = _windows(out, (h, w)), _windows(masks[:, None], (h, w))
+    objects[every, :, pos[:, 1], pos[:, 0]] = source
+    object_marks[every, :, pos[:, 1], pos[:, 0]] = OBJECT
     boxes = np.concatenate([pos, np.broadcast_to([w, h], (n, 2))], axis=1)
     return torch.from_numpy(out), torch.from_numpy(boxes.astype(np.int64)), torch.from_numpy(masks)
+
+
+def _windows(a: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """(N, C, H - h + 1, W - w + 1, h, w) view of every ``size`` patch of ``a`` (N, C, H, W), by top-left corner;
+    writing a window writes ``a``."""
+    n, ch, height, width = a.shape
+    s = a.strides
+    return as_strided(a, (n, ch, height - size[0] + 1, width - size[1] + 1, *size), (*s, *s[2:]), writeable=True)
 
 
 def fill_colour(images: torch.Tensor) -> tuple[int, int, int]:
