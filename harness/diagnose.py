@@ -42,7 +42,8 @@ from timm_rollout.records import ARGS_FILE, RESULTS_FILE
 
 __all__ = ["has_diagnostics", "main", "outdated", "update_evaluation"]
 
-MASK_METRICS = ("pooling_fill_mass", "content_chance")  # present (not None) once the mask metrics were computed
+# present (not None) once the mask metrics were computed (context_top1 since it was added)
+MASK_METRICS = ("pooling_fill_mass", "content_chance", "context_top1")
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -188,7 +189,8 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
 def _add_mask_localisation(folder: str | Path, results: dict[str, Any], model, info: dict, data: ImageSet,
                            kwargs: dict[str, Any]) -> None:
     """The localisation metrics with content masks; the box metrics recomputed must equal the recorded ones."""
-    found = box_localisation(model, data.images, data.boxes, info["mean"], info["std"], masks=data.masks, **kwargs)
+    found = box_localisation(model, data.images, data.boxes, info["mean"], info["std"], masks=data.masks,
+                             labels=data.labels, **kwargs)
     recorded = results["metrics"]
     differ = [k for k in LOCALISATION if recorded.get(k) is not None and (found[k] is None or abs(
         found[k] - recorded[k]) > 1e-4)]

@@ -344,7 +344,7 @@ def _pooling(model, info: dict, data: ImageSet, batch_size: int, device, amp_dty
         return diagnostics, {}
     with clock.stage("localisation"):
         return diagnostics, box_localisation(model, data.images, data.boxes, info["mean"], info["std"],
-                                             masks=data.masks, **kwargs)
+                                             masks=data.masks, labels=data.labels, **kwargs)
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:

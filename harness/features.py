@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from harness.localisation import localisation_metrics
+from harness.localisation import context_only, localisation_metrics
 from timm_rollout.capture import capture_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast, inference_batch_size
@@ -138,11 +138,13 @@ def box_localisation(
     amp_dtype: torch.dtype | None = None,
     batch_size: int = 128,
     masks: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
 ) -> dict[str, float | None]:
     """:func:`harness.localisation.localisation_metrics` of uint8 (N, 3, H, W) ``images`` with their (N, 4)
     ``boxes`` (and (N, H, W) content ``masks``, if any): the model's patch pooling weights and saliency maps from
     one forward + backward per batch, images normalised 8 batches at a time (the float copy of the whole set never
-    exists)."""
+    exists). With masks and (N,) ``labels``, also the top-1 on the images with the objects taken out
+    (:func:`~harness.localisation.context_only`)."""
     chunk = 8 * batch_size
     found = [saliency_maps(model, normalize(images[start:start + chunk], mean, std), device=device,
                            amp_dtype=amp_dtype, batch_size=batch_size)
@@ -150,8 +152,14 @@ def box_localisation(
     if not found:
         raise ValueError("no images to localise")
     maps = {name: torch.cat([f.maps[name] for f in found]) for name in found[0].maps}
+    hits = None
+    if masks is not None and labels is not None:
+        context, whole = context_only(images, labels, masks)
+        _, logits = extract(model, context, mean, std, device=device, amp_dtype=amp_dtype, batch_size=batch_size,
+                            desc="objects taken out")
+        hits = torch.where(whole, (logits.argmax(dim=1) == labels.cpu()).double(), torch.nan)
     return localisation_metrics(torch.cat([f.pooling for f in found]), maps, boxes, images.shape[-2:], found[0].grid,
-                                masks)
+                                masks, hits)
 
 
 @dataclass

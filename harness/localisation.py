@@ -21,7 +21,12 @@ them), :func:`mask_fractions` gives each patch's share of fill f_p, clutter k_p 
 - content chance: the object mass of the *content pooling* u_p = (1 - f_p) / sum_q (1 - f_q), which weights each
   patch by its non-fill pixels: what avoiding the empty canvas alone scores, a stricter null than uniform weights;
 - object share (:func:`object_share`): sum_p w_p o_p / sum_p w_p (o_p + k_p), the weight on the object as a share
-  of the weight on any content; the content pooling's object share is its chance level.
+  of the weight on any content; the content pooling's object share is its chance level;
+- context top-1: the model's top-1 on the images with the object taken out (:func:`context_only`): each object
+  pixel replaced by the same pixel of another image of the same class that shows no object there. The clutter
+  kept is cut from the other classes, as around the object, so a model that reads the label off the context (for
+  instance which classes the clutter lacks) scores above chance (1 / classes); one that reads the object scores
+  chance.
 """
 
 from __future__ import annotations
@@ -34,15 +39,16 @@ from timm_rollout.data import CLUTTER, FILL, OBJECT
 from timm_rollout.diagnostics import effective_patches
 from timm_rollout.explain import MAP_LABELS
 
-__all__ = ["LOCALISATION", "box_coverage", "box_mass", "centres_inside", "content_weights", "localisation_metrics",
-           "map_shares", "mask_fractions", "object_mass", "object_share", "pointing_hits", "weight_inside_outside"]
+__all__ = ["LOCALISATION", "box_coverage", "box_mass", "centres_inside", "content_weights", "context_only",
+           "localisation_metrics", "map_shares", "mask_fractions", "object_mass", "object_share", "pointing_hits",
+           "weight_inside_outside"]
 
 # results.json["metrics"] keys of localisation_metrics, in report order: means over the images. The mask keys
-# (fill mass, content chance, object shares) are None for images without content masks.
+# (fill mass, content chance, object shares, context top-1) are None for images without content masks.
 LOCALISATION = (
     "pooling_object_mass", "object_area_fraction", "content_chance", "pooling_fill_mass", "pooling_object_share",
-    "object_content_fraction", "pooling_weight_inside", "pooling_weight_outside", "pooling_effective_patches",
-    "pointing_chance",
+    "object_content_fraction", "context_top1", "pooling_weight_inside", "pooling_weight_outside",
+    "pooling_effective_patches", "pointing_chance",
     *(f"{name}_{what}" for name in MAP_LABELS for what in ("box_mass", "fill_mass", "object_share", "pointing")),
 )
 
@@ -87,6 +93,25 @@ def mask_fractions(masks: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
     counts = [(masks == value).reshape(n, rows, h // rows, cols, w // cols).sum(dim=(2, 4), dtype=torch.int64)
               for value in (FILL, CLUTTER, OBJECT)]
     return torch.stack(counts, dim=-1).flatten(1, 2).double() / ((h // rows) * (w // cols))
+
+
+def context_only(images: torch.Tensor, labels: torch.Tensor, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 (N, C, H, W) ``images`` with the object taken out, and (N,) bool whether it all was: each pixel that
+    ``masks`` (N, H, W) marks as object takes the same pixel of the first image of the same label, in index order
+    cyclically after the image, whose mask shows no object there. An image keeps object pixels only when no other
+    image of its class shows them (e.g. a class of one image)."""
+    out, todo = images.clone(), masks == OBJECT
+    for label in labels.unique():
+        members = (labels == label).nonzero().flatten()
+        for shift in range(1, len(members)):
+            left = todo[members].flatten(1).any(dim=1).nonzero().flatten()  # positions in members still to do
+            if not len(left):
+                break
+            at, donors = members[left], members[(left + shift) % len(members)]
+            take = todo[at] & (masks[donors] != OBJECT)
+            out[at] = torch.where(take[:, None], images[donors], out[at])
+            todo[at] &= ~take
+    return out, ~todo.flatten(1).any(dim=1)
 
 
 def content_weights(fractions: torch.Tensor) -> torch.Tensor:
@@ -163,12 +188,14 @@ def _mask_values(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor], fracti
 
 
 def localisation_metrics(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor], boxes: torch.Tensor,
-                         image_size: Sequence[int], grid: Sequence[int],
-                         masks: torch.Tensor | None = None) -> dict[str, float | None]:
+                         image_size: Sequence[int], grid: Sequence[int], masks: torch.Tensor | None = None,
+                         context_hits: torch.Tensor | None = None) -> dict[str, float | None]:
     """The :data:`LOCALISATION` metrics, means over the images: ``pooling`` (N, P) the weights with which the model
     pools its patch tokens (rows sum to 1), ``maps`` the saliency maps by name (keys of
     :data:`~timm_rollout.explain.MAP_LABELS`, (N, P) each), ``boxes`` (N, 4) of images of ``image_size``;
-    ``masks`` (N, H, W) uint8 content masks, when the images have them (else the mask metrics are None)."""
+    ``masks`` (N, H, W) uint8 content masks, when the images have them (else the mask metrics are None);
+    ``context_hits`` (N,) float the top-1 hit (0 or 1) on each image's :func:`context_only`, NaN where the object
+    could not all be taken out."""
     coverage = box_coverage(boxes, image_size, grid)
     inside = centres_inside(boxes, image_size, grid)
     uniform = torch.full_like(coverage, 1.0 / coverage.shape[-1])
@@ -184,4 +211,6 @@ def localisation_metrics(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor]
         values[f"{name}_pointing"] = pointing_hits(m, inside)
     if masks is not None:
         values |= _mask_values(pooling, maps, mask_fractions(masks, grid), coverage)
+    if context_hits is not None:
+        values["context_top1"] = context_hits.double()
     return {key: _mean(values[key]) if key in values else None for key in LOCALISATION}

@@ -23,6 +23,7 @@ from harness.localisation import (
     box_mass,
     centres_inside,
     content_weights,
+    context_only,
     localisation_metrics,
     mask_fractions,
     object_mass,
@@ -119,7 +120,7 @@ def test_map_box_mass_and_pointing_by_hand():
 
 
 MASK_KEYS = {k for k in LOCALISATION if k.endswith(("fill_mass", "object_share", "content_chance",
-                                                    "content_fraction"))}
+                                                    "content_fraction", "context_top1"))}
 
 
 def _dot(a, b) -> float:
@@ -195,6 +196,56 @@ def test_mask_metrics_by_hand():
                                 mask.expand(2, -1, -1))
     assert both["rollout_object_share"] == 0.0  # the all-fill map has no share: left out of the mean, not 0/0
     assert both["rollout_fill_mass"] == pytest.approx((0.75 + 1.0) / 2)
+
+
+def _loop_context_only(images: np.ndarray, labels: np.ndarray, masks: np.ndarray) -> tuple[np.ndarray, list[bool]]:
+    """context_only pixel by pixel: each object pixel from the first image of the label after this one (cyclic
+    index order) that shows no object there."""
+    out, whole = images.copy(), []
+    for i in range(len(images)):
+        members = [j for j in range(len(images)) if labels[j] == labels[i]]
+        k = members.index(i)
+        order = members[k + 1:] + members[:k]
+        done = True
+        for y, x in zip(*np.nonzero(masks[i] == 2), strict=True):
+            donor = next((j for j in order if masks[j, y, x] != 2), None)
+            if donor is None:
+                done = False
+            else:
+                out[i, :, y, x] = images[donor, :, y, x]
+        whole.append(done)
+    return out, whole
+
+
+def test_context_only_against_a_plain_loop():
+    g = torch.Generator().manual_seed(7)
+    n, size = 15, (10, 12)
+    images = torch.randint(0, 256, (n, 3, *size), generator=g, dtype=torch.uint8)
+    masks = torch.randint(0, 2, (n, *size), generator=g, dtype=torch.uint8)
+    for i, (y, x) in enumerate(torch.randint(0, 7, (n, 2), generator=g).tolist()):  # overlapping objects
+        masks[i, y:y + 4, x:x + 5] = 2
+    labels = torch.randint(0, 4, (n,), generator=g)
+    labels[-1] = 9  # a class of one image: nothing can take its object out
+    found, whole = context_only(images, labels, masks)
+    want, want_whole = _loop_context_only(images.numpy(), labels.numpy(), masks.numpy())
+    assert np.array_equal(found.numpy(), want) and whole.tolist() == want_whole
+    assert not whole[-1] and torch.equal(found[-1], images[-1]) and whole[:-1].any()
+    assert torch.equal(found.permute(0, 2, 3, 1)[masks != 2], images.permute(0, 2, 3, 1)[masks != 2])
+
+
+def test_context_only_by_hand():
+    """Two 2x4 images of one class, objects on the left and on the right half: each takes the other's half; the
+    third image, alone in its class, keeps its object and is not whole."""
+    images = torch.arange(3 * 3 * 2 * 4, dtype=torch.uint8).reshape(3, 3, 2, 4)
+    masks = torch.tensor([[[2, 2, 1, 0]] * 2, [[0, 1, 2, 2]] * 2, [[2, 0, 0, 0]] * 2], dtype=torch.uint8)
+    found, whole = context_only(images, torch.tensor([5, 5, 1]), masks)
+    assert torch.equal(found[0, :, :, :2], images[1, :, :, :2]) and torch.equal(found[0, :, :, 2:], images[0, :, :, 2:])
+    assert torch.equal(found[1, :, :, 2:], images[0, :, :, 2:]) and torch.equal(found[1, :, :, :2], images[1, :, :, :2])
+    assert torch.equal(found[2], images[2]) and whole.tolist() == [True, True, False]
+    hits = torch.tensor([1.0, 0.0, torch.nan])
+    values = localisation_metrics(torch.full((3, 4), 0.25), {}, torch.tensor([[0.0, 0, 2, 2]] * 3), (2, 4), (1, 4),
+                                  masks, hits)
+    assert values["context_top1"] == 0.5  # the image whose object stayed is left out
 
 
 def _sharpened(name: str, **kwargs) -> torch.nn.Module:
@@ -343,7 +394,7 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
     from harness import diagnose
     from timm_rollout.clutter import ClutterRecipe, make_cluttered, split_file
 
-    make_cluttered(SAMPLE, tmp_path / "c", ClutterRecipe(fragments=24, seed=0), per_class=2)
+    make_cluttered(SAMPLE, tmp_path / "c", ClutterRecipe(fragments=24, seed=0), per_class=8)
     torch.manual_seed(0)
     run = tmp_path / "gap"
     save_for_hf(timm.create_model("vit_tiny_cifar_gap", num_classes=10, img_size=64, patch_size=8, depth=1), run,
@@ -362,6 +413,14 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
     assert found["object_content_fraction"] == pytest.approx(np.mean(want["content_share"]), abs=1e-12)
     assert found["content_chance"] > found["object_area_fraction"] == pytest.approx(0.25)  # the stricter null
     assert full["data"]["content"] == data.content
+    context, whole = _loop_context_only(data.images.numpy(), data.labels.numpy(), masks)
+    model = timm.create_model(f"local-dir:{run}", pretrained=True).eval()
+    with torch.no_grad():
+        logits = model((torch.from_numpy(context).float() / 255 - torch.tensor(MEAN)[:, None, None])
+                       / torch.tensor(STD)[:, None, None])
+    hits = (logits.argmax(dim=1) == data.labels).numpy()
+    assert 0 < sum(whole) < len(data)  # eight images a class: some objects cannot all be taken out
+    assert found["context_top1"] == pytest.approx(hits[whole].mean(), abs=1e-12)
 
     old = tmp_path / "old"
     old.mkdir()
