@@ -42,8 +42,7 @@ from timm_rollout.records import ARGS_FILE, RESULTS_FILE
 
 __all__ = ["has_diagnostics", "main", "outdated", "update_evaluation"]
 
-# present (not None) once the mask metrics were computed (context_top1 since it was added)
-MASK_METRICS = ("pooling_fill_mass", "content_chance", "context_top1")
+MASK_METRICS = ("pooling_fill_mass", "content_chance")  # present (not None) once the mask metrics were computed
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -61,7 +60,13 @@ def outdated(results: dict[str, Any]) -> bool:
     evaluation scored boxes: whether its data set has masks is known once it is loaded)."""
     metrics = results.get("metrics", {})
     return not has_diagnostics(results) or "content" not in results.get("data", {}) or (
-        metrics.get("pooling_object_mass") is not None and any(metrics.get(k) is None for k in MASK_METRICS))
+        metrics.get("pooling_object_mass") is not None and lacks_mask_metrics(metrics))
+
+
+def lacks_mask_metrics(metrics: dict[str, Any]) -> bool:
+    """Whether an evaluation's metrics lack a mask metric: one of :data:`MASK_METRICS` is None, or
+    ``context_top1`` (which may be None: not every object could be taken out) was never recorded."""
+    return any(metrics.get(k) is None for k in MASK_METRICS) or "context_top1" not in metrics
 
 
 def _relocate(args: argparse.Namespace, runs: Path, folder: str | Path) -> None:
@@ -151,8 +156,7 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     sel = harness_eval._select(args)
     todo = [what for what, missing in (
         ("pooling diagnostics", not has_diagnostics(results)),
-        ("mask localisation", sel.data.masks is not None and any(results["metrics"].get(k) is None
-                                                                   for k in MASK_METRICS)),
+        ("mask localisation", sel.data.masks is not None and lacks_mask_metrics(results["metrics"])),
         ("content hashes", "content" not in results["data"])) if missing]
     if not todo:
         return []

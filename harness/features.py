@@ -144,7 +144,8 @@ def box_localisation(
     ``boxes`` (and (N, H, W) content ``masks``, if any): the model's patch pooling weights and saliency maps from
     one forward + backward per batch, images normalised 8 batches at a time (the float copy of the whole set never
     exists). With masks and (N,) ``labels``, also the top-1 on the images with the objects taken out
-    (:func:`~harness.localisation.context_only`)."""
+    (:func:`~harness.localisation.context_only`), where every object could be (else None: a mean over the rest
+    would drop whole classes and move the chance level)."""
     chunk = 8 * batch_size
     found = [saliency_maps(model, normalize(images[start:start + chunk], mean, std), device=device,
                            amp_dtype=amp_dtype, batch_size=batch_size)
@@ -157,7 +158,7 @@ def box_localisation(
         context, whole = context_only(images, labels, masks)
         _, logits = extract(model, context, mean, std, device=device, amp_dtype=amp_dtype, batch_size=batch_size,
                             desc="objects taken out")
-        hits = torch.where(whole, (logits.argmax(dim=1) == labels.cpu()).double(), torch.nan)
+        hits = (logits.argmax(dim=1) == labels.cpu()).double() if whole.all() else None
     return localisation_metrics(torch.cat([f.pooling for f in found]), maps, boxes, images.shape[-2:], found[0].grid,
                                 masks, hits)
 

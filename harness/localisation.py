@@ -25,8 +25,9 @@ them), :func:`mask_fractions` gives each patch's share of fill f_p, clutter k_p 
 - context top-1: the model's top-1 on the images with the object taken out (:func:`context_only`): each object
   pixel replaced by the same pixel of another image of the same class that shows no object there. The clutter
   kept is cut from the other classes, as around the object, so a model that reads the label off the context (for
-  instance which classes the clutter lacks) scores above chance (1 / classes); one that reads the object scores
-  chance.
+  instance which classes the clutter lacks) scores above chance (1 / classes on a class-balanced split); one that
+  reads the object scores chance. The pixels come from the evaluated images; where some object cannot be taken
+  out (no image of its class shows that pixel free), the metric is None rather than a mean over the rest.
 """
 
 from __future__ import annotations
@@ -97,9 +98,12 @@ def mask_fractions(masks: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
 
 def context_only(images: torch.Tensor, labels: torch.Tensor, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 (N, C, H, W) ``images`` with the object taken out, and (N,) bool whether it all was: each pixel that
-    ``masks`` (N, H, W) marks as object takes the same pixel of the first image of the same label, in index order
-    cyclically after the image, whose mask shows no object there. An image keeps object pixels only when no other
-    image of its class shows them (e.g. a class of one image)."""
+    ``masks`` (N, H, W) marks as object takes the same pixel of the first image of the same one of the (N,)
+    ``labels``, in index order cyclically after the image, whose mask shows no object there. An image keeps an
+    object pixel only when every other image of its class shows object there too (e.g. a class of one image)."""
+    if labels.shape != images.shape[:1] or masks.shape != (images.shape[0], *images.shape[2:]):
+        raise ValueError(f"context_only needs (N,) labels and (N, H, W) masks for (N, C, H, W) images; got "
+                         f"{tuple(labels.shape)}, {tuple(masks.shape)} for {tuple(images.shape)}")
     out, todo = images.clone(), masks == OBJECT
     for label in labels.unique():
         members = (labels == label).nonzero().flatten()
@@ -194,8 +198,8 @@ def localisation_metrics(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor]
     pools its patch tokens (rows sum to 1), ``maps`` the saliency maps by name (keys of
     :data:`~timm_rollout.explain.MAP_LABELS`, (N, P) each), ``boxes`` (N, 4) of images of ``image_size``;
     ``masks`` (N, H, W) uint8 content masks, when the images have them (else the mask metrics are None);
-    ``context_hits`` (N,) float the top-1 hit (0 or 1) on each image's :func:`context_only`, NaN where the object
-    could not all be taken out."""
+    ``context_hits`` (N,) float the top-1 hit (0 or 1) on each image's :func:`context_only`, if every object
+    could be taken out (else ``context_top1`` is None)."""
     coverage = box_coverage(boxes, image_size, grid)
     inside = centres_inside(boxes, image_size, grid)
     uniform = torch.full_like(coverage, 1.0 / coverage.shape[-1])

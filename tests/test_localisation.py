@@ -242,10 +242,11 @@ def test_context_only_by_hand():
     assert torch.equal(found[0, :, :, :2], images[1, :, :, :2]) and torch.equal(found[0, :, :, 2:], images[0, :, :, 2:])
     assert torch.equal(found[1, :, :, 2:], images[0, :, :, 2:]) and torch.equal(found[1, :, :, :2], images[1, :, :, :2])
     assert torch.equal(found[2], images[2]) and whole.tolist() == [True, True, False]
-    hits = torch.tensor([1.0, 0.0, torch.nan])
     values = localisation_metrics(torch.full((3, 4), 0.25), {}, torch.tensor([[0.0, 0, 2, 2]] * 3), (2, 4), (1, 4),
-                                  masks, hits)
-    assert values["context_top1"] == 0.5  # the image whose object stayed is left out
+                                  masks, torch.tensor([1.0, 0.0, 1.0]))
+    assert values["context_top1"] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match=r"\(N,\) labels"):
+        context_only(images, torch.tensor([[5], [5], [1]]), masks)
 
 
 def _sharpened(name: str, **kwargs) -> torch.nn.Module:
@@ -394,7 +395,7 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
     from harness import diagnose
     from timm_rollout.clutter import ClutterRecipe, make_cluttered, split_file
 
-    make_cluttered(SAMPLE, tmp_path / "c", ClutterRecipe(fragments=24, seed=0), per_class=8)
+    make_cluttered(SAMPLE, tmp_path / "c", ClutterRecipe(fragments=24, seed=0), per_class=64)
     torch.manual_seed(0)
     run = tmp_path / "gap"
     save_for_hf(timm.create_model("vit_tiny_cifar_gap", num_classes=10, img_size=64, patch_size=8, depth=1), run,
@@ -419,8 +420,10 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
         logits = model((torch.from_numpy(context).float() / 255 - torch.tensor(MEAN)[:, None, None])
                        / torch.tensor(STD)[:, None, None])
     hits = (logits.argmax(dim=1) == data.labels).numpy()
-    assert 0 < sum(whole) < len(data)  # eight images a class: some objects cannot all be taken out
-    assert found["context_top1"] == pytest.approx(hits[whole].mean(), abs=1e-12)
+    assert all(whole) and found["context_top1"] == pytest.approx(hits.mean(), abs=1e-12)
+    few = harness_eval.main([*argv, "--per-class", "8", "--output", str(tmp_path / "few")])["metrics"]
+    assert few["context_top1"] is None and few["content_chance"] is not None  # some objects stay: no mean of the rest
+    assert diagnose.update_evaluation(tmp_path / "few") == []  # None recorded: up to date
 
     old = tmp_path / "old"
     old.mkdir()
@@ -444,6 +447,11 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
     compare.compare_groups(*compare.summarise(compare.load_results([old, tmp_path / "again"]),
                                               label=lambda r: r["path"]))  # the same content: paired
     assert diagnose.update_evaluation(old) == []  # up to date
+    newer = json.loads((old / "results.json").read_text())
+    del newer["metrics"]["context_top1"]  # recorded before context_top1 existed
+    (old / "results.json").write_text(json.dumps(newer))
+    assert diagnose.update_evaluation(old) == ["mask localisation"]
+    assert json.loads((old / "results.json").read_text())["metrics"]["context_top1"] == full["metrics"]["context_top1"]
 
     record["data"]["fingerprint"] = record["data"]["subset_fingerprint"] = "elsewhere"
     (old / "results.json").write_text(json.dumps(record))

@@ -136,6 +136,10 @@ METRIC_DEFINITIONS = {
         "mean over images of the pooling weight on the object over the weight on object and clutter"
     ),
     "object_content_fraction": "the same share for the fill-avoiding weights of content_chance: its chance level",
+    "context_top1": (
+        "top-1 with each object replaced by the clutter of other images of its class there: what the model reads "
+        "off the context (chance if it reads the object)"
+    ),
     "<map>_box_mass": "mean over images of the share of the {map} map's mass on the object's box",
     "<map>_fill_mass": "mean over images of the share of the {map} map's mass on flat fill (content masks)",
     "<map>_object_share": (
