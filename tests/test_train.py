@@ -537,6 +537,40 @@ def test_attention_dropout_trains_on_the_explicit_path_on_every_device(device: s
         assert flags == {fused_on_gpu and device == "cuda"}
 
 
+def test_typed_mean_and_std_normalise_training_evaluation_and_export(tmp_path: Path) -> None:
+    """--mean/--std replace the data set's statistics everywhere: the data set's own values typed give the default
+    run bit for bit, other values train other weights, and the logged evaluation is the exported model's on images
+    normalised by hand with the typed values (not with the data set's); a resume cannot change them."""
+    base = [*TINY, *FP32, "--epochs", "1"]
+    default = train([*base, "--output", str(tmp_path / "default")])
+    own = normalization_stats(SAMPLE, load_image_set(SAMPLE, "train"))
+    same = train([*base, "--mean", *map(str, own[0]), "--std", *map(str, own[1]), "--output", str(tmp_path / "same")])
+    weights = load_file(default / "model.safetensors")
+    assert weights.keys() == load_file(same / "model.safetensors").keys()
+    assert all(torch.equal(weights[k], v) for k, v in load_file(same / "model.safetensors").items())
+    mean, std = (0.2, 0.3, 0.4), (0.5, 0.25, 0.125)
+    typed = ["--mean", "0.2", "0.3", "0.4", "--std", "0.5", "0.25", "0.125"]
+    run = train([*base, *typed, "--output", str(tmp_path / "typed")])
+    assert not torch.equal(weights["patch_embed.proj.weight"],
+                           load_file(run / "model.safetensors")["patch_embed.proj.weight"])
+    args = json.loads((run / "train_args.json").read_text())
+    assert tuple(args["mean"]) == mean and tuple(args["std"]) == std
+    model = timm.create_model(f"local-dir:{run}", pretrained=True).eval()
+    assert tuple(model.pretrained_cfg["mean"]) == mean and tuple(model.pretrained_cfg["std"]) == std
+    test = load_image_set(SAMPLE, "test")
+    idx = balanced_indices(test.labels, total=100, seed=0)  # the run's --max-eval-samples subset
+    images, labels = test.images[idx], test.labels[idx]
+    losses = {}
+    for name, (m, s) in {"typed": (mean, std), "own": own}.items():
+        x = (images.double() / 255 - torch.tensor(m).view(1, 3, 1, 1)) / torch.tensor(s).view(1, 3, 1, 1)
+        with torch.no_grad():
+            losses[name] = torch.nn.functional.cross_entropy(model(x.float()), labels).item()
+    logged = read_log(run / "log.csv")[-1]["eval_loss"]
+    assert logged == pytest.approx(losses["typed"], rel=1e-5) and abs(logged - losses["own"]) > 1e-3
+    with pytest.raises(UserError, match=r"--mean 0\.1 0\.3 0\.4 differs from the saved run's 0\.2 0\.3 0\.4;"):
+        train([*base, "--epochs", "2", "--resume", "--mean", "0.1", "0.3", "0.4", "--output", str(run)])
+
+
 @pytest.mark.parametrize("source", ["run folder", "its weights file", "a bare weights file"])
 def test_fine_tuning_normalises_as_the_pretrained_run_did(source: str, tmp_path: Path) -> None:
     """--pretrained-file of a run, as its folder or its weights file: the data are normalised with the run's own

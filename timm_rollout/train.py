@@ -156,6 +156,11 @@ def _data_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--mixup", type=non_negative, default=0.0, help="mixup alpha (timm Mixup), 0 = off")
     g.add_argument("--cutmix", type=non_negative, default=0.0, help="cutmix alpha (timm Mixup), 0 = off")
     g.add_argument("--smoothing", type=fraction, default=0.0, help="label smoothing, in [0, 1)")
+    g.add_argument("--mean", type=number(float, 0, 1), nargs=3, default=None, metavar=("R", "G", "B"),
+                   help="normalisation mean in [0, 1] units; default: the data set's (the pretrained weights' "
+                        "with --pretrained-file)")
+    g.add_argument("--std", type=positive, nargs=3, default=None, metavar=("R", "G", "B"),
+                   help="normalisation std; default as --mean")
 
 
 def _model_args(g: argparse._ArgumentGroup) -> None:
@@ -354,6 +359,7 @@ def _load_data(args: argparse.Namespace, loaded: dict[tuple, tuple]) -> tuple[Im
     if args.pretrained_file:  # fine-tuning: the inputs the pretrained weights expect (their run's, else the model's)
         trained = pretrained_config(args.pretrained_file, args.model)
         mean, std = trained.get("mean", mean), trained.get("std", std)
+    mean, std = tuple(args.mean or mean), tuple(args.std or std)  # typed statistics win over both
     if args.max_train_samples:
         train_set = train_set.subset(balanced_indices(train_set.labels, total=args.max_train_samples, seed=args.seed))
     if args.max_eval_samples:
@@ -432,6 +438,8 @@ def _check_same_data(out: Path, args: argparse.Namespace, data: RunData) -> None
 def _shown(value: object) -> str:
     if isinstance(value, dict):
         return " ".join(f"{k}={v}" for k, v in value.items()) or "(none)"
+    if isinstance(value, (list, tuple)):  # as typed: --mean 0.1 0.2 0.3
+        return " ".join(map(str, value))
     return str(value)
 
 
