@@ -550,6 +550,7 @@ def test_typed_mean_and_std_normalise_training_evaluation_and_export(tmp_path: P
     assert all(torch.equal(weights[k], v) for k, v in load_file(same / "model.safetensors").items())
     mean, std = (0.2, 0.3, 0.4), (0.5, 0.25, 0.125)
     typed = ["--mean", "0.2", "0.3", "0.4", "--std", "0.5", "0.25", "0.125"]
+    assert build_parser().parse_args(["--output", "x", "--std", "0.5"]).std == [0.5] * 3  # one for all, as timm
     run = train([*base, *typed, "--output", str(tmp_path / "typed")])
     assert not torch.equal(weights["patch_embed.proj.weight"],
                            load_file(run / "model.safetensors")["patch_embed.proj.weight"])
@@ -696,10 +697,12 @@ def _sample_copy(folder: Path, column: str | None = None, changed: Callable[[int
 
 def test_a_resumed_run_reads_the_images_it_trained_on(tmp_path: Path, monkeypatch) -> None:
     """A relative --dataset is read from the current folder when a run resumes: a copy of the same files there
-    continues the run; a folder of the same name, data card and datasets fingerprint with one pixel changed, or
-    whose images outside the run's subset changed (other normalisation), is refused before anything is written."""
+    continues the run; a folder of the same name, data card and datasets fingerprint with one pixel changed is
+    refused before anything is written; one whose images outside the run's subset changed (other statistics)
+    continues it normalised as it trained, exactly as the copy does."""
     import hashlib
     import io
+    import shutil
 
     import numpy as np
     from PIL import Image
@@ -738,14 +741,19 @@ def test_a_resumed_run_reads_the_images_it_trained_on(tmp_path: Path, monkeypatc
     monkeypatch.chdir(tmp_path / "c")
     with pytest.raises(UserError, match=r"--dataset data \(.*/c/data\) gives other train images \(train\) than"):
         train([*run, "--epochs", "2", "--resume", "--output", str(out)])
-    monkeypatch.chdir(tmp_path / "d")
-    assert load_image_set("data", "train").subset(drawn).content == record["content"]["train"]  # the same subset
-    with pytest.raises(UserError, match=r"normalises with mean/std .* trained with"):
-        train([*run, "--epochs", "2", "--resume", "--output", str(out)])
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    shutil.copytree(out, tmp_path / "twin")
     monkeypatch.chdir(tmp_path / "b")
     train([*run, "--epochs", "2", "--resume", "--output", str(out)])
     assert [r["epoch"] for r in read_log(out / "log.csv")] == [1, 2]
+    # Its own images among others: other statistics, but the run goes on normalised as it trained, as from b.
+    monkeypatch.chdir(tmp_path / "d")
+    assert load_image_set("data", "train").subset(drawn).content == record["content"]["train"]  # the same subset
+    assert normalization_stats("data", load_image_set("data", "train"))[0] != tuple(record["mean"])
+    train([*run, "--epochs", "2", "--resume", "--output", str(tmp_path / "twin")])
+    assert load_file(tmp_path / "twin" / "model.safetensors").keys() == load_file(out / "model.safetensors").keys()
+    assert all(torch.equal(v, load_file(out / "model.safetensors")[k])
+               for k, v in load_file(tmp_path / "twin" / "model.safetensors").items())
 
 
 def test_two_local_folders_of_one_name_and_card_load_their_own_images(tmp_path: Path) -> None:

@@ -156,6 +156,16 @@ fraction = number(float, 0, 1, high_open=True)  # rates and probabilities in [0,
 seed_arg = number(int, 0, 2**32 - 1)
 
 
+class PerChannel(argparse.Action):
+    """``nargs="+"`` values for the three RGB channels, or one for all three (as timm's ``--mean``/``--std``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if len(values) not in (1, 3):
+            parser.error(f"{option_string} takes 3 values (R G B) or 1 for all channels, got {len(values)}")
+        setattr(namespace, self.dest, list(values) * (3 // len(values)))
+
+
 def key_value(text: str) -> str:
     """An argparse ``type`` for ``KEY=VALUE`` items (timm's ``ParseKwargs`` splits them)."""
     key = text.split("=", 1)[0]
