@@ -766,10 +766,10 @@ def _check_captured_stack(model: nn.Module) -> None:
 
 
 def _recipe(run: Run) -> dict[str, Any]:
-    """What a run computes: its arguments but seed, folder and the free ones, with the splits and class count as
-    resolved (a resumed run's saved arguments hold them resolved, a fresh run's as typed)."""
+    """What a run computes: its arguments but seed, folder and the free ones, with the splits, class count and
+    mean/std as resolved (a resumed run's saved arguments hold them resolved, a fresh run's as typed)."""
     resolved = {"train_split": run.data.train.split, "eval_split": run.data.eval.split,
-                "num_classes": run.data.num_classes}
+                "num_classes": run.data.num_classes, "mean": list(run.data.mean), "std": list(run.data.std)}
     return {k: resolved.get(k, v) for k, v in vars(run.args).items() if k not in ("seed", "output", *RESUME_FREE)}
 
 
