@@ -572,6 +572,21 @@ def test_typed_mean_and_std_normalise_training_evaluation_and_export(tmp_path: P
         train([*base, "--epochs", "2", "--resume", "--mean", "0.1", "0.3", "0.4", "--output", str(run)])
 
 
+def test_a_non_finite_loss_stops_the_run_naming_the_fixes_that_apply(tmp_path: Path) -> None:
+    """A loss that turns NaN/inf stops the run before anything is saved; the message offers only the fixes this
+    run can still make: not --amp none to an fp32 run, nor --clip-grad to one that clips; --std where it is tiny."""
+    from timm_rollout.train import NonFiniteLossError
+
+    base = [*TINY, *FP32, "--epochs", "1", "--clip-grad", "1.0"]
+    with pytest.raises(NonFiniteLossError, match=r"step 1; no checkpoint was written; lower --lr or raise --std "
+                                                 r"\(now 1e-30 1e-30 1e-30\) in a new --output$"):
+        train([*base, "--std", "1e-30", "--output", str(tmp_path / "run")])
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+    bf16_fixes = r"; lower --lr, add --clip-grad 1\.0 or use --amp none in a new --output$"
+    with pytest.raises(NonFiniteLossError, match=bf16_fixes):
+        train([*TINY, "--amp", "bf16", "--epochs", "1", "--lr", "1e30", "--output", str(tmp_path / "bf16")])
+
+
 @pytest.mark.parametrize("source", ["run folder", "its weights file", "a bare weights file"])
 def test_fine_tuning_normalises_as_the_pretrained_run_did(source: str, tmp_path: Path) -> None:
     """--pretrained-file of a run, as its folder or its weights file: the data are normalised with the run's own

@@ -1107,8 +1107,12 @@ def _epoch_loss(losses: torch.Tensor, run: Run, d: Dist, epoch: int) -> float:
     if bad is not None:
         kept = f"the last good checkpoint (epoch {run.t.saved_epoch}) is kept in {run.out}" if run.t.saved_epoch \
             else "no checkpoint was written"
+        fixes = ["lower --lr", *(["add --clip-grad 1.0"] if run.args.clip_grad is None else []),
+                 *(["use --amp none"] if run.data.amp_dtype not in (None, torch.float32) else []),
+                 *([f"raise --std (now {_shown(run.data.std)})"] if min(run.data.std) < 0.01 else [])]
+        fix = " or ".join([", ".join(fixes[:-1]), fixes[-1]] if len(fixes) > 1 else fixes)
         raise NonFiniteLossError(f"the training loss is {values[bad]} at epoch {epoch + 1} step {bad + 1}; "
-                                 f"{kept}; lower --lr, add --clip-grad 1.0 or use --amp none in a new --output")
+                                 f"{kept}; {fix} in a new --output")
     return sum(values) / len(values)
 
 
