@@ -578,8 +578,8 @@ def test_a_non_finite_loss_stops_the_run_naming_the_fixes_that_apply(tmp_path: P
     from timm_rollout.train import NonFiniteLossError
 
     base = [*TINY, *FP32, "--epochs", "1", "--clip-grad", "1.0"]
-    with pytest.raises(NonFiniteLossError, match=r"step 1; no checkpoint was written; lower --lr or raise --std "
-                                                 r"\(now 1e-30 1e-30 1e-30\) in a new --output$"):
+    fixes = r"step 1; no checkpoint was written in .*run; lower --lr or raise --std \(now 1e-30 1e-30 1e-30\) in "
+    with pytest.raises(NonFiniteLossError, match=fixes + "a new --output$"):
         train([*base, "--std", "1e-30", "--output", str(tmp_path / "run")])
     assert not (tmp_path / "run" / "model.safetensors").exists()
     bf16_fixes = r"; lower --lr, add --clip-grad 1\.0 or use --amp none in a new --output$"
@@ -826,8 +826,12 @@ def test_a_refused_stacked_resume_writes_nothing(tmp_path: Path) -> None:
     for seed, lr in ((0, "2e-3"), (1, "1e-3")):
         train([*TINY, *FP32, "--epochs", "1", "--lr", lr, "--seed", str(seed), "--output", str(tmp_path / "r{seed}")])
     before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
-    with pytest.raises(UserError, match=r"--stack trains runs of one recipe"):
+    with pytest.raises(UserError, match=r"--stack trains runs of one recipe, but .*r1 was trained with other lr than "
+                                        r".*r0; resume it on its own$"):
         train([*TINY, *FP32, "--epochs", "2", "--seed", "0", "1", "--stack", "--resume",
+               "--output", str(tmp_path / "r{seed}")])
+    with pytest.raises(UserError, match=r"but .*r2 would train with other lr than .*r0; train it on its own$"):
+        train([*TINY, *FP32, "--epochs", "2", "--seed", "0", "2", "--stack", "--resume",  # r2 new, at the default lr
                "--output", str(tmp_path / "r{seed}")])
     assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
     with pytest.raises(UserError, match=r"do not fill one batch of 512"):  # refused: the old run stays

@@ -730,8 +730,9 @@ def _check_stackable(runs: list[Run], d: Dist) -> None:
         same, first = _recipe(run), _recipe(runs[0])
         if same != first:
             diff = sorted(k for k in same if same[k] != first.get(k))
-            raise UserError(f"--stack trains runs of one recipe, but {run.out} was trained with other "
-                            f"{', '.join(diff)}; resume it on its own")
+            was, verb = ("was trained", "resume") if run.saved_epochs is not None else ("would train", "train")
+            raise UserError(f"--stack trains runs of one recipe, but {run.out} {was} with other {', '.join(diff)} "
+                            f"than {runs[0].out}; {verb} it on its own")
 
 
 def _check_capture(args: argparse.Namespace, d: Dist, data: RunData) -> None:
@@ -1106,7 +1107,7 @@ def _epoch_loss(losses: torch.Tensor, run: Run, d: Dist, epoch: int) -> float:
     bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
     if bad is not None:
         kept = f"the last good checkpoint (epoch {run.t.saved_epoch}) is kept in {run.out}" if run.t.saved_epoch \
-            else "no checkpoint was written"
+            else f"no checkpoint was written in {run.out}"
         fixes = ["lower --lr", *(["add --clip-grad 1.0"] if run.args.clip_grad is None else []),
                  *(["use --amp none"] if run.data.amp_dtype not in (None, torch.float32) else []),
                  *([f"raise --std (now {_shown(run.data.std)})"] if min(run.data.std) < 0.01 else [])]
