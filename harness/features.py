@@ -156,9 +156,10 @@ def box_localisation(
     hits = None
     if masks is not None and labels is not None:
         context, whole = context_only(images, labels, masks)
-        _, logits = extract(model, context, mean, std, device=device, amp_dtype=amp_dtype, batch_size=batch_size,
-                            desc="objects taken out")
-        hits = (logits.argmax(dim=1) == labels.cpu()).double() if whole.all() else None
+        if whole.all():  # else the metric is None: no pass over the images
+            _, logits = extract(model, context, mean, std, device=device, amp_dtype=amp_dtype,
+                                batch_size=batch_size, desc="objects taken out")
+            hits = (logits.argmax(dim=1) == labels.cpu()).double()
     return localisation_metrics(torch.cat([f.pooling for f in found]), maps, boxes, images.shape[-2:], found[0].grid,
                                 masks, hits)
 
