@@ -37,6 +37,11 @@ CASES = [
     (TRAIN, ["--batch-size", "0"], "argument --batch-size: must be an integer >= 1, got 0"),
     (TRAIN, ["--lr", "-1"], "argument --lr: must be a number > 0, got -1"),
     (TRAIN, ["--lr", "fast"], "argument --lr: expected a number > 0, got 'fast'"),
+    # A negative number in exponent form is a value for the validator, not a flag (argparse's own reading).
+    (TRAIN, ["--lr", "-1e-3"], "argument --lr: must be a number > 0, got -1e-3"),
+    (TRAIN, ["--std", "0.2", "0.2", "-.5e-1"], "argument --std: must be a number > 0, got -.5e-1"),
+    (TRAIN, ["--mean", "0.5", "-1E2", "0.1"], "argument --mean: must be a number in [0, 1], got -1E2"),
+    (TRAIN, ["--seed", "-3"], "argument --seed: must be an integer in [0, 4294967295], got -3"),
     (TRAIN, ["--dataset", "{notdata}"], "is not a data set folder: it must hold a datasets save_to_disk folder"),
     (TRAIN, ["--workers", "0"], "argument --workers: must be an integer >= 1, got 0"),
     (TRAIN, ["--save-every", "0"], "argument --save-every: must be an integer >= 1, got 0"),

@@ -313,7 +313,7 @@ def test_rerun_with_other_study_flags_is_refused(finished, tmp_path, repo):
     (["--max-train-samples", "0"], "argument --max-train-samples: must be an integer >= 1, got 0"),
     (["--heatmaps", "-1"], "argument --heatmaps: must be an integer >= 0, got -1"),
     (["--faithfulness-images", "-1"], "argument --faithfulness-images: must be an integer >= 0, got -1"),
-    (["--seeds", "0", "-1"], "argument --seeds: must be an integer in [0, 4.29497e+09], got -1"),
+    (["--seeds", "0", "-1"], "argument --seeds: must be an integer in [0, 4294967295], got -1"),
     (["--dataset", "./no/such/folder"], "no data set folder at ./no/such/folder"),
     (["--output", "{file}"], "study.json is a file; pass a folder"),
     (["--epocs", "2"], "unrecognized arguments: --epocs 2; did you mean --epochs"),

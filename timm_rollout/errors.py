@@ -12,6 +12,7 @@ import argparse
 import difflib
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -71,6 +72,8 @@ class CliParser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, checks: Sequence[Callable[[argparse.Namespace], None]] = (), **kwargs: Any):
         super().__init__(*args, **kwargs)
+        # argparse reads -1e-3 or -.5e-1 as a flag: read them as numbers, for the validators to judge
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
         self.checks = list(checks)
         self.given: frozenset[str] = frozenset()
 
@@ -120,12 +123,16 @@ def as_type(check: Callable[[str], Any]) -> Callable[[str], Any]:
     return convert
 
 
+def _bound(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"  # 4294967295, not 4.29497e+09
+
+
 def _interval(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
     if high is None:
-        return f"{'>' if low_open else '>='} {low:g}"
+        return f"{'>' if low_open else '>='} {_bound(low)}"
     if low is None:
-        return f"{'<' if high_open else '<='} {high:g}"
-    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        return f"{'<' if high_open else '<='} {_bound(high)}"
+    return f"in {'(' if low_open else '['}{_bound(low)}, {_bound(high)}{')' if high_open else ']'}"
 
 
 def number(kind: type = float, low: float | None = None, high: float | None = None, *, low_open: bool = False,
