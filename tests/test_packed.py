@@ -96,6 +96,16 @@ def test_a_killed_stacked_command_resumes_every_run_from_its_last_epoch(tmp_path
                                                                    .read_text())["machines"])
 
 
+NO_DROPOUT = dict(pos_drop_rate=0, attn_drop_rate=0, proj_drop_rate=0)
+
+
+class _Noisy(nn.Module):
+    """An activation adding noise: a random draw inside the pass that no per-run stream covers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.randn_like(x)
+
+
 class Died(Exception):
     """A kill, raised just before a run would evaluate (and then save) an epoch."""
 
@@ -250,12 +260,18 @@ def test_stacked_dropout_and_drop_path_draw_each_runs_masks_from_its_own_stream(
 
 
 def test_stack_refuses_randomness_it_cannot_draw_per_run(tmp_path: Path) -> None:
-    """timm's PatchDropout draws inside the pass with no per-run stream: refused at the first step, one line. The
-    attention dropout inside the fused attention kernel (how GPUs run the CLS and gap models) is refused when the
-    stack is built."""
-    with pytest.raises(UserError, match="--stack cannot draw per run as its separate run does"):
+    """timm's PatchDropout draws inside the pass with no per-run stream: refused before any run folder is written,
+    one line. The attention dropout inside the fused attention kernel (how GPUs run the CLS and gap models) is
+    refused when the stack is built. Any other draw is refused at the first stacked step."""
+    with pytest.raises(UserError, match="--stack cannot draw timm's patch dropout per run as its separate run does"):
         train([*TINY, "--model", "vit_tiny_cifar_gap", "--model-kwargs", "depth=1", "patch_drop_rate=0.5",
                "--epochs", "1", "--seed", "0", "1", "--stack", "--output", str(tmp_path / "s{seed}")])
+    assert not list(tmp_path.rglob("*.json"))  # refused before any run's record
+    model = timm.create_model("vit_tiny_cifar_gap", depth=1, **NO_DROPOUT)
+    model.blocks[0].mlp.act = _Noisy()  # a draw inside the pass that no per-run stream covers
+    stack = Stack([model], [torch.optim.AdamW(model.parameters())], None, nn.MSELoss(), torch.optim.AdamW)
+    with pytest.raises(UserError, match="--stack cannot draw per run as its separate run does"):
+        stack.forward(torch.zeros(1, 2, 3, 32, 32))
     models = [timm.create_model("vit_tiny_cifar_gap", depth=1, attn_drop_rate=rate) for rate in (0.1, 0.1, 0.0)]
     set_fused_attention(models[0], True)
     set_fused_attention(models[1], False)
@@ -270,8 +286,7 @@ def test_stacked_pass_runs_explicit_attention_and_equals_the_fused_runs() -> Non
     backward fails under vmap on CUDA), the runs' own models stay fused, and the stacked pass equals each run's own
     fused forward and backward (fp32, CPU)."""
     torch.manual_seed(0)
-    no_dropout = dict(pos_drop_rate=0, attn_drop_rate=0, proj_drop_rate=0)
-    models = [timm.create_model("vit_tiny_cifar_gap", depth=2, **no_dropout) for _ in range(2)]
+    models = [timm.create_model("vit_tiny_cifar_gap", depth=2, **NO_DROPOUT) for _ in range(2)]
     for model in models:
         set_fused_attention(model, True)
     stack = Stack(models, [torch.optim.AdamW(m.parameters()) for m in models], None, nn.MSELoss(), torch.optim.AdamW)

@@ -32,7 +32,7 @@ from functools import partial
 import numpy as np
 import torch
 import torch.nn.functional as F
-from timm.layers import DropPath
+from timm.layers import DropPath, PatchDropout
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
@@ -41,7 +41,7 @@ from .device import autocast
 from .dropout import FastDropout, _keep_mask, _keep_threshold
 from .errors import UserError
 
-__all__ = ["Stack", "Streams", "own_streams", "seed_everything"]
+__all__ = ["Stack", "Streams", "check_stackable", "own_streams", "seed_everything"]
 
 
 def seed_everything(seed: int) -> None:
@@ -286,13 +286,24 @@ class Stack:
                     v.copy_(self.ema[k][i])
 
 
-def _draw_per_run(base: nn.Module) -> None:
-    """Make ``base``'s dropout and drop path draw each run's masks from its own stream; refuse a run whose attention
-    dropout the fused attention kernel draws inside (its masks cannot be drawn per run as the separate run does)."""
-    for module in base.modules():
+def check_stackable(model: nn.Module) -> None:
+    """Refuse, before anything is written, a model with random draws that a stacked pass cannot make per run as
+    each separate run does: attention dropout inside the fused attention kernel, timm's ``PatchDropout``. Any
+    other draw inside the pass is refused at the first stacked step."""
+    for module in model.modules():
         if getattr(module, "fused_attn", False) and getattr(getattr(module, "attn_drop", None), "p", 0.0) > 0:
             raise UserError("--stack cannot draw the attention dropout inside the fused attention kernel per run as "
                             "its separate run does; pass --model-kwargs attn_drop_rate=0 or drop --stack")
+        if isinstance(module, PatchDropout) and module.prob > 0:
+            raise UserError("--stack cannot draw timm's patch dropout per run as its separate run does; pass "
+                            "--model-kwargs patch_drop_rate=0 or drop --stack")
+
+
+def _draw_per_run(base: nn.Module) -> None:
+    """Make ``base``'s dropout and drop path draw each run's masks from its own stream (:func:`check_stackable`
+    refuses what cannot be)."""
+    check_stackable(base)
+    for module in base.modules():
         if type(module) is FastDropout:
             module.__class__ = _RunDropout
         elif type(module) is DropPath:

@@ -100,7 +100,7 @@ from .graphed import (
 )
 from .keyed import KeyedDropout, KeyedDropPath, set_draw_counters, use_keyed_draws
 from .loading import check_input_size, check_model, create_model, pretrained_config, pretrained_overlay
-from .packed import Stack, Streams, own_streams, seed_everything
+from .packed import Stack, Streams, check_stackable, own_streams, seed_everything
 from .pooling import OPTION_ARGS, ROLLOUT, TIMM_POOLS, set_pooling
 from .progress import progress, tqdm
 from .records import ARGS_FILE, CURVES_FILE, LOG_FILE, MODEL_FILES, RESUME_FILE, SUMMARY_FILE, versions
@@ -724,6 +724,7 @@ def _check_stackable(runs: list[Run], d: Dist) -> None:
     if d.world > 1:
         raise UserError("--stack trains its runs in one process; drop torchrun (or --stack)")
     _check_stack_optimizer(runs[0].args.opt)
+    check_stackable(runs[0].t.model)
     for run in runs:
         if run.data.amp_dtype == torch.float16:
             raise UserError(STACK_FP16)
