@@ -16,7 +16,7 @@ from torch import nn
 from timm_rollout.capture import set_fused_attention
 from timm_rollout.dropout import FastDropout, effective_p, use_fast_dropout
 from timm_rollout.errors import UserError
-from timm_rollout.packed import Stack, seed_everything
+from timm_rollout.packed import Stack, check_stackable, seed_everything
 from timm_rollout.train import train
 from timm_rollout.train_log import read_log
 
@@ -263,10 +263,15 @@ def test_stack_refuses_randomness_it_cannot_draw_per_run(tmp_path: Path) -> None
     """timm's PatchDropout draws inside the pass with no per-run stream: refused before any run folder is written,
     one line. The attention dropout inside the fused attention kernel (how GPUs run the CLS and gap models) is
     refused when the stack is built. Any other draw is refused at the first stacked step."""
-    with pytest.raises(UserError, match="--stack cannot draw timm's patch dropout per run as its separate run does"):
+    with pytest.raises(UserError, match="--stack cannot draw timm's patch dropout per run as its separate run does; "
+                                        "drop --stack"):
         train([*TINY, "--model", "vit_tiny_cifar_gap", "--model-kwargs", "depth=1", "patch_drop_rate=0.5",
                "--epochs", "1", "--seed", "0", "1", "--stack", "--output", str(tmp_path / "s{seed}")])
     assert not list(tmp_path.rglob("*.json"))  # refused before any run's record
+    eva = timm.create_model("eva02_tiny_patch14_224", img_size=32, patch_size=4, depth=1, embed_dim=32, num_heads=2,
+                            patch_drop_rate=0.5)  # Eva's patch dropout returns the kept indices: another class
+    with pytest.raises(UserError, match="--stack cannot draw timm's patch dropout per run"):
+        check_stackable(eva)
     model = timm.create_model("vit_tiny_cifar_gap", depth=1, **NO_DROPOUT)
     model.blocks[0].mlp.act = _Noisy()  # a draw inside the pass that no per-run stream covers
     stack = Stack([model], [torch.optim.AdamW(model.parameters())], None, nn.MSELoss(), torch.optim.AdamW)

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
+import timm.layers
 import torch
 import torch.nn.functional as F
-from timm.layers import DropPath, PatchDropout
+from timm.layers import DropPath
 from torch import nn
 from torch.func import functional_call, stack_module_state, vmap
 
@@ -286,17 +287,22 @@ class Stack:
                     v.copy_(self.ema[k][i])
 
 
+# timm's patch dropout (ViT's, and Eva's and NaFlexViT's with indices; the latter only in newer timm)
+_PATCH_DROPOUTS = tuple(c for c in (getattr(timm.layers, n, None) for n in ("PatchDropout", "PatchDropoutWithIndices"))
+                        if c is not None)
+
+
 def check_stackable(model: nn.Module) -> None:
     """Refuse, before anything is written, a model with random draws that a stacked pass cannot make per run as
-    each separate run does: attention dropout inside the fused attention kernel, timm's ``PatchDropout``. Any
-    other draw inside the pass is refused at the first stacked step."""
+    each separate run does: attention dropout inside the fused attention kernel, timm's patch dropout. Any other
+    draw inside the pass is refused at the first stacked step."""
     for module in model.modules():
         if getattr(module, "fused_attn", False) and getattr(getattr(module, "attn_drop", None), "p", 0.0) > 0:
             raise UserError("--stack cannot draw the attention dropout inside the fused attention kernel per run as "
-                            "its separate run does; pass --model-kwargs attn_drop_rate=0 or drop --stack")
-        if isinstance(module, PatchDropout) and module.prob > 0:
-            raise UserError("--stack cannot draw timm's patch dropout per run as its separate run does; pass "
-                            "--model-kwargs patch_drop_rate=0 or drop --stack")
+                            "its separate run does; drop --stack (new runs may pass --model-kwargs attn_drop_rate=0)")
+        if isinstance(module, _PATCH_DROPOUTS) and module.prob > 0:
+            raise UserError("--stack cannot draw timm's patch dropout per run as its separate run does; drop --stack "
+                            "(new runs may pass --model-kwargs patch_drop_rate=0)")
 
 
 def _draw_per_run(base: nn.Module) -> None:
