@@ -38,7 +38,7 @@ from timm_rollout.atomic import write_json
 from timm_rollout.data import ImageSet
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import CliParser, UserError, existing_path, run_cli
-from timm_rollout.records import ARGS_FILE, RESULTS_FILE
+from timm_rollout.records import ARGS_FILE, RESULTS_FILE, resolve_recorded
 
 __all__ = ["has_diagnostics", "main", "outdated", "update_evaluation"]
 
@@ -82,16 +82,18 @@ def _relocate(args: argparse.Namespace, runs: Path, folder: str | Path) -> None:
                         "it; drop --runs or run it on its own")
 
 
-def _run_content(args: argparse.Namespace, dataset: str, split: str, fingerprint: str) -> str | None:
+def _run_content(args: argparse.Namespace, folder: str | Path, dataset: str, split: str,
+                 fingerprint: str) -> str | None:
     """The content hash the evaluated checkpoint's training run recorded for ``split`` of ``dataset`` (its
     train_args.json), when the run read that split under the ``fingerprint`` the evaluation recorded (so the hash
-    describes what the evaluation read, not only what training read); else None."""
+    describes what the evaluation read, not only what training read); else None. Both records name the data set's
+    folder absolutely (older ones) or relative to their own folder (``folder``: the evaluation's)."""
     path = Path(args.checkpoint or _local_dir(args) or "") / ARGS_FILE
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
-    if record.get("dataset_resolved") != dataset:
+    if resolve_recorded(record.get("dataset_resolved"), path.parent) != resolve_recorded(dataset, folder):
         return None
     role = {record.get("train_split"): "train", record.get("eval_split"): "eval"}.get(split)
     if role is None or (record.get("fingerprints") or {}).get(role) != fingerprint:
@@ -106,7 +108,8 @@ def _same_images(folder: str | Path, results: dict[str, Any], args: argparse.Nam
     record = results["data"]
     if data.fingerprint == record["subset_fingerprint"]:
         return True
-    recorded = record.get("content") or (_run_content(args, record["dataset"], record["split"], record["fingerprint"])
+    recorded = record.get("content") or (_run_content(args, folder, record["dataset"], record["split"],
+                                                       record["fingerprint"])
                                          if record["subset_fingerprint"] == record["fingerprint"] else None)
     if recorded is not None:
         return recorded == data.content
@@ -115,7 +118,8 @@ def _same_images(folder: str | Path, results: dict[str, Any], args: argparse.Nam
         and found["predicted"]["top1"] == logits().argmax(dim=1).tolist()
 
 
-def _bank_content(args: argparse.Namespace, results: dict[str, Any], class_ids: list[int]) -> str | None:
+def _bank_content(args: argparse.Namespace, folder: str | Path, results: dict[str, Any],
+                  class_ids: list[int]) -> str | None:
     """The bank's content hash when its images can be shown to be the evaluated bank's (the same fingerprint, or
     the content its training run recorded), else None (left unrecorded: such a bank pairs by fingerprint)."""
     record = results["data"].get("bank")
@@ -124,7 +128,7 @@ def _bank_content(args: argparse.Namespace, results: dict[str, Any], class_ids: 
     bank = harness_eval._load_bank(args, class_ids)
     same = bank.fingerprint == record["fingerprint"] or (
         args.bank_per_class is None
-        and _run_content(args, results["data"]["dataset"], bank.split, record["fingerprint"]) == bank.content)
+        and _run_content(args, folder, results["data"]["dataset"], bank.split, record["fingerprint"]) == bank.content)
     return bank.content if same else None
 
 
@@ -180,7 +184,7 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     if "content hashes" in todo:
         record = results["data"]
         record.update(split_content=sel.full.content, content=sel.data.content)
-        bank = _bank_content(args, results, sel.class_ids)
+        bank = _bank_content(args, folder, results, sel.class_ids)
         if bank is not None:
             record["bank"]["content"] = bank
         elif record.get("bank"):

@@ -65,6 +65,8 @@ from timm_rollout.records import (
     HEATMAPS_FILE,
     PREDICTIONS_FILE,
     RESULTS_FILE,
+    code_version,
+    portable_path,
     versions,
 )
 
@@ -393,10 +395,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "cosine_matrix": {"classes": cos_names, "matrix": cos.round(6).tolist()},
         "faithfulness": faithfulness,
         "model": {**info, "pretrained_cfg": {k: v for k, v in model.pretrained_cfg.items() if k != "state_dict"}},
-        "data": _data_record(args, sel, bank),
+        "data": _data_record(args, sel, bank, out),
         "config": _config_record(args, sample, int(feats.shape[1]), bank is not None),
         "args": vars(args),
         "environment": _environment_record(device, amp_dtype, faiss_threads),
+        "code": code_version(),
         "outputs": {"figures": figures, "features": FEATURES_FILE if args.save_features else None,
                     "predictions": PREDICTIONS_FILE},
         "timing": {**clock.seconds, "total": round(time.perf_counter() - start, 3)},
@@ -411,7 +414,7 @@ def _save_features(path: Path, model: str, data: ImageSet, feats: torch.Tensor, 
     """``features.safetensors``: the evaluated split's float32 features and int64 labels and, with a bank, the
     bank's (``bank_features``, ``bank_labels``), so every metric can be recomputed from the file."""
     tensors = {"features": feats, "labels": data.labels}
-    metadata = {"model": model, "dataset": data.dataset, "split": data.split}
+    metadata = {"model": model, "dataset": portable_path(data.dataset, path.parent), "split": data.split}
     if bank is not None:
         tensors.update(bank_features=bank_feats, bank_labels=bank.labels)
         metadata["bank_split"] = bank.split
@@ -461,12 +464,14 @@ def _environment_record(device: torch.device, amp_dtype: torch.dtype | None, fai
             "faiss_threads": faiss_threads, "packages": versions()}
 
 
-def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None) -> dict[str, Any]:
-    """results.json's ``data``: what was evaluated (provenance and per-class counts) and the bank."""
+def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None, out: Path) -> dict[str, Any]:
+    """results.json's ``data``: what was evaluated (provenance and per-class counts) and the bank. A local data set
+    folder is named relative to ``out``, so the record holds no folder of the machine it ran on."""
     full, data = sel.full, sel.data
     counts = torch.bincount(data.labels, minlength=full.num_classes)
     return {
-        "dataset": data.dataset, "argument": args.dataset, "split": data.split, "fingerprint": full.fingerprint,
+        "dataset": portable_path(data.dataset, out), "argument": args.dataset, "split": data.split,
+        "fingerprint": full.fingerprint,
         "subset_fingerprint": data.fingerprint, "split_content": full.content, "content": data.content,
         "class_names": [full.class_names[c] for c in sel.class_ids],
         "class_ids": sel.class_ids, "per_class_counts": {full.class_names[c]: int(counts[c]) for c in sel.class_ids},

@@ -491,7 +491,16 @@ def test_diagnose_takes_a_runs_content_hash_only_for_the_data_the_evaluation_rea
         "dataset_resolved": "/data/c", "train_split": "train", "eval_split": "test",
         "fingerprints": {"train": "ft", "eval": "fe"}, "content": {"train": "ct", "eval": "ce"}}))
     args = argparse.Namespace(checkpoint=str(tmp_path / "run"), model="vit_tiny_cifar_gap")
-    assert diagnose._run_content(args, "/data/c", "test", "fe") == "ce"
-    assert diagnose._run_content(args, "/data/c", "train", "ft") == "ct"
-    assert diagnose._run_content(args, "/data/c", "test", "another") is None  # the folder was written again
-    assert diagnose._run_content(args, "/data/other", "test", "fe") is None
+    ev = tmp_path / "eval"
+    assert diagnose._run_content(args, ev, "/data/c", "test", "fe") == "ce"
+    assert diagnose._run_content(args, ev, "/data/c", "train", "ft") == "ct"
+    assert diagnose._run_content(args, ev, "/data/c", "test", "another") is None  # the folder was written again
+    assert diagnose._run_content(args, ev, "/data/other", "test", "fe") is None
+    # Newer records name the folder relative to their own: the run's and the evaluation's, resolved, must match.
+    (tmp_path / "c").mkdir()
+    ev.mkdir()
+    record = json.loads((tmp_path / "run" / "train_args.json").read_text())
+    (tmp_path / "run" / "train_args.json").write_text(json.dumps({**record, "dataset_resolved": "../c"}))
+    assert diagnose._run_content(args, ev, "../c", "test", "fe") == "ce"
+    assert diagnose._run_content(args, ev, str(tmp_path / "c"), "test", "fe") == "ce"  # an older evaluation
+    assert diagnose._run_content(args, tmp_path, "../c", "test", "fe") is None  # another folder

@@ -878,3 +878,36 @@ def test_pretrained_weights_of_another_model_name_the_mismatch_and_the_model_the
         train([*args[:-4], "--pretrained-file", str(tmp_path / "log.csv"), "--output", str(tmp_path / "run")])
     assert str(e.value) == (f"{tmp_path / 'log.csv'} is not a weights file; pass a .safetensors file, a training "
                             "output folder or a timm checkpoint (.pth, .pt)")
+
+
+def test_a_run_records_the_code_it_ran_and_no_folder_of_this_machine(quick_run: Path) -> None:
+    """train_args.json and summary.json name the code (version, commit, uncommitted changes: checked against git
+    itself) and epochs per code version; the data set folder is recorded relative to the run folder."""
+    from timm_rollout.records import code_label, resolve_recorded
+
+    args = json.loads((quick_run / "train_args.json").read_text())
+    summary = json.loads((quick_run / "summary.json").read_text())
+    root = Path(timm_rollout.__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "timm_rollout", "harness",
+                                 "scripts", "pyproject.toml"], capture_output=True, text=True).stdout
+        assert args["code"] == {"version": timm_rollout.__version__, "commit": head.stdout.strip(),
+                                "dirty": bool(status.strip())}
+    assert args["code"]["version"] == timm_rollout.__version__
+    assert summary["code"] == {code_label(args["code"]): 2}
+    assert not os.path.isabs(args["dataset_resolved"])
+    assert Path(resolve_recorded(args["dataset_resolved"], quick_run)) == SAMPLE_DIR.resolve()
+
+
+def test_portable_paths_by_hand(tmp_path: Path) -> None:
+    from timm_rollout.records import portable_path, resolve_recorded
+
+    (tmp_path / "data" / "set").mkdir(parents=True)
+    out = tmp_path / "study" / "runs" / "a"
+    out.mkdir(parents=True)
+    assert portable_path(str(tmp_path / "data" / "set"), out) == "../../../data/set"
+    assert resolve_recorded("../../../data/set", out) == str((tmp_path / "data" / "set").resolve())
+    assert portable_path("uoft-cs/cifar10", out) == "uoft-cs/cifar10" == resolve_recorded("uoft-cs/cifar10", out)
+    assert portable_path(None, out) is None and resolve_recorded(None, out) is None
+    assert resolve_recorded("/elsewhere/set", out) == "/elsewhere/set"  # an older record's absolute path

@@ -36,6 +36,7 @@ from .records import (
     SUMMARY_FILE,
     WEIGHTS_FILE,
     data_card_title,
+    resolve_recorded,
     sha256_file,
 )
 
@@ -200,10 +201,10 @@ def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
             "(written by timm.models.save_for_hf)"
         )
     optional = {"train_args": run / ARGS_FILE, "summary": run / SUMMARY_FILE}
-    return {
-        "config": _read_json(run / CONFIG_FILE, "model export"),
-        **{k: _read_json(p, k) if p.is_file() else None for k, p in optional.items()},
-    }
+    found = {k: _read_json(p, k) if p.is_file() else None for k, p in optional.items()}
+    if found["train_args"] and found["train_args"].get("dataset_resolved"):  # newer records: relative to the run
+        found["train_args"]["dataset_resolved"] = resolve_recorded(found["train_args"]["dataset_resolved"], run)
+    return {"config": _read_json(run / CONFIG_FILE, "model export"), **found}
 
 
 def read_eval(eval_dir: str | os.PathLike) -> dict[str, Any]:

@@ -6,8 +6,11 @@ changes in one place and every reader follows.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
 import platform
+import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -35,7 +38,11 @@ __all__ = [
     "STUDY_FILE",
     "SUMMARY_FILE",
     "WEIGHTS_FILE",
+    "code_label",
+    "code_version",
     "data_card_title",
+    "portable_path",
+    "resolve_recorded",
     "sha256_file",
     "versions",
 ]
@@ -100,3 +107,54 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+@functools.cache
+def code_version() -> dict[str, str | bool | None]:
+    """The code this process runs: the package version, and when it runs from a git checkout, the commit and
+    whether the package's sources (``timm_rollout``, ``harness``, ``scripts``, ``pyproject.toml``) differ from it
+    (``dirty``); ``commit`` and ``dirty`` are None outside a checkout or without git. Read once per process, when
+    first asked: the code a process imported is the code it runs."""
+    try:
+        package = version("timm-rollout")
+    except PackageNotFoundError:
+        package = None
+    root = Path(__file__).resolve().parents[1]
+    git = ["git", "-C", str(root)]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30)
+        status = subprocess.run([*git, "status", "--porcelain", "--", "timm_rollout", "harness", "scripts",
+                                 "pyproject.toml"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return {"version": package, "commit": None, "dirty": None}
+    if commit.returncode or status.returncode or not (root / "timm_rollout").is_dir():
+        return {"version": package, "commit": None, "dirty": None}
+    return {"version": package, "commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def code_label(code: dict | None = None) -> str:
+    """One line naming the code, e.g. ``timm-rollout 0.1.0 @ 1a2b3c4d5e6f`` (``+ uncommitted changes`` when dirty):
+    the key under which a run counts its epochs per code version."""
+    code = code_version() if code is None else code
+    label = f"timm-rollout {code.get('version')}"
+    if code.get("commit"):
+        label += f" @ {code['commit'][:12]}" + (" + uncommitted changes" if code.get("dirty") else "")
+    return label
+
+
+def portable_path(path: str | Path | None, base: str | Path) -> str | None:
+    """``path`` as a record may hold it: relative to ``base`` (the folder the record is written in) when it is a
+    local absolute path, so a committed record names no folder of the machine it ran on; anything else (a relative
+    path, a Hub id, None) unchanged. :func:`resolve_recorded` reads it back."""
+    if path is None or not os.path.isabs(str(path)):
+        return None if path is None else str(path)
+    return os.path.relpath(str(path), os.path.abspath(str(base)))
+
+
+def resolve_recorded(path: str | None, base: str | Path) -> str | None:
+    """A path read from a record written in ``base``: an absolute one (older records) as it is, a relative one
+    that names something under ``base``'s parents resolved against ``base``, else as recorded (a Hub id)."""
+    if path is None or os.path.isabs(path):
+        return path
+    joined = os.path.realpath(os.path.join(os.path.abspath(str(base)), path))
+    return joined if os.path.exists(joined) else path

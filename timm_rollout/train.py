@@ -103,7 +103,18 @@ from .loading import check_input_size, check_model, create_model, pretrained_con
 from .packed import Stack, Streams, check_stackable, own_streams, seed_everything
 from .pooling import OPTION_ARGS, ROLLOUT, TIMM_POOLS, set_pooling
 from .progress import progress, tqdm
-from .records import ARGS_FILE, CURVES_FILE, LOG_FILE, MODEL_FILES, RESUME_FILE, SUMMARY_FILE, versions
+from .records import (
+    ARGS_FILE,
+    CURVES_FILE,
+    LOG_FILE,
+    MODEL_FILES,
+    RESUME_FILE,
+    SUMMARY_FILE,
+    code_label,
+    code_version,
+    portable_path,
+    versions,
+)
 from .train_log import plot_curves, write_log
 from .train_step import Batches, optimizer_step
 
@@ -555,6 +566,7 @@ class Trainer:
     saved_epoch: int = 0
     rows: list[dict[str, float]] = field(default_factory=list)
     machines: dict[str, int] = field(default_factory=dict)  # epochs trained per machine and precision
+    codes: dict[str, int] = field(default_factory=dict)  # epochs trained per code version (records.code_label)
 
     @property
     def export(self) -> nn.Module:
@@ -655,6 +667,7 @@ def _end_epoch(run: Run, d: Dist, train_loss: float, lr: float, train_seconds: f
                    "seconds": train_seconds + time.perf_counter() - t0})
     t.epoch += 1
     t.machines[machine] = t.machines.get(machine, 0) + 1
+    t.codes[code_label()] = t.codes.get(code_label(), 0) + 1
     if t.epoch % args.save_every == 0 or t.epoch == args.epochs:
         _save(run.out, t, args, data, d)
     if d.main:
@@ -1015,6 +1028,7 @@ def _restore(t: Trainer, path: Path) -> None:
     t.epoch = t.saved_epoch = meta["epoch"]
     t.num_updates, t.rows = meta["num_updates"], meta["rows"]
     t.machines = meta.get("machines", {})  # resume states written before machines were recorded lack them
+    t.codes = meta.get("codes", {})  # and before code versions were
     if t.scheduler is not None:
         t.scheduler.step_update(t.num_updates)
 
@@ -1048,7 +1062,7 @@ def _write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -
     """``train_args.json``: every argument and everything resolved from it, written once per run."""
     amp = precision_name(data.amp_dtype)
     write_json(out / ARGS_FILE, {
-        **vars(args), "dataset_resolved": data.train.dataset, "train_split": data.train.split,
+        **vars(args), "dataset_resolved": portable_path(data.train.dataset, out), "train_split": data.train.split,
         "eval_split": data.eval.split, "fingerprints": {"train": data.train.fingerprint,
                                                         "eval": data.eval.fingerprint},
         "content": {"train": data.train.content, "eval": data.eval.content},
@@ -1056,7 +1070,8 @@ def _write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -
         "class_names": data.train.class_names, "num_classes": data.num_classes, "mean": list(data.mean),
         "std": list(data.std), "train_images": len(data.train), "eval_images": len(data.eval),
         "warmup_epochs_used": data.warmup, "hflip_used": data.hflip, "steps_per_epoch": data.steps,
-        "world_size": d.world, "device": str(d.device), "amp_dtype": amp, "versions": versions()})
+        "world_size": d.world, "device": str(d.device), "amp_dtype": amp, "versions": versions(),
+        "code": code_version()})
 
 
 def _first_draw(epoch: int, d: Dist) -> int:
@@ -1123,7 +1138,8 @@ def _save(out: Path, t: Trainer, args: argparse.Namespace, data: RunData, d: Dis
     if d.main:
         save_resume(out / RESUME_FILE, model=t.model, optimizer=t.optimizer, ema=t.ema.module if t.ema else None,
                     scaler=t.scaler,
-                    meta={"epoch": t.epoch, "num_updates": t.num_updates, "rows": t.rows, "machines": t.machines})
+                    meta={"epoch": t.epoch, "num_updates": t.num_updates, "rows": t.rows, "machines": t.machines,
+                          "codes": t.codes})
         save_model(out, t.export, data.train.class_names, data.mean, data.std)
         write_log(out / LOG_FILE, t.rows)
         plot_curves(out / CURVES_FILE, t.rows, f"{args.model} on {Path(args.dataset).name}")
@@ -1151,7 +1167,7 @@ def _write_summary(out: Path, args: argparse.Namespace, data: RunData, t: Traine
     rows, last = t.rows, t.rows[-1]
     summary = {"epochs": args.epochs, **{k: last[k] for k in ("train_loss", "eval_loss", "eval_top1", "eval_top5")},
                "best_eval_top1": max(r["eval_top1"] for r in rows), "wall_seconds": sum(r["seconds"] for r in rows),
-               "machines": t.machines, "train_images": len(data.train), "eval_images": len(data.eval)}
+               "machines": t.machines, "code": t.codes, "train_images": len(data.train), "eval_images": len(data.eval)}
     write_json(out / SUMMARY_FILE, summary)
     print(f"{args.model} on {args.dataset}: eval top-1 {last['eval_top1']:.2f}%, top-5 {last['eval_top5']:.2f}% "
           f"after {args.epochs} epochs ({summary['wall_seconds']:.0f} s) -> {out}")
