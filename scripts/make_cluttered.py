@@ -24,21 +24,28 @@ def build_parser() -> CliParser:
     p.add_argument("--dataset", required=True, type=as_type(dataset_arg),
                    help="source: alias (cifar10, cifar10-sample, ...), Hub id or folder")
     p.add_argument("--output", required=True, type=output_dir, help="folder for the parquet files and data card")
-    p.add_argument("--fragments", type=number(int, 0, 256), default=16, help="clutter crops per canvas (0: none)")
+    p.add_argument("--fragments", type=number(int, 0, 256), nargs="+", default=[16],
+                   help="clutter crops per canvas (0: none); several values make a mixture: each canvas draws one of "
+                        "them uniformly and records it in a column 'fragments' (default: 16)")
     p.add_argument("--fragment-size", type=positive_int, default=8, help="side of each clutter crop, pixels")
     p.add_argument("--canvas", type=number(int, 1, 1024), default=64, help="side of the square canvas, pixels")
     p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--per-class", type=positive_int, help="a seeded class-balanced subset of N images per class")
+    p.add_argument("--splits", nargs="+", metavar="SPLIT",
+                   help="write only these splits (default: every split); the fill colour stays the train split's")
     return p
 
 
 def main(argv: list[str] | None = None) -> dict[str, int]:
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
-    recipe = ClutterRecipe(args.canvas, args.fragments, args.fragment_size, args.seed)
-    counts = make_cluttered(args.dataset, args.output, recipe, per_class=args.per_class, command=_command(args))
+    fragments = args.fragments[0] if len(set(args.fragments)) == 1 else tuple(args.fragments)
+    recipe = ClutterRecipe(args.canvas, fragments, args.fragment_size, args.seed)
+    counts = make_cluttered(args.dataset, args.output, recipe, per_class=args.per_class, splits=args.splits,
+                            command=_command(args))
     shown = ", ".join(f"{split} {n}" for split, n in counts.items())
-    print(f"wrote {args.output}: {shown} canvases of {args.canvas}x{args.canvas} with {args.fragments} fragments "
+    doses = "/".join(map(str, recipe.doses))
+    print(f"wrote {args.output}: {shown} canvases of {args.canvas}x{args.canvas} with {doses} fragments "
           f"in {time.perf_counter() - start:.0f} s")
     return counts
 
@@ -46,8 +53,9 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
 def _command(args: argparse.Namespace) -> str:
     """The command as the data card shows it: every recipe flag spelled out with its value, whatever was typed,
     abbreviated or left to a default, so it makes the same data even if a default changes."""
-    recipe = ["--fragments", args.fragments, "--fragment-size", args.fragment_size, "--canvas", args.canvas,
-              "--seed", args.seed, *(["--per-class", args.per_class] if args.per_class is not None else [])]
+    recipe = ["--fragments", *args.fragments, "--fragment-size", args.fragment_size, "--canvas", args.canvas,
+              "--seed", args.seed, *(["--per-class", args.per_class] if args.per_class is not None else []),
+              *(["--splits", *args.splits] if args.splits else [])]
     return shlex.join(["python", "scripts/make_cluttered.py", "--dataset", args.dataset, *map(str, recipe),
                        "--output", args.output])
 

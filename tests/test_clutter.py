@@ -103,9 +103,13 @@ def test_mask_says_where_every_pixel_comes_from() -> None:
 def painted_one_by_one(images: torch.Tensor, labels: torch.Tensor, fill: tuple, recipe: ClutterRecipe,
                        split: str) -> tuple[np.ndarray, np.ndarray]:
     """The reference: the same draws as :func:`clutter_split`, each canvas painted in a plain loop, fragment after
-    fragment, then its object."""
+    fragment, then its object. A mixture: each canvas's count drawn from its own stream, the largest dose's
+    fragments drawn for every canvas, the first ``count`` of them painted."""
     n, _, h, w = images.shape
-    lab, k, f, c = labels.numpy(), recipe.fragments, recipe.fragment_size, recipe.canvas
+    doses = sorted({recipe.fragments} if isinstance(recipe.fragments, int) else set(recipe.fragments))
+    counts = [doses[j] for j in _rng(recipe.seed, split, 2).integers(0, len(doses), n)] if len(doses) > 1 \
+        else [doses[0]] * n
+    lab, k, f, c = labels.numpy(), max(doses), recipe.fragment_size, recipe.canvas
     pos = object_positions(n, (h, w), recipe, split)
     rng = _rng(recipe.seed, split, _CLUTTER)
     src = _fragment_sources(lab, rng.integers(0, (n - np.bincount(lab)[lab])[:, None], (n, k)))
@@ -115,7 +119,7 @@ def painted_one_by_one(images: torch.Tensor, labels: torch.Tensor, fill: tuple, 
     out[:] = np.asarray(fill, np.uint8)[:, None, None]
     masks = np.zeros((n, c, c), np.uint8)
     for i in range(n):
-        for t in range(k):
+        for t in range(counts[i]):
             (sy, sx), (cy, cx), j = at[i, t], crop[i, t], src[i, t]
             out[i, :, sy:sy + f, sx:sx + f] = images[j, :, cy:cy + f, cx:cx + f].numpy()
             masks[i, sy:sy + f, sx:sx + f] = CLUTTER
@@ -126,7 +130,8 @@ def painted_one_by_one(images: torch.Tensor, labels: torch.Tensor, fill: tuple, 
 
 
 @pytest.mark.parametrize("recipe", [ClutterRecipe(24, 40, 3, seed=2), ClutterRecipe(16, 5, 8, seed=1),
-                                    ClutterRecipe(8, 3, 8, seed=0), ClutterRecipe(20, 0, 4, seed=3)])
+                                    ClutterRecipe(8, 3, 8, seed=0), ClutterRecipe(20, 0, 4, seed=3),
+                                    ClutterRecipe(24, (0, 4, 40), 3, seed=2), ClutterRecipe(16, (5, 0), 8, seed=1)])
 def test_canvases_equal_painting_each_canvas_in_a_plain_loop(recipe: ClutterRecipe) -> None:
     """Every fragment of every canvas painted at once equals painting canvas after canvas, fragment after fragment
     (dense overlaps: a later fragment covers an earlier one, the object covers all), pixels and masks."""
@@ -357,3 +362,44 @@ def test_card_command_names_every_recipe_flag_and_remakes_the_same_files(tmp_pat
     make_cli.main(argv)
     for name in (split_file("train"), split_file("test")):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_a_mixture_draws_each_canvas_dose_and_keeps_the_objects_in_their_places(tmp_path: Path) -> None:
+    """A mixture of doses: the same objects in the same places as every fixed dose of the seed, doses drawn about
+    uniformly, a canvas drawn at 0 free of clutter, more clutter at higher doses; the written folder is
+    byte-deterministic and plain datasets reads each canvas's dose."""
+    from timm_rollout.clutter import DOSE_COLUMN, fragment_counts
+    from timm_rollout.clutter import FILL as FILL_MARK
+
+    labels = torch.tensor([0, 1, 2, 3] * 100)
+    images = traceable(labels.tolist())
+    mix = ClutterRecipe(32, (0, 16, 4, 64), 4, seed=3)
+    assert mix.doses == (0, 4, 16, 64) and mix.mixture and not ClutterRecipe(32, (16, 16), 4).mixture
+    _, boxes, masks = clutter_split(images, labels, FILL, mix, "test")
+    counts = fragment_counts(400, mix, "test")
+    _, boxes16, _ = clutter_split(images, labels, FILL, ClutterRecipe(32, 16, 4, seed=3), "test")
+    assert torch.equal(boxes, boxes16)
+    assert set(counts.tolist()) == set(mix.doses)
+    assert all(abs(int((counts == d).sum()) - 100) < 35 for d in mix.doses)  # 100 expected, sd 8.7
+    assert set(masks[torch.from_numpy(counts == 0)].unique().tolist()) == {FILL_MARK, OBJECT}
+    clutter = [float((masks[torch.from_numpy(counts == d)] == CLUTTER).float().mean()) for d in mix.doses]
+    assert clutter[0] == 0 and clutter[1] < clutter[2] < clutter[3]
+
+    argv = ["--dataset", str(SAMPLE_DIR), "--fragments", "0", "16", "64", "--per-class", "3", "--splits", "test"]
+    make_cli.main([*argv, "--output", str(tmp_path / "a")])
+    make_cli.main([*argv, "--output", str(tmp_path / "b")])
+    assert (tmp_path / "a" / split_file("test")).read_bytes() == (tmp_path / "b" / split_file("test")).read_bytes()
+    assert not (tmp_path / "a" / split_file("train")).exists()
+    card = (tmp_path / "a" / "README.md").read_text()
+    assert "0, 16 or 64 (drawn uniformly per canvas" in card and "--fragments 0 16 64" in card and "--splits test" in card
+    loaded = datasets.load_dataset(str(tmp_path / "a"), split="test")
+    recipe = ClutterRecipe(64, (0, 16, 64), 8, seed=0)
+    assert loaded[DOSE_COLUMN] == fragment_counts(30, recipe, "test").tolist()
+    fixed = tmp_path / "c"  # one split written: the fill colour is still the train split's, as with every split
+    make_cli.main(["--dataset", str(SAMPLE_DIR), "--fragments", "0", "--per-class", "3", "--output", str(fixed)])
+    only = tmp_path / "d"
+    make_cli.main(["--dataset", str(SAMPLE_DIR), "--fragments", "0", "--per-class", "3", "--splits", "test",
+                   "--output", str(only)])
+    assert (fixed / split_file("test")).read_bytes() == (only / split_file("test")).read_bytes()
+    with pytest.raises(UserError, match="no split 'val'; pass --splits among train, test"):
+        make_cli.main(["--dataset", str(SAMPLE_DIR), "--splits", "val", "--output", str(tmp_path / "e")])

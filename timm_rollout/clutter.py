@@ -8,9 +8,10 @@ The object's box is known, and a per-pixel content mask (as segmentation data se
 comes from: flat fill, a visible piece of clutter, or the object; so "does the pooling find the object, and not just
 the non-empty canvas" becomes a number (``harness.eval``).
 
-Randomness comes from two streams per split, both keyed by the seed and the split name: one places the objects,
-one draws the clutter. So the same seed gives the same objects in the same places at any number of fragments,
-and test clutter never comes from training images.
+Randomness comes from streams keyed by the seed and the split name: one places the objects, one draws the clutter
+and, for a mixture of doses (several ``fragments``), one draws each canvas's dose. So the same seed gives the same
+objects in the same places at any number of fragments or mixture of them, and test clutter never comes from
+training images.
 """
 
 from __future__ import annotations
@@ -28,20 +29,31 @@ from .data import CLUTTER, FILL, MASK_COLUMN, OBJECT
 from .errors import UserError
 from .progress import progress
 
-__all__ = ["CLUTTER", "FILL", "MASK_COLUMN", "OBJECT", "ClutterRecipe", "check_split", "clutter_split",
-           "fill_colour", "make_cluttered", "object_positions", "split_file"]
+__all__ = ["CLUTTER", "DOSE_COLUMN", "FILL", "MASK_COLUMN", "OBJECT", "ClutterRecipe", "check_split", "clutter_split",
+           "fill_colour", "fragment_counts", "make_cluttered", "object_positions", "split_file"]
 
-_OBJECTS, _CLUTTER = 0, 1  # the two random streams of a split
+_OBJECTS, _CLUTTER, _DOSE = 0, 1, 2  # the random streams of a split
+DOSE_COLUMN = "fragments"  # a mixture's per-canvas fragment count
 
 
 @dataclass(frozen=True)
 class ClutterRecipe:
-    """What a cluttered set is made of: canvas side, fragment count and side (pixels), and the seed."""
+    """What a cluttered set is made of: canvas side, fragment count and side (pixels), and the seed. Several
+    fragment counts make a mixture: each canvas draws its count uniformly from them."""
 
     canvas: int = 64
-    fragments: int = 16
+    fragments: int | tuple[int, ...] = 16
     fragment_size: int = 8
     seed: int = 0
+
+    @property
+    def doses(self) -> tuple[int, ...]:
+        """The fragment counts a canvas draws from (one for a fixed dose), sorted and distinct."""
+        return tuple(sorted({self.fragments} if isinstance(self.fragments, int) else set(self.fragments)))
+
+    @property
+    def mixture(self) -> bool:
+        return len(self.doses) > 1
 
     def check(self, image_size: tuple[int, int]) -> None:
         """Refuse a recipe that cannot be built for source images of ``(height, width)``."""
@@ -52,7 +64,7 @@ class ClutterRecipe:
         if self.fragment_size > self.canvas:
             raise UserError(f"--fragment-size {self.fragment_size} is larger than the {self.canvas}-pixel canvas; "
                             f"pass at most {self.canvas}")
-        if self.fragments and self.fragment_size > min(h, w):
+        if max(self.doses) and self.fragment_size > min(h, w):
             raise UserError(f"--fragment-size {self.fragment_size} is larger than the {h}x{w} source images it is "
                             f"cut from; pass at most {min(h, w)}")
 
@@ -86,9 +98,17 @@ def check_split(images: torch.Tensor, labels: torch.Tensor, recipe: ClutterRecip
     if len(labels) and int(labels.min()) < 0:
         raise UserError(f"split {split!r} has unlabelled images (label {int(labels.min())}); every object needs its "
                         "class: drop that split or its unlabelled rows first")
-    if recipe.fragments and len(labels.unique()) < 2:
+    if max(recipe.doses) and len(labels.unique()) < 2:
         raise UserError(f"split {split!r} has one class only, so there is no other class to cut clutter from; pass "
                         "--fragments 0 or a data set with several classes")
+
+
+def fragment_counts(count: int, recipe: ClutterRecipe, split: str) -> np.ndarray:
+    """int64 (count,) fragments on each canvas: the recipe's one count, or for a mixture a uniform draw from its
+    doses per canvas (its own stream, so object places and clutter draws do not depend on it)."""
+    doses = np.asarray(recipe.doses, dtype=np.int64)
+    return doses[_rng(recipe.seed, split, _DOSE).integers(0, len(doses), count)] if recipe.mixture \
+        else np.full(count, doses[0])
 
 
 def clutter_split(images: torch.Tensor, labels: torch.Tensor, fill: tuple[int, int, int], recipe: ClutterRecipe,
@@ -96,11 +116,13 @@ def clutter_split(images: torch.Tensor, labels: torch.Tensor, fill: tuple[int, i
     """uint8 (N, 3, H, W) ``images`` of one split -> uint8 (N, 3, canvas, canvas) canvases, int64 (N, 4) object
     boxes ``[x, y, w, h]`` (COCO order) and uint8 (N, canvas, canvas) content masks (:data:`FILL`,
     :data:`CLUTTER`, :data:`OBJECT`: what each pixel was last painted with). Fragments are cut from images of
-    another class of this split."""
+    another class of this split. In a mixture every canvas draws the fragments of the largest dose and shows its
+    first :func:`fragment_counts` of them."""
     n, _, h, w = images.shape
     check_split(images, labels, recipe, split)
     lab = labels.numpy()
-    k, f, c = recipe.fragments, recipe.fragment_size, recipe.canvas
+    k, f, c = max(recipe.doses), recipe.fragment_size, recipe.canvas
+    counts = fragment_counts(n, recipe, split)
     pos = object_positions(n, (h, w), recipe, split)
     rng = _rng(recipe.seed, split, _CLUTTER)
     others = n - np.bincount(lab)[lab]
@@ -114,9 +136,10 @@ def clutter_split(images: torch.Tensor, labels: torch.Tensor, fill: tuple[int, i
     canvases, marks = _windows(out, (f, f)), _windows(masks[:, None], (f, f))
     patches, every = _windows(source, (f, f)), np.arange(n)
     for t in progress(range(k), desc=f"clutter {split}", leave=False):  # fragment t of every canvas at once
-        (y, x), (cy, cx) = at[:, t].T, crop[:, t].T
-        canvases[every, :, y, x] = patches[src[:, t], :, cy, cx]
-        marks[every, :, y, x] = CLUTTER
+        on = every[counts > t]  # every canvas at a fixed dose
+        (y, x), (cy, cx) = at[on, t].T, crop[on, t].T
+        canvases[on, :, y, x] = patches[src[on, t], :, cy, cx]
+        marks[on, :, y, x] = CLUTTER
     objects, object_marks = _windows(out, (h, w)), _windows(masks[:, None], (h, w))
     objects[every, :, pos[:, 1], pos[:, 0]] = source
     object_marks[every, :, pos[:, 1], pos[:, 0]] = OBJECT
@@ -160,7 +183,7 @@ gives the same objects in the same places.
 
 Columns: `image` (PNG), `label` (ClassLabel: {classes}), `bbox` (the object's box `[x, y, w, h]` in pixels,
 COCO order) and `mask` (PNG, one byte per pixel: what the canvas shows there, 0 flat fill, 1 a visible piece of
-clutter, 2 the object; the object's pixels are exactly its box). One file per split,
+clutter, 2 the object; the object's pixels are exactly its box){dose_column}. One file per split,
 `data/<split>-00000-of-00001.parquet`, the Hub's layout: `datasets.load_dataset("<this folder>")` finds the
 splits by the file names (the card names no files, so datasets keys its cache by the files, not by the folder's
 name).
@@ -188,18 +211,20 @@ def _png(pixels: np.ndarray) -> bytes:
 
 
 def _write_parquet(path, canvases: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor, masks: torch.Tensor,
-                   class_names: list[str]) -> None:
+                   class_names: list[str], counts: np.ndarray | None = None) -> None:
+    """One split's parquet file; ``counts``: a mixture's fragments per canvas (column ``fragments``)."""
     import datasets
 
     from .atomic import atomic_path
 
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=class_names),
-                                  "bbox": datasets.List(datasets.Value("int32"), length=4),
-                                  MASK_COLUMN: datasets.Image()})
+    features = {"image": datasets.Image(), "label": datasets.ClassLabel(names=class_names),
+                "bbox": datasets.List(datasets.Value("int32"), length=4), MASK_COLUMN: datasets.Image()}
     images = [{"bytes": _png(c), "path": None} for c in progress(canvases.numpy(), desc="png", leave=False)]
     mask_images = [{"bytes": _png(m), "path": None} for m in progress(masks.numpy(), desc="mask png", leave=False)]
-    table = datasets.Dataset.from_dict({"image": images, "label": labels.tolist(), "bbox": boxes.tolist(),
-                                        MASK_COLUMN: mask_images}, features=features)
+    columns = {"image": images, "label": labels.tolist(), "bbox": boxes.tolist(), MASK_COLUMN: mask_images}
+    if counts is not None:
+        features[DOSE_COLUMN], columns[DOSE_COLUMN] = datasets.Value("int32"), counts.tolist()
+    table = datasets.Dataset.from_dict(columns, features=datasets.Features(features))
     with atomic_path(path) as tmp:
         table.to_parquet(str(tmp))
 
@@ -236,17 +261,22 @@ def _check_memory(images: int, canvas: int) -> None:
 
 
 def make_cluttered(source: str, output: str | Path, recipe: ClutterRecipe, *, per_class: int | None = None,
-                   command: str = "") -> dict[str, int]:
-    """Write a cluttered copy of every split of ``source`` (alias, Hub id or folder) into ``output``: one parquet
-    file per split and a README data card that ``datasets.load_dataset(output)`` reads offline. ``per_class``: a
-    seeded class-balanced subset of each split (tests, quick looks). Returns the image count per split."""
+                   splits: list[str] | None = None, command: str = "") -> dict[str, int]:
+    """Write a cluttered copy of every split of ``source`` (alias, Hub id or folder; ``splits``: only those) into
+    ``output``: one parquet file per split and a README data card that ``datasets.load_dataset(output)`` reads
+    offline. ``per_class``: a seeded class-balanced subset of each split (tests, quick looks). Returns the image
+    count per split."""
     from .atomic import write_text
     from .data import balanced_indices, content_hash, load_image_set, split_names
 
     output = Path(output)
     _check_output(source, output)
-    sets = {}
-    for split in split_names(source):
+    sets, found = {}, split_names(source)
+    missing = [split for split in splits or () if split not in found]
+    if missing:
+        raise UserError(f"{source} has no split {', '.join(map(repr, missing))}; pass --splits among "
+                        f"{', '.join(found)}")
+    for split in [split for split in found if splits is None or split in splits]:
         data = load_image_set(source, split)
         if per_class is not None:
             data = data.subset(balanced_indices(data.labels, per_class=per_class, seed=recipe.seed))
@@ -257,20 +287,39 @@ def make_cluttered(source: str, output: str | Path, recipe: ClutterRecipe, *, pe
         raise UserError(f"the splits' images have different sizes ({', '.join(f'{k} {v}' for k, v in sizes.items())}); "
                         "resize the data set to one size first (e.g. with datasets' map)")
     _check_memory(max(len(data) for data in sets.values()), recipe.canvas)
-    fill_split = "train" if "train" in sets else next(iter(sets))
-    fill = fill_colour(sets[fill_split].images)
+    fill_split = "train" if "train" in found else next(iter(sets))  # the same fill whichever splits are written
+    fill = fill_colour(sets[fill_split].images if fill_split in sets else _fill_source(source, fill_split, per_class,
+                                                                                      recipe.seed))
     rows = []
     for split, data in sets.items():
         canvases, boxes, masks = clutter_split(data.images, data.labels, fill, recipe, split)
-        _write_parquet(output / split_file(split), canvases, data.labels, boxes, masks, data.class_names)
+        counts = fragment_counts(len(data), recipe, split) if recipe.mixture else None
+        _write_parquet(output / split_file(split), canvases, data.labels, boxes, masks, data.class_names, counts)
         rows.append(f"| {split} | {len(data)} | {data.fingerprint} | {content_hash(data.images, data.labels)} | "
                     f"{content_hash(canvases, data.labels, boxes)} |")
     first = next(iter(sets.values()))
     write_text(output / "README.md", CARD.format(
         mark=CARD_MARK,
-        name=f"{Path(source).name or source} cluttered ({recipe.fragments} fragments, seed {recipe.seed})",
+        name=f"{Path(source).name or source} cluttered ({_doses_text(recipe)} fragments, seed {recipe.seed})",
         source=source, command=command,
-        canvas=recipe.canvas, fill=fill, fill_split=fill_split, fragments=recipe.fragments,
+        canvas=recipe.canvas, fill=fill, fill_split=fill_split,
+        fragments=(f"{_doses_text(recipe)} (drawn uniformly per canvas, its own random stream)" if recipe.mixture
+                   else recipe.doses[0]),
+        dose_column=(f"; `{DOSE_COLUMN}` (int32: this canvas's number of fragments)" if recipe.mixture else ""),
         fragment_size=recipe.fragment_size, height=first.images.shape[2], width=first.images.shape[3],
         seed=recipe.seed, classes=", ".join(first.class_names), rows="\n".join(rows)))
     return {split: len(data) for split, data in sets.items()}
+
+
+def _doses_text(recipe: ClutterRecipe) -> str:
+    *rest, last = map(str, recipe.doses)
+    return f"{', '.join(rest)} or {last}" if rest else last
+
+
+def _fill_source(source: str, split: str, per_class: int | None, seed: int) -> torch.Tensor:
+    """The images the fill colour is the mean of, when their split is not written: the same as when it is."""
+    from .data import balanced_indices, load_image_set
+
+    data = load_image_set(source, split)
+    return (data.subset(balanced_indices(data.labels, per_class=per_class, seed=seed)) if per_class is not None
+            else data).images
