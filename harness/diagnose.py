@@ -4,16 +4,17 @@
 
 For each evaluation folder, whatever its ``results.json`` lacks of what ``harness.eval`` records now is added,
 computed exactly as ``harness.eval`` computes it, in the precision the evaluation ran in: the pooling diagnostics
-(:data:`harness.metrics.POOLING_DIAGNOSTICS`); on a data set with content masks, the mask localisation metrics
-(``pooling_fill_mass``, ``content_chance``, ...; the box metrics recomputed with them must equal the recorded
-ones); and the content hashes of the evaluated images and of the k-NN bank, which pair evaluations of the same data
-however its files were written. The evaluation's own arguments (``results["args"]``) select the same images and
-load the same model, read out the same way. Refused, nothing written, when the weights' sha256 differs from what
-the evaluation recorded, or when the selected images cannot be shown to be the evaluated ones: the same datasets
-fingerprint, the content hash the evaluation or its training run (``train_args.json``) recorded for that split,
-or, for records with neither, every image's recorded label and top-1 prediction reproduced. Run it from the
-directory the evaluations ran in: their paths are relative to it, or, for evaluations made on another machine,
-name the folder that now holds their checkpoints with ``--runs`` (a checkpoint, or the folder of a ``--model
+(:data:`harness.metrics.POOLING_DIAGNOSTICS`); on a data set with boxes, the position nulls
+(``position_prior_mass``, ``pooling_fixed_object_mass``, ``<map>_fixed_box_mass``) and, with content masks, the mask
+localisation metrics (``pooling_fill_mass``, ``content_chance``, ...), the box metrics recomputed with them equal to
+the recorded ones; and the content hashes of the evaluated images and of the k-NN bank, which pair evaluations of
+the same data however its files were written. The evaluation's own arguments (``results["args"]``) select the same
+images and load the same model, read out the same way. Refused, nothing written, when the weights' sha256 differs
+from what the evaluation recorded, or when the selected images cannot be shown to be the evaluated ones: the same
+datasets fingerprint, the content hash the evaluation or its training run (``train_args.json``) recorded for that
+split, or, for records with neither, every image's recorded label and top-1 prediction reproduced. Run it from the
+directory the evaluations ran in: their paths are relative to it, or, for evaluations made on another machine, name
+the folder that now holds their checkpoints with ``--runs`` (a checkpoint, or the folder of a ``--model
 local-dir:PATH``, is looked up there by its folder name; the sha256 check still applies; evaluations without local
 weights are refused with it). Folders that have everything are skipped.
 """
@@ -31,7 +32,7 @@ import torch
 
 from harness import eval as harness_eval
 from harness.features import box_localisation, extract, pooling_diagnostics
-from harness.localisation import LOCALISATION
+from harness.localisation import LOCALISATION, POSITION_NULLS
 from harness.metrics import POOLING_DIAGNOSTICS
 from harness.predictions import read_predictions
 from timm_rollout.atomic import write_json
@@ -60,7 +61,13 @@ def outdated(results: dict[str, Any]) -> bool:
     evaluation scored boxes: whether its data set has masks is known once it is loaded)."""
     metrics = results.get("metrics", {})
     return not has_diagnostics(results) or "content" not in results.get("data", {}) or (
-        metrics.get("pooling_object_mass") is not None and lacks_mask_metrics(metrics))
+        metrics.get("pooling_object_mass") is not None and (lacks_mask_metrics(metrics) or lacks_position_nulls(
+            metrics)))
+
+
+def lacks_position_nulls(metrics: dict[str, Any]) -> bool:
+    """Whether an evaluation that scored boxes was recorded before the position nulls existed."""
+    return any(k not in metrics for k in POSITION_NULLS)
 
 
 def lacks_mask_metrics(metrics: dict[str, Any]) -> bool:
@@ -161,6 +168,7 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     todo = [what for what, missing in (
         ("pooling diagnostics", not has_diagnostics(results)),
         ("mask localisation", sel.data.masks is not None and lacks_mask_metrics(results["metrics"])),
+        ("position nulls", sel.data.boxes is not None and lacks_position_nulls(results["metrics"])),
         ("content hashes", "content" not in results["data"])) if missing]
     if not todo:
         return []
@@ -179,8 +187,8 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
         found = pooling_diagnostics(model, sel.data.images, info["mean"], info["std"], **kwargs)
         results["metrics"].update(harness_eval.diagnostic_metrics(found))
         results["pooling_diagnostics"] = None if found is None else found.record()
-    if "mask localisation" in todo:
-        _add_mask_localisation(folder, results, model, info, sel.data, kwargs)
+    if "mask localisation" in todo or "position nulls" in todo:
+        _add_localisation(folder, results, model, info, sel.data, kwargs)
     if "content hashes" in todo:
         record = results["data"]
         record.update(split_content=sel.full.content, content=sel.data.content)
@@ -194,9 +202,10 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     return todo
 
 
-def _add_mask_localisation(folder: str | Path, results: dict[str, Any], model, info: dict, data: ImageSet,
-                           kwargs: dict[str, Any]) -> None:
-    """The localisation metrics with content masks; the box metrics recomputed must equal the recorded ones."""
+def _add_localisation(folder: str | Path, results: dict[str, Any], model, info: dict, data: ImageSet,
+                      kwargs: dict[str, Any]) -> None:
+    """The localisation metrics the record lacks (with content masks, where the data set has them); those it
+    holds, recomputed, must equal the recorded ones."""
     found = box_localisation(model, data.images, data.boxes, info["mean"], info["std"], masks=data.masks,
                              labels=data.labels, **kwargs)
     recorded = results["metrics"]

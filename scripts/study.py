@@ -926,7 +926,8 @@ LOCALISATION_NOTE = (
 
 
 # the same for every arm: shown, not tested
-CHANCE_LEVELS = ("object_area_fraction", "content_chance", "object_content_fraction", "pointing_chance")
+CHANCE_LEVELS = ("object_area_fraction", "content_chance", "position_prior_mass", "object_content_fraction",
+                 "pointing_chance")
 # restate the object mass (the mean weight over the box and over the rest) or describe the weights: shown only
 DESCRIPTIVE = ("pooling_weight_inside", "pooling_weight_outside", "pooling_effective_patches")
 
