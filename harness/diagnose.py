@@ -16,7 +16,8 @@ split, or, for records with neither, every image's recorded label and top-1 pred
 directory the evaluations ran in: their paths are relative to it, or, for evaluations made on another machine, name
 the folder that now holds their checkpoints with ``--runs`` (a checkpoint, or the folder of a ``--model
 local-dir:PATH``, is looked up there by its folder name; the sha256 check still applies; evaluations without local
-weights are refused with it). Folders that have everything are skipped.
+weights are refused with it). Folders that have everything are skipped; an updated one records what was added and
+by which code (``diagnosed``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from timm_rollout.atomic import write_json
 from timm_rollout.data import ImageSet
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import CliParser, UserError, existing_path, run_cli
-from timm_rollout.records import ARGS_FILE, RESULTS_FILE, resolve_recorded
+from timm_rollout.records import ARGS_FILE, RESULTS_FILE, code_version, resolve_recorded
 
 __all__ = ["has_diagnostics", "main", "outdated", "update_evaluation"]
 
@@ -198,6 +199,7 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
         elif record.get("bank"):
             todo[-1] += " (not the bank's, which cannot be shown to be the evaluated one: it pairs by fingerprint)"
     results["timing"]["diagnose"] = round(time.perf_counter() - start, 3)
+    results["diagnosed"] = [*results.get("diagnosed", []), {"added": todo, "code": code_version()}]
     write_json(path, results)
     return todo
 

@@ -505,6 +505,10 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
     assert back["position_prior_mass"] == found["position_prior_mass"] > found["object_area_fraction"]
     assert back["pooling_fixed_object_mass"] == pytest.approx(0.25)  # uniform weights: their average is uniform
     assert back["rollout_fixed_box_mass"] == found["rollout_fixed_box_mass"]
+    from timm_rollout.records import code_version
+
+    assert json.loads((old / "results.json").read_text())["diagnosed"][-1] == {"added": ["position nulls"],
+                                                                              "code": code_version()}
 
     record["data"]["fingerprint"] = record["data"]["subset_fingerprint"] = "elsewhere"
     (old / "results.json").write_text(json.dumps(record))
