@@ -401,11 +401,18 @@ def test_the_folder_remembers_also_eval_and_the_primary_comparison(tmp_path):
     with pytest.raises(UserError, match=r"no seed of .* is finished"):
         study.main([*base, "--also-eval", "cifar10-sample", "--primary", "gap:rollout"])
     saved = json.loads((out / "study.json").read_text())
-    assert saved["also_eval"] == "cifar10-sample" and saved["primary"] == ["gap", "rollout"]
+    assert saved["also_eval"] == ["cifar10-sample"] and saved["primary"] == ["gap", "rollout"]
     args = study.build_parser().parse_args(base)
     args.command = "python scripts/study.py ..."
     study._check_identity(args, out)
-    assert args.also_eval == "cifar10-sample" and args.primary == ("gap", "rollout")
+    assert args.also_eval == ["cifar10-sample"] and args.primary == ("gap", "rollout")
+    (out / "study.json").write_text(json.dumps({**saved, "also_eval": "cifar10-sample"}))  # recorded before lists
+    args = study.build_parser().parse_args(base)
+    args.command = "python scripts/study.py ..."
+    study._check_identity(args, out)
+    assert args.also_eval == ["cifar10-sample"]
+    with pytest.raises(UserError, match=r"was run with --also-eval cifar10-sample; repeat it, or leave --also-eval"):
+        study.main([*base, "--also-eval", "cifar10-sample", "cifar10-sample-2"])
     with pytest.raises(UserError, match=r"was run with --primary gap:rollout; repeat it, or leave --primary out"):
         study.main([*base, "--primary", "cls:rollout"])
     for wrong in ("gap", "gap:gap", "gap:nope"):
