@@ -69,7 +69,7 @@ from harness.metrics import LOCALISATION, POOLING_DIAGNOSTICS
 from harness.predictions import read_predictions
 from timm_rollout.atomic import save_figure, write_json, write_text
 from timm_rollout.data import dataset_arg, load_image_set, normalize
-from timm_rollout.device import device_arg, resolve_device
+from timm_rollout.device import device_arg
 from timm_rollout.errors import (
     CliParser,
     UserError,
@@ -178,7 +178,9 @@ IDENTITY = ("model", "dataset", "epochs", "train_args", "max_train_samples", "ev
 
 def build_parser() -> CliParser:
     """The CLI; bad values are one-line errors before anything is recorded in ``study.json``."""
-    p = CliParser(prog="python scripts/study.py", description=__doc__.splitlines()[0], checks=[check_train_args])
+    p = CliParser(prog="python scripts/study.py", description=__doc__.splitlines()[0], checks=[check_train_args],
+                  removed={"--stack": "run seeds side by side as separate processes with --jobs N",
+                           "--capture": "for CUDA graphs pass --train-args '--compile --compile-mode reduce-overhead'"})
     p.add_argument("--dataset", required=True, type=as_type(dataset_arg),
                    help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or folder")
     p.add_argument("--epochs", type=positive_int, required=True)
@@ -216,12 +218,6 @@ def build_parser() -> CliParser:
     p.add_argument("--pack", type=positive_int, default=1,
                    help="seeds of one arm trained in one trainer process, one after another (data loaded once); "
                         "not part of the study's identity")
-    p.add_argument("--stack", action="store_true",
-                   help="with --pack, a job's seeds train stacked (timm_rollout.train --stack: one vmapped pass per "
-                        "step for all of them, for GPUs); not part of the study's identity")
-    p.add_argument("--capture", action="store_true",
-                   help="train with the step recorded as a CUDA graph (timm_rollout.train --capture, GPUs); not part "
-                        "of the study's identity")
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="runs side by side, the CPU cores split between them (and the GPUs, when several are visible)")
     p.add_argument("--commit", action="store_true",
@@ -241,7 +237,6 @@ STUDY_SETS = {
     "model": "use the study's --model", "dataset": "use the study's --dataset",
     "epochs": "use the study's --epochs", "seed": "use the study's --seeds", "output": "use the study's --output",
     "device": "use the study's --device", "max_train_samples": "use the study's --max-train-samples",
-    "stack": "use the study's --pack N --stack", "capture": "use the study's --capture",
     "pool": "choose the pooling with --arms",
     "pool_kwargs": "choose the pooling with --arms",
     "resume": "drop it: re-running the study command resumes interrupted runs",
@@ -310,10 +305,6 @@ def train_command(args: argparse.Namespace, arm: str, seeds: Sequence[int], outp
            *merge_model_kwargs(shlex.split(args.train_args), kwargs), *flags]
     if args.max_train_samples is not None:
         cmd += ["--max-train-samples", str(args.max_train_samples)]
-    if args.stack:
-        cmd.append("--stack")
-    if args.capture:
-        cmd.append("--capture")
     return cmd
 
 
@@ -1167,10 +1158,6 @@ def faithfulness_metrics(result: dict[str, Any]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> Path | None:
     args = build_parser().parse_args(argv)
     args.command = shlex.join(["python", "scripts/study.py", *(sys.argv[1:] if argv is None else argv)])
-    if args.stack and args.pack < 2:
-        raise UserError("--stack stacks the seeds of one --pack job; add --pack N with N of at least 2")
-    if args.capture and not args.report_only and resolve_device(args.device).type != "cuda":
-        raise UserError("--capture records the training step as a CUDA graph; pass --device cuda (or drop it)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     args.threads = None if args.jobs == 1 else max(1, cores // args.jobs)
     out = Path(args.output)
