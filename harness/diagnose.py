@@ -12,7 +12,7 @@ the same data however its files were written. The evaluation's own arguments (``
 images and load the same model, read out the same way. Refused, nothing written, when the weights' sha256 differs
 from what the evaluation recorded, or when the selected images cannot be shown to be the evaluated ones: the same
 datasets fingerprint, the content hash the evaluation or its training run (``train_args.json``) recorded for that
-split, or, for records with neither, every image's recorded label and top-1 prediction reproduced. Run it from the
+split (reproduced labels and top-1 predictions are no proof: a changed pixel rarely changes them). Run it from the
 directory the evaluations ran in: their paths are relative to it, or, for evaluations made on another machine, name
 the folder that now holds their checkpoints with ``--runs`` (a checkpoint, or the folder of a ``--model
 local-dir:PATH``, is looked up there by its folder name; the sha256 check still applies; evaluations without local
@@ -25,17 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from harness import eval as harness_eval
-from harness.features import box_localisation, extract, pooling_diagnostics
+from harness.features import box_localisation, pooling_diagnostics
 from harness.localisation import LOCALISATION, POSITION_NULLS
 from harness.metrics import POOLING_DIAGNOSTICS
-from harness.predictions import read_predictions
 from timm_rollout.atomic import write_json
 from timm_rollout.data import ImageSet
 from timm_rollout.device import device_arg, resolve_device
@@ -109,21 +107,18 @@ def _run_content(args: argparse.Namespace, folder: str | Path, dataset: str, spl
     return (record.get("content") or {}).get(role)
 
 
-def _same_images(folder: str | Path, results: dict[str, Any], args: argparse.Namespace, data: ImageSet,
-                 index: torch.Tensor, logits: Callable[[], torch.Tensor]) -> bool:
-    """Whether ``data`` (at ``index`` in its split) are the images the evaluation read: see the module docstring.
-    ``logits`` computes the model's logits on them, only when the recorded predictions are the last resort."""
+def _same_images(folder: str | Path, results: dict[str, Any], args: argparse.Namespace, data: ImageSet) -> bool:
+    """Whether ``data`` are the images the evaluation read, on evidence a changed pixel would break: the same datasets
+    fingerprint, or the content hash the evaluation (or, for the split it read under the same fingerprint, its
+    training run) recorded. Labels and top-1 predictions reproduced are no such evidence: a changed pixel rarely
+    changes them."""
     record = results["data"]
     if data.fingerprint == record["subset_fingerprint"]:
         return True
     recorded = record.get("content") or (_run_content(args, folder, record["dataset"], record["split"],
                                                        record["fingerprint"])
                                          if record["subset_fingerprint"] == record["fingerprint"] else None)
-    if recorded is not None:
-        return recorded == data.content
-    found = read_predictions(folder)
-    return found is not None and found["index"] == index.tolist() and found["label"] == data.labels.tolist() \
-        and found["predicted"]["top1"] == logits().argmax(dim=1).tolist()
+    return recorded is not None and recorded == data.content
 
 
 def _bank_content(args: argparse.Namespace, folder: str | Path, results: dict[str, Any],
@@ -179,11 +174,10 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
                         "the evaluation (sha256); re-evaluate it with python -m harness.eval")
     kwargs = {"device": dev, "amp_dtype": DTYPES[results["environment"]["dtype"]], "batch_size": args.batch_size}
 
-    if not _same_images(folder, results, args, sel.data, sel.index, lambda: extract(
-            model, sel.data.images, info["mean"], info["std"], **kwargs)[1]):
+    if not _same_images(folder, results, args, sel.data):
         raise UserError(f"{folder}: the images selected now cannot be shown to be the evaluated ones (neither the "
-                        "same fingerprint, nor a recorded content hash, nor the recorded predictions); re-evaluate "
-                        "it with python -m harness.eval")
+                        "same datasets fingerprint nor a recorded content hash; reproduced predictions are no proof); "
+                        f"re-evaluate it: python -m harness.eval with the arguments in {RESULTS_FILE} ('args')")
     if "pooling diagnostics" in todo:
         found = pooling_diagnostics(model, sel.data.images, info["mean"], info["std"], **kwargs)
         results["metrics"].update(harness_eval.diagnostic_metrics(found))

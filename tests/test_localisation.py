@@ -429,10 +429,9 @@ def test_object_weights_figure(tmp_path):
 def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(tmp_path):
     """harness.eval on cluttered canvases with masks: the mask metrics of the uniform (gap) pooling against pixels
     counted by hand. Then an older record of the same evaluation (no mask metrics, no content hashes), whose folder
-    was written again (another datasets fingerprint, the same canvases): harness.diagnose shows by the recorded
-    predictions that the images are the evaluated ones, adds exactly what eval computes, and compare then pairs it
-    with a new evaluation by content; changed predictions are refused."""
-    import gzip
+    was written again (another datasets fingerprint, the same canvases): harness.diagnose refuses it, the recorded
+    predictions being no proof of the pixels; with its content hashes recorded it adds exactly what eval computes,
+    and compare pairs it with a new evaluation by content; other content is refused."""
     import json
     import os
 
@@ -485,7 +484,12 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
     with pytest.raises(UserError, match="evaluated on different data"):
         compare.compare_groups(*compare.summarise(compare.load_results([old, tmp_path / "again"]),
                                                   label=lambda r: r["path"]))
-    assert diagnose.update_evaluation(old) == ["mask localisation", "content hashes"]
+    # The labels and top-1 predictions it recorded are reproduced, but that proves nothing about the pixels:
+    with pytest.raises(UserError, match=r"cannot be shown to be the evaluated ones .*no proof\); re-evaluate it"):
+        diagnose.update_evaluation(old)
+    record["data"].update(split_content=full["data"]["split_content"], content=full["data"]["content"])
+    (old / "results.json").write_text(json.dumps(record))  # an evaluation that recorded its content hashes
+    assert diagnose.update_evaluation(old) == ["mask localisation"]
     back = json.loads((old / "results.json").read_text())
     assert back["metrics"] == pytest.approx(full["metrics"]) and back["data"]["content"] == again["data"]["content"]
     compare.compare_groups(*compare.summarise(compare.load_results([old, tmp_path / "again"]),
@@ -511,10 +515,8 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
                                                                               "code": code_version()}
 
     record["data"]["fingerprint"] = record["data"]["subset_fingerprint"] = "elsewhere"
+    record["data"]["content"] = "0" * 64  # other pixels than the ones there now
     (old / "results.json").write_text(json.dumps(record))
-    predictions = json.loads(gzip.decompress((old / "predictions.json.gz").read_bytes()))
-    predictions["predicted"]["top1"][0] = (predictions["predicted"]["top1"][0] + 1) % 10
-    (old / "predictions.json.gz").write_bytes(gzip.compress(json.dumps(predictions).encode()))
     with pytest.raises(UserError, match="cannot be shown to be the evaluated ones"):
         diagnose.update_evaluation(old)
 
