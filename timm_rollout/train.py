@@ -888,7 +888,8 @@ def _write_summary(out: Path, args: argparse.Namespace, data: RunData, t: Traine
                "machines": t.machines, "code": t.codes, "train_images": len(data.train), "eval_images": len(data.eval)}
     write_json(out / SUMMARY_FILE, summary)
     print(f"{args.model} on {args.dataset}: eval top-1 {last['eval_top1']:.2f}%, top-5 {last['eval_top5']:.2f}% "
-          f"after {args.epochs} epochs ({summary['wall_seconds']:.0f} s) -> {out}")
+          f"after {args.epochs} epochs ({summary['wall_seconds']:.0f} s; evaluated in "
+          f"{precision_name(data.amp_dtype)}, batches of {EVAL_BATCH}) -> {out}")
 
 
 def main(argv: list[str] | None = None) -> None:
