@@ -104,7 +104,7 @@ from timm_rollout.records import (
     sha256_file,
 )
 from timm_rollout.train import build_parser as train_parser
-from timm_rollout.train_log import epoch_axis, read_log, seeds_phrase
+from timm_rollout.train.log import epoch_axis, read_log, seeds_phrase
 
 # Trained arms: the pooling (any timm pooling, or rollout) and its rollout options. On the tiny CIFAR ViT (no
 # --model) an arm is the registered model of its pooling with the options as model arguments (the committed
