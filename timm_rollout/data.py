@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -227,19 +228,57 @@ def _local_key(folder: Path) -> str:
     return f"{place}-{files}"
 
 
+def _empty(features):
+    """A split without rows, of these ``features`` (``datasets`` itself cannot read one back)."""
+    import datasets
+
+    return datasets.Dataset.from_dict({column: [] for column in features}, features=features)
+
+
+def _load_saved(local: Path):
+    """A ``save_to_disk`` folder's splits; a split saved without rows, which ``load_from_disk`` fails on
+    (IndexError), comes back empty."""
+    import datasets
+
+    def split(folder: Path):
+        if json.loads((folder / "state.json").read_text())["_data_files"]:
+            return datasets.load_from_disk(str(folder))
+        return _empty(datasets.DatasetInfo.from_directory(str(folder)).features)
+
+    if (local / "dataset_dict.json").is_file():
+        names = json.loads((local / "dataset_dict.json").read_text())["splits"]
+        return datasets.DatasetDict({name: split(local / name) for name in names})
+    return datasets.DatasetDict({"train": split(local)})
+
+
+def _load_files(path: str, config: str | None, cache: Path):
+    """The splits ``load_dataset`` finds in a folder of data files; a split whose files hold no rows, on which
+    ``load_dataset`` fails ('corresponds to no data'), comes back empty."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(path, config, cache_dir=str(cache))
+    except ValueError as e:
+        if "corresponds to no data" not in str(e):
+            raise
+    builder = datasets.load_dataset_builder(path, config, cache_dir=str(cache))
+    builder.download_and_prepare()
+    return datasets.DatasetDict({name: builder.as_dataset(split=name) if info.num_examples else
+                                 _empty(builder.info.features) for name, info in builder.info.splits.items()})
+
+
 def _load_local(spec: DatasetSpec, name: str, key: str):
-    """Splits of a local folder, ``datasets``' cache of it kept under ``key`` (:func:`_local_key`); anything
-    ``datasets`` cannot make of it is a :class:`UserError`."""
+    """Splits of a local folder, ``datasets``' cache of it kept under ``key`` (:func:`_local_key`), splits without
+    rows as empty ones; anything ``datasets`` cannot make of it is a :class:`UserError`."""
     import datasets
 
     local = Path(spec.path)
     try:
         if SAVED_MARKERS & {p.name for p in local.iterdir()}:
-            loaded = datasets.load_from_disk(str(local))
-            return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
+            return _load_saved(local)
         place, files = key.split("-")
-        cache = Path(datasets.config.HF_DATASETS_CACHE) / "timm_rollout_local" / place / files
-        return datasets.load_dataset(spec.path, spec.config, cache_dir=str(cache))
+        return _load_files(spec.path, spec.config,
+                           Path(datasets.config.HF_DATASETS_CACHE) / "timm_rollout_local" / place / files)
     except Exception as e:  # the folder is the user's: any failure to read it is theirs to fix, not a traceback
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise UserError(f"datasets cannot read the folder {name} ({type(e).__name__}: {reason}); pass a folder "
@@ -265,8 +304,10 @@ def _load_splits(spec: DatasetSpec, name: str):
         except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
             where, also = ("is found neither on the Hugging Face Hub nor in the local cache", ", an existing Hub id") \
                 if online else ("is not in the local cache and the Hugging Face Hub is offline or unreachable", "")
+            what = f"data set {name!r} ({spec.path})" if name in ALIASES else \
+                f"no folder {name!r} exists in {Path.cwd()}, and as a Hub id it"  # e.g. data/cifar10 without ./
             raise UserError(
-                f"data set {name!r} ({spec.path}) {where} ({type(e).__name__}); pass a local data set folder "
+                f"{what} {where} ({type(e).__name__}); pass a local data set folder "
                 f"(e.g. ../shared/data/cifar10){also} or cifar10-sample (shipped with the package)"
             ) from None
 
@@ -402,6 +443,11 @@ def load_image_set(
         raise UserError(f"data set {dataset!r} has no split {split!r}; its splits are {', '.join(splits)}: name one "
                         f"with {split_flag}")
     ds = splits[split]
+    if not len(ds):
+        full = [s for s in splits if len(splits[s])]
+        fix = f"name a split that has rows with {split_flag} ({', '.join(full)}), or add images to {split!r}" \
+            if full else "add images to the data set"
+        raise UserError(f"data set {dataset!r}: split {split!r} has no rows (its files hold no images); {fix}")
     features = ds.features
     img_col = _pick_column(features, image_column, IMAGE_COLUMNS, "image", datasets.Image, "--image-column")
     if not isinstance(features[img_col], datasets.Image):
