@@ -4,18 +4,20 @@
 
 For each evaluation folder, whatever its ``results.json`` lacks of what ``harness.eval`` records now is added,
 computed exactly as ``harness.eval`` computes it, in the precision the evaluation ran in: the pooling diagnostics
-(:data:`harness.metrics.POOLING_DIAGNOSTICS`); on a data set with content masks, the mask localisation metrics
-(``pooling_fill_mass``, ``content_chance``, ...; the box metrics recomputed with them must equal the recorded
-ones); and the content hashes of the evaluated images and of the k-NN bank, which pair evaluations of the same data
-however its files were written. The evaluation's own arguments (``results["args"]``) select the same images and
-load the same model, read out the same way. Refused, nothing written, when the weights' sha256 differs from what
-the evaluation recorded, or when the selected images cannot be shown to be the evaluated ones: the same datasets
-fingerprint, the content hash the evaluation or its training run (``train_args.json``) recorded for that split,
-or, for records with neither, every image's recorded label and top-1 prediction reproduced. Run it from the
-directory the evaluations ran in: their paths are relative to it, or, for evaluations made on another machine,
-name the folder that now holds their checkpoints with ``--runs`` (a checkpoint, or the folder of a ``--model
+(:data:`harness.metrics.POOLING_DIAGNOSTICS`); on a data set with boxes, the position nulls
+(``position_prior_mass``, ``pooling_fixed_object_mass``, ``<map>_fixed_box_mass``) and, with content masks, the mask
+localisation metrics (``pooling_fill_mass``, ``content_chance``, ...), the box metrics recomputed with them equal to
+the recorded ones; and the content hashes of the evaluated images and of the k-NN bank, which pair evaluations of
+the same data however its files were written. The evaluation's own arguments (``results["args"]``) select the same
+images and load the same model, read out the same way. Refused, nothing written, when the weights' sha256 differs
+from what the evaluation recorded, or when the selected images cannot be shown to be the evaluated ones: the same
+datasets fingerprint, the content hash the evaluation or its training run (``train_args.json``) recorded for that
+split (reproduced labels and top-1 predictions are no proof: a changed pixel rarely changes them). Run it from the
+directory the evaluations ran in: their paths are relative to it, or, for evaluations made on another machine, name
+the folder that now holds their checkpoints with ``--runs`` (a checkpoint, or the folder of a ``--model
 local-dir:PATH``, is looked up there by its folder name; the sha256 check still applies; evaluations without local
-weights are refused with it). Folders that have everything are skipped.
+weights are refused with it). Folders that have everything are skipped; an updated one records what was added and
+by which code (``diagnosed``).
 """
 
 from __future__ import annotations
@@ -23,22 +25,20 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from harness import eval as harness_eval
-from harness.features import box_localisation, extract, pooling_diagnostics
-from harness.localisation import LOCALISATION
+from harness.features import box_localisation, pooling_diagnostics
+from harness.localisation import LOCALISATION, POSITION_NULLS
 from harness.metrics import POOLING_DIAGNOSTICS
-from harness.predictions import read_predictions
 from timm_rollout.atomic import write_json
 from timm_rollout.data import ImageSet
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import CliParser, UserError, existing_path, run_cli
-from timm_rollout.records import ARGS_FILE, RESULTS_FILE, resolve_recorded
+from timm_rollout.records import ARGS_FILE, RESULTS_FILE, code_version, resolve_recorded
 
 __all__ = ["has_diagnostics", "main", "outdated", "update_evaluation"]
 
@@ -61,7 +61,13 @@ def outdated(results: dict[str, Any]) -> bool:
     evaluation scored boxes: whether its data set has masks is known once it is loaded)."""
     metrics = results.get("metrics", {})
     return not has_diagnostics(results) or "content" not in results.get("data", {}) or (
-        metrics.get("pooling_object_mass") is not None and lacks_mask_metrics(metrics))
+        metrics.get("pooling_object_mass") is not None and (lacks_mask_metrics(metrics) or lacks_position_nulls(
+            metrics)))
+
+
+def lacks_position_nulls(metrics: dict[str, Any]) -> bool:
+    """Whether an evaluation that scored boxes was recorded before the position nulls existed."""
+    return any(k not in metrics for k in POSITION_NULLS)
 
 
 def lacks_mask_metrics(metrics: dict[str, Any]) -> bool:
@@ -102,21 +108,18 @@ def _run_content(args: argparse.Namespace, folder: str | Path, dataset: str, spl
     return (record.get("content") or {}).get(role)
 
 
-def _same_images(folder: str | Path, results: dict[str, Any], args: argparse.Namespace, data: ImageSet,
-                 index: torch.Tensor, logits: Callable[[], torch.Tensor]) -> bool:
-    """Whether ``data`` (at ``index`` in its split) are the images the evaluation read: see the module docstring.
-    ``logits`` computes the model's logits on them, only when the recorded predictions are the last resort."""
+def _same_images(folder: str | Path, results: dict[str, Any], args: argparse.Namespace, data: ImageSet) -> bool:
+    """Whether ``data`` are the images the evaluation read, on evidence a changed pixel would break: the same datasets
+    fingerprint, or the content hash the evaluation (or, for the split it read under the same fingerprint, its
+    training run) recorded. Labels and top-1 predictions reproduced are no such evidence: a changed pixel rarely
+    changes them."""
     record = results["data"]
     if data.fingerprint == record["subset_fingerprint"]:
         return True
     recorded = record.get("content") or (_run_content(args, folder, record["dataset"], record["split"],
                                                        record["fingerprint"])
                                          if record["subset_fingerprint"] == record["fingerprint"] else None)
-    if recorded is not None:
-        return recorded == data.content
-    found = read_predictions(folder)
-    return found is not None and found["index"] == index.tolist() and found["label"] == data.labels.tolist() \
-        and found["predicted"]["top1"] == logits().argmax(dim=1).tolist()
+    return recorded is not None and recorded == data.content
 
 
 def _bank_content(args: argparse.Namespace, folder: str | Path, results: dict[str, Any],
@@ -162,6 +165,7 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     todo = [what for what, missing in (
         ("pooling diagnostics", not has_diagnostics(results)),
         ("mask localisation", sel.data.masks is not None and lacks_mask_metrics(results["metrics"])),
+        ("position nulls", sel.data.boxes is not None and lacks_position_nulls(results["metrics"])),
         ("content hashes", "content" not in results["data"])) if missing]
     if not todo:
         return []
@@ -171,17 +175,16 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
                         "the evaluation (sha256); re-evaluate it with python -m harness.eval")
     kwargs = {"device": dev, "amp_dtype": DTYPES[results["environment"]["dtype"]], "batch_size": args.batch_size}
 
-    if not _same_images(folder, results, args, sel.data, sel.index, lambda: extract(
-            model, sel.data.images, info["mean"], info["std"], **kwargs)[1]):
+    if not _same_images(folder, results, args, sel.data):
         raise UserError(f"{folder}: the images selected now cannot be shown to be the evaluated ones (neither the "
-                        "same fingerprint, nor a recorded content hash, nor the recorded predictions); re-evaluate "
-                        "it with python -m harness.eval")
+                        "same datasets fingerprint nor a recorded content hash; reproduced predictions are no proof); "
+                        f"re-evaluate it: python -m harness.eval with the arguments in {RESULTS_FILE} ('args')")
     if "pooling diagnostics" in todo:
         found = pooling_diagnostics(model, sel.data.images, info["mean"], info["std"], **kwargs)
         results["metrics"].update(harness_eval.diagnostic_metrics(found))
         results["pooling_diagnostics"] = None if found is None else found.record()
-    if "mask localisation" in todo:
-        _add_mask_localisation(folder, results, model, info, sel.data, kwargs)
+    if "mask localisation" in todo or "position nulls" in todo:
+        _add_localisation(folder, results, model, info, sel.data, kwargs)
     if "content hashes" in todo:
         record = results["data"]
         record.update(split_content=sel.full.content, content=sel.data.content)
@@ -191,13 +194,15 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
         elif record.get("bank"):
             todo[-1] += " (not the bank's, which cannot be shown to be the evaluated one: it pairs by fingerprint)"
     results["timing"]["diagnose"] = round(time.perf_counter() - start, 3)
+    results["diagnosed"] = [*results.get("diagnosed", []), {"added": todo, "code": code_version()}]
     write_json(path, results)
     return todo
 
 
-def _add_mask_localisation(folder: str | Path, results: dict[str, Any], model, info: dict, data: ImageSet,
-                           kwargs: dict[str, Any]) -> None:
-    """The localisation metrics with content masks; the box metrics recomputed must equal the recorded ones."""
+def _add_localisation(folder: str | Path, results: dict[str, Any], model, info: dict, data: ImageSet,
+                      kwargs: dict[str, Any]) -> None:
+    """The localisation metrics the record lacks (with content masks, where the data set has them); those it
+    holds, recomputed, must equal the recorded ones."""
     found = box_localisation(model, data.images, data.boxes, info["mean"], info["std"], masks=data.masks,
                              labels=data.labels, **kwargs)
     recorded = results["metrics"]

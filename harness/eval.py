@@ -316,7 +316,21 @@ def _load(args: argparse.Namespace, full: ImageSet, device: torch.device) -> tup
     _check_head(info, full)
     check_input_size(model, full.images, fix="evaluate it on a data set of its input size")
     info["pool"] = set_pool(model, args.pool)
+    _say_readout(info, args.pool)
     return model, info
+
+
+def _say_readout(info: dict[str, Any], pool: str | None) -> None:
+    """One line when the weights are read out otherwise than they were trained: another architecture of the same
+    backbone (a rollout checkpoint as ``vit_tiny_cifar_cls``) or another pooling (``--pool``), i.e. a post-hoc
+    readout, not the trained model."""
+    trained = info.get("checkpoint_architecture")
+    if trained and trained != info.get("architecture"):
+        print(f"note: the weights were trained as {trained} and are read out as {info['architecture']} (pool "
+              f"{info.get('pool')}): a post-hoc readout, not the trained model", file=sys.stderr)
+    elif pool is not None and pool != info.get("global_pool"):
+        print(f"note: {info['name']} pools with {info.get('global_pool')} and is read out with --pool {pool}: a "
+              "post-hoc readout, not the trained model", file=sys.stderr)
 
 
 def _load_bank(args: argparse.Namespace, class_ids: list[int]) -> ImageSet:
@@ -486,8 +500,9 @@ def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None
 
 def _summary(results: dict[str, Any]) -> str:
     shown = ", ".join(f"{k} {v:.4f}" for k, v in results["metrics"].items() if v is not None)
+    env = results["environment"]  # bf16 results depend on the batch size too: say both
     return f"{results['model']['name']} on {results['data']['num_images']} images: {shown} " \
-           f"({results['timing']['total']:.1f} s)"
+           f"({env['dtype']}, batches of {results['config']['batch_size']}, {results['timing']['total']:.1f} s)"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -10,6 +10,13 @@ Patches are row-major over the (rows, cols) grid, as timm orders patch tokens.
 - inside / outside (:func:`weight_inside_outside`): the mean of P w_p over the covered and the uncovered area,
   on the weight x P scale of the heatmaps (1 = uniform);
 - box mass of a saliency map (:func:`box_mass`): the object mass of the map's shares (:func:`map_shares`);
+- position prior (:func:`fixed_map` of the coverage): an image-blind map equal to the mean object coverage per patch
+  over the evaluated images (normalised to sum to 1), the same for every image. Its object mass
+  (``position_prior_mass``) is what knowing only where objects usually are scores: where objects are placed
+  uniformly, their coverage peaks in the centre, so this null sits above uniform weights;
+- fixed-map mass: the object mass of a model's weights (or a saliency map's shares) averaged over the evaluated
+  images and used as one fixed map for all of them (``pooling_fixed_object_mass``, ``<map>_fixed_box_mass``). A
+  weight's object mass minus its fixed-map mass is the part that depends on the image;
 - pointing game (:func:`pointing_hits`, after Zhang et al. 2016 at patch resolution and without tolerance): a
   hit when the map's maximal patch has its centre inside the box; ties count as the fraction of tied patches
   whose centres are inside (the expected hit under a random tie break, never decided by patch index).
@@ -46,17 +53,19 @@ from timm_rollout.explain import MAP_LABELS
 from timm_rollout.masks import BACKGROUND, CLUTTER, FILL, OBJECT
 
 __all__ = ["LOCALISATION", "box_coverage", "box_mass", "centres_inside", "content_weights", "context_only",
-           "localisation_metrics", "map_shares", "mask_fractions", "object_mass", "object_share", "pointing_hits",
-           "weight_inside_outside"]
+           "fixed_map", "localisation_metrics", "map_shares", "mask_fractions", "object_mass", "object_share",
+           "pointing_hits", "weight_inside_outside"]
 
 # results.json["metrics"] keys of localisation_metrics, in report order: means over the images. The mask keys
 # (fill mass, content chance, object shares, context top-1) are None for images without content masks.
 LOCALISATION = (
-    "pooling_object_mass", "object_area_fraction", "content_chance", "pooling_fill_mass", "pooling_object_share",
-    "object_content_fraction", "context_top1", "pooling_weight_inside", "pooling_weight_outside",
-    "pooling_effective_patches", "pointing_chance",
-    *(f"{name}_{what}" for name in MAP_LABELS for what in ("box_mass", "fill_mass", "object_share", "pointing")),
+    "pooling_object_mass", "object_area_fraction", "content_chance", "position_prior_mass",
+    "pooling_fixed_object_mass", "pooling_fill_mass", "pooling_object_share", "object_content_fraction",
+    "context_top1", "pooling_weight_inside", "pooling_weight_outside", "pooling_effective_patches", "pointing_chance",
+    *(f"{name}_{what}" for name in MAP_LABELS
+      for what in ("box_mass", "fixed_box_mass", "fill_mass", "object_share", "pointing")),
 )
+POSITION_NULLS = ("position_prior_mass", "pooling_fixed_object_mass")  # recorded by evaluations since they exist
 
 
 def _patch_edges(image_size: Sequence[int], grid: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, float, float]:
@@ -153,6 +162,14 @@ def map_shares(maps: torch.Tensor) -> torch.Tensor:
     return torch.where(total > 0, m / total.clamp(min=torch.finfo(torch.float64).tiny), 1.0 / m.shape[-1])
 
 
+def fixed_map(weights: torch.Tensor) -> torch.Tensor:
+    """(N, P) per-image weights -> the (N, P) image-blind map that gives every image their mean over the images,
+    normalised to sum to 1 (float64): for pooling weights or map shares, the average map used as a fixed one; for
+    box coverage, the position prior (where objects usually are)."""
+    mean = weights.double().mean(dim=0)
+    return (mean / mean.sum()).expand_as(weights)
+
+
 def box_mass(maps: torch.Tensor, coverage: torch.Tensor) -> torch.Tensor:
     """Per image the share of the (N, P) map's mass inside the box: :func:`object_mass` of :func:`map_shares`."""
     return object_mass(map_shares(maps), coverage)
@@ -214,12 +231,15 @@ def localisation_metrics(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor]
     w_in, w_out = weight_inside_outside(pooling, coverage)
     values = {
         "pooling_object_mass": object_mass(pooling, coverage), "object_area_fraction": object_mass(uniform, coverage),
+        "position_prior_mass": object_mass(fixed_map(coverage), coverage),
+        "pooling_fixed_object_mass": object_mass(fixed_map(pooling), coverage),
         "pooling_weight_inside": w_in, "pooling_weight_outside": w_out,
         "pooling_effective_patches": effective_patches(pooling.double()).double(),
         "pointing_chance": inside.double().mean(dim=-1),
     }
     for name, m in maps.items():
         values[f"{name}_box_mass"] = box_mass(m, coverage)
+        values[f"{name}_fixed_box_mass"] = object_mass(fixed_map(map_shares(m)), coverage)
         values[f"{name}_pointing"] = pointing_hits(m, inside)
     if masks is not None:
         values |= _mask_values(pooling, maps, mask_fractions(masks, grid), coverage)

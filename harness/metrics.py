@@ -46,7 +46,6 @@ __all__ = [
     "original_centroid_metrics",
     "search",
     "silhouette",
-    "topk_accuracy",
     "topk_hits",
     "whitening",
 ]
@@ -333,9 +332,3 @@ def topk_hits(logits: ArrayLike, labels: ArrayLike, k: int = 1) -> np.ndarray | 
     """Per row, whether its label is among the ``k`` highest logits; None if there are fewer than k classes."""
     hits = _topk_hits(torch.as_tensor(_numpy(logits)), torch.as_tensor(_numpy(labels).astype(np.int64)), k)
     return None if hits is None else hits.numpy()
-
-
-def topk_accuracy(logits: ArrayLike, labels: ArrayLike, k: int = 1) -> float | None:
-    """Fraction of rows whose label is among the ``k`` highest logits; None if there are fewer than k classes."""
-    hits = topk_hits(logits, labels, k)
-    return None if hits is None else float(hits.mean())

@@ -32,33 +32,26 @@ epoch 2 and its ratio to the first count: how many small runs one GPU takes befo
 
     python scripts/bench_train.py --device cuda --steps 50 --concurrent 1 4 8
 
-``--pack N`` adds (s), the bare step of N models stacked (``train --stack``: one vmapped pass for all, total
-images/s, to set beside (b)), then times N seeds trained by one ``python -m timm_rollout.train --seed 0 .. N-1``
-process (data loaded once), the members one after another and stacked (``--stack``), against N separate
-processes started together (``cores / N`` threads each), each two epochs of ``3 * --steps`` updates per run at
-batch B: total training images over the whole command's wall time (start-up, data loading and evaluation
-included, as a short study pays them), and in epoch 2 alone (training only, what a long study runs at).
+``--pack N`` then times N seeds trained by one ``python -m timm_rollout.train --seed 0 .. N-1`` process (data
+loaded once, the runs one after another, as ``study.py --pack`` runs them) against N separate processes started
+together (``cores / N`` threads each), each two epochs of ``3 * --steps`` updates per run at batch B: total
+training images over the whole command's wall time (start-up, data loading and evaluation included, as a short
+study pays them), and in epoch 2 alone (training only, what a long study runs at).
 ``--compile MODE ...`` adds (a) with the model through ``torch.compile`` in each mode (``reduce-overhead``: CUDA
 graphs), as ``train --compile --compile-mode MODE`` runs it; compilation and graph recording happen in the
-untimed warm-up rounds.
-``--capture-runs 1 8 32`` (CUDA) adds (g), the full loop with its step recorded once as a CUDA graph and replayed
-(``train --capture``: data, augmentation and step on the GPU, :mod:`timm_rollout.graphed`), to the race, then
-for each N times whole ``python -m timm_rollout.train`` commands of N seeds, two epochs of ``3 * --steps`` updates
-each at batch B: N runs stacked and captured in one process (``--stack --capture``; ``--capture`` alone for N = 1),
-N captured processes side by side, and N runs stacked eagerly (``--stack``); each figure is the total training
-images/s of epoch 2 (start-up, recording and evaluation left out, as a long study runs)::
+untimed warm-up rounds::
 
-    python scripts/bench_train.py --device cuda --steps 50 --capture-runs 1 8 32 --json results/bench/h100.json
+    python scripts/bench_train.py --device cuda --steps 50 --compile default reduce-overhead --concurrent 1 8 32
 
-``--profile N`` (CUDA) then profiles 20 steps each of (a), (g) and (gs), N runs stacked with one captured step
-(``torch.profiler``): wall time against the GPU's kernel time per step (how busy the GPU is), kernels per step and
-the costliest kernels, the figures that say where the time goes when a goal is missed.
+``--profile`` (CUDA) then profiles 20 steps each of (a) and of (a) in each ``--compile`` mode (``torch.profiler``):
+wall time against the GPU's kernel time per step (how busy the GPU is), kernels per step and the costliest
+kernels, the figures that say where the time goes when a goal is missed.
 
 ``--json PATH`` writes every figure of the run with the machine's name (GPU, or CPU model and whether it has
-native bf16), ``ratio_vs_stock_timm_b128`` ((a)/(c) when the batch is 128) and ``packed_total_img_per_s``
-(the stacked command; ``serial_total_img_per_s`` and ``separate_total_img_per_s`` beside it, and the epoch-2
-figures ``*_epoch2_img_per_s``). It is rewritten after each section, with ``complete`` false until the last,
-so that a run cut off by a time limit keeps what it measured::
+native bf16), ``ratio_vs_stock_timm_b128`` ((a)/(c) when the batch is 128), and with ``--pack``
+``serial_total_img_per_s`` and ``separate_total_img_per_s`` (and the epoch-2 figures ``*_epoch2_img_per_s``). It
+is rewritten after each section, with ``complete`` false until the last, so that a run cut off by a time limit
+keeps what it measured::
 
     python scripts/bench_train.py --steps 20 --pack 2 --json results/bench/cpu.json
 """
@@ -90,9 +83,7 @@ from timm_rollout.capture import set_fused_attention
 from timm_rollout.data import load_image_set, normalization_stats, resolve_dataset
 from timm_rollout.device import cpu_supports_bf16, device_arg, device_name, resolve_amp, resolve_device
 from timm_rollout.errors import CliParser, UserError, non_negative_int, positive_int, run_cli
-from timm_rollout.graphed import Graphed, Plan, epoch_draws, fill_lrs, learning_rates, tensor_lrs
 from timm_rollout.models import _TINY_CIFAR
-from timm_rollout.packed import Stack
 from timm_rollout.progress import progress
 from timm_rollout.train import COMPILE_MODES
 from timm_rollout.train_log import read_log
@@ -152,70 +143,6 @@ def full_loop(dataset: str, batch: int, dtype, device, compile_mode: str | None 
     return run
 
 
-def captured_loop(dataset: str, batch: int, dtype, device) -> Step:
-    """(g): (a) with the step recorded as a CUDA graph after its first steps and replayed, as ``train --capture``
-    runs it: the epoch's order and crop/flip draws, the images and the learning rates on the GPU."""
-    train = load_image_set(dataset, "train")
-    mean, std = normalization_stats(dataset, train)
-    model = ours().to(device).train()
-    opt = create_optimizer_v2(model, opt="adamw", lr=5e-4, weight_decay=1e-4, capturable=device.type == "cuda")
-    steps = len(train) // batch
-    sched, _ = create_scheduler_v2(opt, sched="cosine", num_epochs=200, warmup_epochs=5, min_lr=5e-6,
-                                   step_on_epochs=False, updates_per_epoch=steps)
-    gen = torch.Generator().manual_seed(0)
-    plan = Plan([train.images.to(device)], [train.labels.to(device)], mean, std, 4, steps, batch)
-    plan.start([torch.randperm(len(train), generator=gen)[:steps * batch]], [epoch_draws(steps, batch, 4, 0.5, gen)])
-    lrs, loss_fn = learning_rates(opt), nn.CrossEntropyLoss()
-
-    def body(_: object) -> None:
-        x, y = plan.batch()
-        with tensor_lrs(opt, lrs):
-            plan.record(optimizer_step(model, x[0], y[0], loss_fn, opt, device=device, amp_dtype=dtype))
-
-    step, updates = Graphed(body, device), iter(range(1, steps))
-
-    def run() -> int:
-        fill_lrs(opt, lrs)
-        step(None)
-        sched.step_update(next(updates))
-        return batch
-
-    return run
-
-
-def captured_stack(dataset: str, n: int, batch: int, dtype, device) -> Step:
-    """(gs): ``n`` runs of the default model without dropout stacked, their step recorded as one CUDA graph, as
-    ``train --stack --capture`` runs it (each run its own order and draws)."""
-    train = load_image_set(dataset, "train")
-    mean, std = normalization_stats(dataset, train)
-    models = []
-    for seed in range(n):
-        torch.manual_seed(seed)
-        models.append(timm.create_model("vit_tiny_cifar_rollout", num_classes=10, **NO_DROPOUT).to(device).train())
-    make = lambda groups: create_optimizer_v2(groups, opt="adamw", lr=5e-4, weight_decay=1e-4,  # noqa: E731
-                                              capturable=device.type == "cuda")
-    stack = Stack(models, [make(m) for m in models], None, nn.CrossEntropyLoss(), make)
-    steps, gen = len(train) // batch, torch.Generator().manual_seed(0)
-    images, labels = train.images.to(device), train.labels.to(device)
-    plan = Plan([images] * n, [labels] * n, mean, std, 4, steps, batch)
-    plan.start([torch.randperm(len(train), generator=gen)[:steps * batch] for _ in range(n)],
-               [epoch_draws(steps, batch, 4, 0.5, gen) for _ in range(n)])
-    lrs = learning_rates(stack.optimizer)
-
-    def body(_: object) -> None:
-        x, y = plan.batch()
-        with tensor_lrs(stack.optimizer, lrs):
-            plan.record(stack.step(x, y, device=device, amp_dtype=dtype))
-
-    step = Graphed(body, device)
-
-    def run() -> int:
-        step(None)
-        return n * batch
-
-    return run
-
-
 def profile_steps(steps: dict[str, Step], rounds: int, device: torch.device) -> dict[str, dict]:
     """Where a step's time goes, per variant: wall time per step against the GPU's kernel time per step (their
     ratio: how busy the GPU is), kernels per step and the costliest kernels (``torch.profiler``, ``rounds`` steps
@@ -265,29 +192,6 @@ def bare(model: nn.Module, batch: int, dtype, device) -> Step:
     def run() -> int:
         step(x, y)
         return batch
-
-    return run
-
-
-def stacked(n: int, batch: int, dtype, device) -> Step:
-    """(s): the bare step of ``n`` models stacked (``timm_rollout.packed.Stack``), each on its own batch, as
-    ``train --stack`` runs it (explicit attention on CPU, as training uses there)."""
-    models = []
-    for seed in range(n):
-        torch.manual_seed(seed)
-        model = timm.create_model("vit_tiny_cifar_rollout", num_classes=10)
-        set_fused_attention(model, device.type != "cpu")
-        models.append(model.to(device).train())
-    opts = [create_optimizer_v2(m, opt="adamw", lr=5e-4, weight_decay=1e-4) for m in models]
-    stack = Stack(models, opts, None, nn.CrossEntropyLoss(),
-                  lambda groups: create_optimizer_v2(groups, opt="adamw", lr=5e-4, weight_decay=1e-4))
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(n, batch, 3, 32, 32, generator=gen).to(device)
-    y = torch.randint(0, 10, (n, batch), generator=gen).to(device)
-
-    def run() -> int:
-        stack.step(x, y, device=device, amp_dtype=dtype)
-        return n * batch
 
     return run
 
@@ -388,10 +292,10 @@ def compare_concurrent(dataset: str, batch: int, steps: int, counts: list[int], 
 
 
 def pack_rates(dataset: str, batch: int, steps: int, n: int, device: torch.device) -> dict[str, float]:
-    """Total training images/s of ``n`` seeds in one trainer process, one after another and stacked (``--stack``),
-    and of ``n`` separate processes started together, each run two epochs of ``steps`` updates at ``batch``: over
-    the whole command's wall time (start-up, data loading and evaluation included, as a short study pays them) and
-    in epoch 2 alone (training only, as a long study runs: :func:`epoch2_total`)."""
+    """Total training images/s of ``n`` seeds in one trainer process, one after another, and of ``n`` separate
+    processes started together, each run two epochs of ``steps`` updates at ``batch``: over the whole command's wall
+    time (start-up, data loading and evaluation included, as a short study pays them) and in epoch 2 alone (training
+    only, as a long study runs: :func:`epoch2_total`)."""
     images = n * 2 * steps * batch
     args = [sys.executable, "-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset,
             "--epochs", "2", "--max-train-samples", str(batch * steps), "--max-eval-samples", "100",
@@ -400,12 +304,10 @@ def pack_rates(dataset: str, batch: int, steps: int, n: int, device: torch.devic
     seeds = ["--seed", *map(str, range(n))]
     rates, steady = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-pack-") as tmp:
-        for name, flags in (("serial", []), ("stacked", ["--stack"])):
-            t = time.perf_counter()
-            subprocess.run([*args, *seeds, *flags, "--output", f"{tmp}/{name}-s{{seed}}"], check=True,
-                           capture_output=True)
-            rates[name] = images / (time.perf_counter() - t)
-            steady[name] = epoch2_total([Path(f"{tmp}/{name}-s{i}") for i in range(n)], together=name == "stacked")
+        t = time.perf_counter()
+        subprocess.run([*args, *seeds, "--output", f"{tmp}/serial-s{{seed}}"], check=True, capture_output=True)
+        rates["serial"] = images / (time.perf_counter() - t)
+        steady["serial"] = epoch2_total([Path(f"{tmp}/serial-s{i}") for i in range(n)], together=False)
         t = time.perf_counter()
         procs = [subprocess.Popen([*args, "--seed", str(i), "--output", f"{tmp}/alone-{i}"], env=threads,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(n)]
@@ -414,54 +316,20 @@ def pack_rates(dataset: str, batch: int, steps: int, n: int, device: torch.devic
         rates["separate"] = images / (time.perf_counter() - t)
         steady["separate"] = epoch2_total([Path(f"{tmp}/alone-{i}") for i in range(n)], together=True)
     labels = {"serial": f"{n} seeds in one process, one after another, batch {batch} each",
-              "stacked": f"{n} seeds in one process, stacked (--stack), batch {batch} each",
               "separate": f"{n} separate processes at once, batch {batch} each"}
     for name, label in labels.items():
         print(f"{label:<64} {rates[name]:8.1f} img/s in all, epoch 2 alone {steady[name]:8.1f}")
     for key, figures in (("whole command", rates), ("epoch 2", steady)):
-        print(f"{key}: stacked/separate = {figures['stacked'] / figures['separate']:.2f}, serial/separate = "
-              f"{figures['serial'] / figures['separate']:.2f}")
-    return {"packed_total_img_per_s": rates["stacked"], "serial_total_img_per_s": rates["serial"],
-            "separate_total_img_per_s": rates["separate"], "packed_epoch2_img_per_s": steady["stacked"],
+        print(f"{key}: serial/separate = {figures['serial'] / figures['separate']:.2f}")
+    return {"serial_total_img_per_s": rates["serial"], "separate_total_img_per_s": rates["separate"],
             "serial_epoch2_img_per_s": steady["serial"], "separate_epoch2_img_per_s": steady["separate"],
             "members": n}
 
 
-def capture_rates(dataset: str, batch: int, steps: int, counts: list[int], device: torch.device) -> dict[str, float]:
-    """Epoch-2 images/s in all of N runs (each N of ``counts``): stacked and captured in one process, N captured
-    processes side by side, and stacked eagerly; two epochs of ``steps`` updates per run, no dropout (which a
-    captured stack cannot replay per run)."""
-    args = [sys.executable, "-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset,
-            "--epochs", "2", "--max-train-samples", str(batch * steps), "--max-eval-samples", "100",
-            "--batch-size", str(batch), "--device", str(device), "--no-progress", "--save-every", "2", "--overwrite",
-            "--model-kwargs", *(f"{k}=0" for k in NO_DROPOUT)]
-    figures: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-capture-") as tmp:
-        for n in counts:
-            seeds = ["--seed", *map(str, range(n))]
-            for name, flags in (("stacked+captured", ["--capture"] + ["--stack"] * (n > 1)),
-                                ("stacked eager", ["--stack"] if n > 1 else [])):
-                subprocess.run([*args, *seeds, *flags, "--output", f"{tmp}/{name}{n}-s{{seed}}"], check=True,
-                               capture_output=True)
-                figures[f"{n} {name}"] = epoch2_total([Path(f"{tmp}/{name}{n}-s{i}") for i in range(n)], True)
-            if n > 1:
-                env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
-                procs = [subprocess.Popen([*args, "--seed", str(i), "--capture", "--output", f"{tmp}/p{n}-{i}"],
-                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                         for i in range(n)]
-                if any(proc.wait() for proc in procs):
-                    raise UserError("a captured training process of --capture-runs failed; run it alone to see why")
-                figures[f"{n} captured processes side by side"] = epoch2_total(
-                    [Path(f"{tmp}/p{n}-{i}") for i in range(n)], True)
-    for label, rate in figures.items():
-        print(f"{label + f', batch {batch} each, epoch 2':<64} {rate:10.1f} img/s in all")
-    return figures
-
-
 def epoch2_total(runs: list[Path], together: bool) -> float:
     """Images/s in all of ``runs`` in their epoch 2 (each ``log.csv`` row: the run's own training rate): the sum
-    when they trained at the same time (stacked, or processes side by side), the rate of doing them one after
-    another (equal epochs: ``n / sum(1 / rate)``) otherwise."""
+    when they trained at the same time (processes side by side), the rate of doing them one after another (equal
+    epochs: ``n / sum(1 / rate)``) otherwise."""
     rates = [read_log(run / "log.csv")[-1]["img_per_s"] for run in runs]
     return sum(rates) if together else len(rates) / sum(1 / r for r in rates)
 
@@ -484,7 +352,9 @@ def _check_args(args: argparse.Namespace, given: frozenset[str]) -> None:
 
 def build_parser() -> CliParser:
     """The benchmark's flags; each optional comparison is off unless asked for."""
-    p = CliParser(prog="python scripts/bench_train.py", description=__doc__.split("\n\n")[0])
+    p = CliParser(prog="python scripts/bench_train.py", description=__doc__.split("\n\n")[0],
+                  removed={"--capture-runs": "time N separate processes with --concurrent N ..., and CUDA graphs with "
+                                             "--compile reduce-overhead"})
     p.checks.append(lambda args: _check_args(args, p.given))
     p.add_argument("--dataset", default=str(SHARED) if SHARED.exists() else "cifar10-sample")
     p.add_argument("--batch-size", type=positive_int, default=128)
@@ -502,19 +372,16 @@ def build_parser() -> CliParser:
                    help="also time N seeds in one train process vs N processes")
     p.add_argument("--compile", nargs="+", default=[], choices=COMPILE_MODES, metavar="MODE",
                    help=f"also time (a) through torch.compile in each mode given ({', '.join(COMPILE_MODES)})")
-    p.add_argument("--capture-runs", type=positive_int, nargs="+", default=[],
-                   help="CUDA: add (g), the captured full loop, and time N runs captured (stacked, and N processes) "
-                        "for each N given (e.g. 1 8 32)")
-    p.add_argument("--profile", type=positive_int, nargs="?", const=8, default=None, metavar="N",
-                   help="CUDA: profile (a), (g) and N runs stacked and captured (gs; default N 8): wall against GPU "
-                        "kernel time per step, kernels per step, the costliest kernels")
+    p.add_argument("--profile", action="store_true",
+                   help="CUDA: profile (a), and (a) in each --compile mode: wall against GPU kernel time per step, "
+                        "kernels per step, the costliest kernels")
     p.add_argument("--json", type=Path, help="write every figure of this run, with the machine's name, to this file")
     return p
 
 
 def single_runs(args: argparse.Namespace, dtype: torch.dtype, precision: str,
                 device: torch.device) -> tuple[dict, dict]:
-    """Race the one-run variants (and the stacked step with --pack) side by side; print rates and ratios."""
+    """Race the one-run variants side by side; print rates and ratios."""
     b = args.batch_size
     labels = {
         "a": f"(a) full loop: data + augmentation + step ({precision})",
@@ -525,15 +392,9 @@ def single_runs(args: argparse.Namespace, dtype: torch.dtype, precision: str,
         "f": f"(f) bare step, CLS model, fused attention ({precision})",
         "e": f"(e) bare step, CLS model, explicit attention ({precision})",
     }
-    if args.pack > 1 and dtype != torch.float16:
-        labels["s"] = f"(s) bare step, {args.pack} runs stacked, in all ({precision})"
     compiled = {f"a:{mode}": full_loop(args.dataset, b, dtype, device, compile_mode=mode) for mode in args.compile}
     labels |= {key: f"(a) full loop, torch.compile mode={key[2:]} ({precision})" for key in compiled}
-    if args.capture_runs:
-        compiled["g"] = captured_loop(args.dataset, b, dtype, device)
-        labels["g"] = f"(g) full loop, step captured as a CUDA graph ({precision})"
     r = race({
-        **({"s": stacked(args.pack, b, dtype, device)} if "s" in labels else {}),
         **compiled,
         "a": full_loop(args.dataset, b, dtype, device),
         "a0": full_loop(args.dataset, b, dtype, device, **NO_DROPOUT),
@@ -547,9 +408,8 @@ def single_runs(args: argparse.Namespace, dtype: torch.dtype, precision: str,
         print(f"{label:<64} {r[key]:8.1f} img/s")
     print(f"ratios ({precision}): (a)/(b) = {r['a'] / r['b']:.2f}, (a)/(c) = {r['a'] / r['c']:.2f}, "
           f"(b)/(b0) = {r['b'] / r['b0']:.2f}, (a0)/(c) = {r['a0'] / r['c']:.2f}, "
-          f"(e)/(f) = {r['e'] / r['f']:.2f}" + (f", (s)/(b) = {r['s'] / r['b']:.2f}" if "s" in r else "")
-          + "".join(f", (a {key[2:]})/(c) = {r[key] / r['c']:.2f}" for key in compiled if key != "g")
-          + (f", (g)/(a) = {r['g'] / r['a']:.2f}, (g)/(c) = {r['g'] / r['c']:.2f}" if "g" in r else ""))
+          f"(e)/(f) = {r['e'] / r['f']:.2f}"
+          + "".join(f", (a {key[2:]})/(c) = {r[key] / r['c']:.2f}" for key in compiled))
     return r, labels
 
 
@@ -559,8 +419,8 @@ def main(argv: list[str] | None = None) -> None:
     device = resolve_device(args.device)
     if args.ranks and device.type != "cpu":
         raise UserError("--ranks compares CPU processes; drop it or pass --device cpu")
-    if (args.capture_runs or args.profile) and device.type != "cuda":
-        raise UserError("--capture-runs and --profile time CUDA graphs and kernels; pass --device cuda (or drop them)")
+    if args.profile and device.type != "cuda":
+        raise UserError("--profile times CUDA kernels; pass --device cuda (or drop it)")
     dtype = resolve_amp("auto", device)
     precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     b = args.batch_size
@@ -570,8 +430,7 @@ def main(argv: list[str] | None = None) -> None:
                                  "precision": precision, "complete": False}
     r, labels = single_runs(args, dtype, precision, device)
     record |= {"img_per_s": {labels[k]: v for k, v in r.items()},
-               "ratio_vs_stock_timm_b128": r["a"] / r["c"] if b == 128 else None,
-               "captured_vs_stock_timm": r["g"] / r["c"] if "g" in r else None}
+               "ratio_vs_stock_timm_b128": r["a"] / r["c"] if b == 128 else None}
     save(args.json, record)
     if args.bf16_steps:
         n = args.bf16_steps
@@ -586,18 +445,14 @@ def main(argv: list[str] | None = None) -> None:
         compare_ranks(args.dataset, b, args.steps * 3, args.ranks, args.repeats)
     if args.concurrent:
         compare_concurrent(args.dataset, b, args.steps * 3, args.concurrent, device)
-    packed = pack_rates(args.dataset, b, args.steps * 3, args.pack, device) if args.pack else {}
-    record |= {"packed_total_img_per_s": packed.get("packed_total_img_per_s"), **packed}
-    save(args.json, record)
-    if args.capture_runs:
-        record["epoch2_img_per_s_in_all"] = capture_rates(args.dataset, b, args.steps * 3, args.capture_runs, device)
+    if args.pack:
+        record |= pack_rates(args.dataset, b, args.steps * 3, args.pack, device)
         save(args.json, record)
     if args.profile:
         record["profile"] = profile_steps({
             "(a) full loop": full_loop(args.dataset, b, dtype, device),
-            "(g) full loop, captured": captured_loop(args.dataset, b, dtype, device),
-            f"(gs) {args.profile} runs stacked, captured": captured_stack(args.dataset, args.profile, b, dtype,
-                                                                          device)}, 20, device)
+            **{f"(a) full loop, torch.compile mode={mode}": full_loop(args.dataset, b, dtype, device, compile_mode=mode)
+               for mode in args.compile}}, 20, device)
     save(args.json, record | {"complete": True})
 
 

@@ -5,7 +5,7 @@
 #   bash scripts/gpu_lease.sh away PID...               # here, before the calls: pause these processes and their
 #                                                       # children, take results/ out of the tree that travels
 #   bash scripts/gpu_lease.sh back PID...               # here, after them: results/ back, the processes continue
-#   BUDGET_S=S bash scripts/gpu_lease.sh check          # there: versions, tests/test_{graphed,keyed,cuda}.py
+#   BUDGET_S=S bash scripts/gpu_lease.sh check          # there: versions, tests/test_cuda.py
 #   BUDGET_S=S bash scripts/gpu_lease.sh bench          # there: the benchmark record, into $OUT
 #   BUDGET_S=S bash scripts/gpu_lease.sh dose 1 2 3     # there: the clutter dose study's four cells of these seeds
 #   BUDGET_S=S bash scripts/gpu_lease.sh eval 1 2 3     # there, next call while the machine is warm: evaluations
@@ -15,7 +15,7 @@
 # min(540, the device time left - 60), since the device tool kills a call at its limit and then nothing comes back.
 # A step returns at most 8 files and 60 MiB, its logs in one logs.tar. The dose step writes the 0- and 256-fragment
 # canvases beside the checkout (the paths the study records) unless an earlier call on the machine did, checks their
-# hashes against the committed study's, trains each cell's seeds stacked with the step captured as a CUDA graph (the
+# hashes against the committed study's, trains every run of the cells' seeds as its own process, all side by side (the
 # exact train commands of scripts/study.py, which resume), stops them in time to pack the finished runs, without
 # their resume states, into tars of at most three runs each. Unfinished runs, and finished runs beyond what one call
 # returns, stay on the machine: `dose` again, while it is warm (30 s), continues them and returns the rest. faiss
@@ -43,9 +43,6 @@ tree() {  # the processes and all their descendants
     tree $(pgrep -P "$pid" || true)
   done
 }
-
-steps=()  # --pack N --stack for N seeds, when there are several
-pack() { (( $# > 1 )) && steps=(--pack $# --stack) || steps=(); }
 
 setup() {
   t0=$(date +%s)
@@ -136,14 +133,15 @@ check)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, timm, datasets, pyarrow; print('torch', torch.__version__, 'timm', timm.__version__, \
 'datasets', datasets.__version__, 'pyarrow', pyarrow.__version__)"
-  timeout -k 10 "$(left 20)" python3 -m pytest -p no:cacheprovider -n 4 --dist load -q -rfE tests/test_graphed.py \
-    tests/test_keyed.py tests/test_cuda.py 2>&1 | tee "$LOGS/check.log" | tail -40 | tee "$OUT/check.txt"
+  timeout -k 10 "$(left 20)" python3 -m pytest -p no:cacheprovider -n 4 --dist load -q -rfE tests/test_cuda.py \
+    2>&1 | tee "$LOGS/check.log" | tail -40 | tee "$OUT/check.txt"
   ;;
 bench)
   setup
   # bench.json is rewritten after each section: a run stopped at the budget keeps what it measured
   timeout -k 10 "$(left 20)" python3 scripts/bench_train.py --device cuda --dataset .gpu/cifar10 --steps 20 \
-    --capture-runs 1 8 32 --profile 8 --json "$OUT/bench.json" 2>&1 | tail -40 | tee "$OUT/bench.txt"
+    --compile default reduce-overhead --concurrent 1 8 32 --profile --json "$OUT/bench.json" 2>&1 | tail -40 \
+    | tee "$OUT/bench.txt"
   ;;
 dose)
   setup
@@ -151,8 +149,7 @@ dose)
   (( ${#seeds[@]} )) || { echo "error: name the seeds, e.g. dose 1 2 3" >&2; exit 2; }
   canvases
   echo "data in $(( $(date +%s) - t0 )) s"
-  pack "${seeds[@]}"
-  mapfile -t cmds < <(python3 - "${seeds[@]}" -- "${steps[@]}" <<EOF | grep '^python3 -m timm_rollout.train ' || true
+  mapfile -t cmds < <(python3 - "${seeds[@]}" <<EOF | grep '^python3 -m timm_rollout.train ' || true
 import importlib.util, shlex, sys, types
 try:  # study.py imports the harness, which imports faiss: not needed to build train commands, nor carried here
     import faiss  # noqa: F401
@@ -161,20 +158,20 @@ except ImportError:
 spec = importlib.util.spec_from_file_location("study", "scripts/study.py")
 study = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(study)
-split = sys.argv.index("--")
-seeds, packing = sys.argv[1:split], sys.argv[split + 1:]
+seeds = sys.argv[1:]
 for dataset, out, extra in (("../cifar10-clutter256", "$DOSE", ["--also-eval", "../cifar10-clutter0"]),
                             ("../cifar10-clutter0", "$DOSE/fragments0", [])):
     args = study.build_parser().parse_args(
         ["--dataset", dataset, *extra, "--primary", "gap:rollout", "--epochs", "20", "--seeds", *seeds,
          "--arms", "gap", "rollout", "--faithfulness-images", "1000", "--output", out, "--train-args", """$TA""",
-         "--device", "cuda", *packing, "--capture"])
+         "--device", "cuda"])
     for arm in args.arms:
-        flags = study.train_command(args, arm, [int(s) for s in seeds], f"{out}/runs/{arm}-s{{seed}}")
-        print(shlex.join(["python3", "-m", "timm_rollout.train", "--no-progress", *flags]))
+        for seed in seeds:
+            flags = study.train_command(args, arm, [int(seed)], f"{out}/runs/{arm}-s{seed}")
+            print(shlex.join(["python3", "-m", "timm_rollout.train", "--no-progress", *flags]))
 EOF
 )
-  (( ${#cmds[@]} == 4 )) || { echo "error: the four train commands could not be built (the error above)" >&2; exit 1; }
+  (( ${#cmds[@]} == 4 * ${#seeds[@]} )) || { echo "error: the train commands could not be built (the error above)" >&2; exit 1; }
   limit=$(left "$PACKING_S")
   (( limit > 30 )) || { echo "error: no time left to train in BUDGET_S=$BUDGET_S s" >&2; exit 2; }
   echo "training for at most $limit s"

@@ -61,13 +61,15 @@ from harness.compare import (
     summarise,
 )
 from harness.diagnose import outdated
+from harness.dose import contrast_metric, dose_section
 from harness.eval import set_pool
 from harness.features import saliency_maps
 from harness.figures import plot_heatmaps, plot_object_weights, plot_pooling_diagnostics
 from harness.metrics import LOCALISATION, POOLING_DIAGNOSTICS
+from harness.predictions import read_predictions
 from timm_rollout.atomic import save_figure, write_json, write_text
 from timm_rollout.data import dataset_arg, load_image_set, normalize
-from timm_rollout.device import device_arg, resolve_device
+from timm_rollout.device import device_arg
 from timm_rollout.errors import (
     CliParser,
     UserError,
@@ -176,7 +178,9 @@ IDENTITY = ("model", "dataset", "epochs", "train_args", "max_train_samples", "ev
 
 def build_parser() -> CliParser:
     """The CLI; bad values are one-line errors before anything is recorded in ``study.json``."""
-    p = CliParser(prog="python scripts/study.py", description=__doc__.splitlines()[0], checks=[check_train_args])
+    p = CliParser(prog="python scripts/study.py", description=__doc__.splitlines()[0], checks=[check_train_args],
+                  removed={"--stack": "run seeds side by side as separate processes with --jobs N",
+                           "--capture": "for CUDA graphs pass --train-args '--compile --compile-mode reduce-overhead'"})
     p.add_argument("--dataset", required=True, type=as_type(dataset_arg),
                    help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or folder")
     p.add_argument("--epochs", type=positive_int, required=True)
@@ -196,10 +200,11 @@ def build_parser() -> CliParser:
                    help="k-NN bank: N random train images per class (default: all)")
     p.add_argument("--faithfulness-images", type=non_negative_int, default=0,
                    help="deletion/insertion faithfulness on N evaluated images (0: off)")
-    p.add_argument("--also-eval", type=as_type(dataset_arg), metavar="DATASET",
-                   help="also evaluate every run on this data set's test split (the same classes, e.g. the same "
-                        "objects without clutter; no k-NN bank or faithfulness there): the report adds each arm's "
-                        "top-1 on it and the paired change; remembered by the folder")
+    p.add_argument("--also-eval", type=as_type(dataset_arg), metavar="DATASET", nargs="+",
+                   help="also evaluate every run on these data sets' test splits (the same classes, e.g. the same "
+                        "objects without clutter, or at several doses of clutter, lowest first; no k-NN bank or "
+                        "faithfulness there): the report adds each arm's top-1 on each and the paired changes, and "
+                        "with several the dose analysis; remembered by the folder")
     p.add_argument("--primary", type=as_type(primary_arg), metavar="BASE:ARM",
                    help="the comparison named before the runs, e.g. gap:rollout for rollout - gap: its table comes "
                         "first and only its top-1 is the primary test (the others' top-1 rows are uncorrected, "
@@ -213,12 +218,6 @@ def build_parser() -> CliParser:
     p.add_argument("--pack", type=positive_int, default=1,
                    help="seeds of one arm trained in one trainer process, one after another (data loaded once); "
                         "not part of the study's identity")
-    p.add_argument("--stack", action="store_true",
-                   help="with --pack, a job's seeds train stacked (timm_rollout.train --stack: one vmapped pass per "
-                        "step for all of them, for GPUs); not part of the study's identity")
-    p.add_argument("--capture", action="store_true",
-                   help="train with the step recorded as a CUDA graph (timm_rollout.train --capture, GPUs); not part "
-                        "of the study's identity")
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="runs side by side, the CPU cores split between them (and the GPUs, when several are visible)")
     p.add_argument("--commit", action="store_true",
@@ -238,7 +237,6 @@ STUDY_SETS = {
     "model": "use the study's --model", "dataset": "use the study's --dataset",
     "epochs": "use the study's --epochs", "seed": "use the study's --seeds", "output": "use the study's --output",
     "device": "use the study's --device", "max_train_samples": "use the study's --max-train-samples",
-    "stack": "use the study's --pack N --stack", "capture": "use the study's --capture",
     "pool": "choose the pooling with --arms",
     "pool_kwargs": "choose the pooling with --arms",
     "resume": "drop it: re-running the study command resumes interrupted runs",
@@ -307,10 +305,6 @@ def train_command(args: argparse.Namespace, arm: str, seeds: Sequence[int], outp
            *merge_model_kwargs(shlex.split(args.train_args), kwargs), *flags]
     if args.max_train_samples is not None:
         cmd += ["--max-train-samples", str(args.max_train_samples)]
-    if args.stack:
-        cmd.append("--stack")
-    if args.capture:
-        cmd.append("--capture")
     return cmd
 
 
@@ -367,13 +361,14 @@ def _remember(args: argparse.Namespace, saved: dict[str, Any], out: Path) -> Non
     out; one given otherwise is refused."""
     for key in REMEMBERED:
         was, now = saved.get(key), getattr(args, key)
-        was = tuple(was) if isinstance(was, list) else was
+        was = (was,) if key == "also_eval" and isinstance(was, str) else was  # recorded as one name before lists
+        was, now = (tuple(v) if isinstance(v, list) else v for v in (was, now))
         flag = f"--{key.replace('_', '-')}"
         if now is not None and was is not None and now != was:
-            shown = ":".join(was) if isinstance(was, tuple) else was
+            shown = (" " if key == "also_eval" else ":").join(was) if isinstance(was, tuple) else was
             raise UserError(f"{out} was run with {flag} {shown}; repeat it, or leave {flag} out to keep it")
         if now is None:
-            setattr(args, key, was)
+            setattr(args, key, list(was) if key == "also_eval" and was is not None else was)
 
 
 def check_interaction(args: argparse.Namespace, out: Path, typed: bool) -> None:
@@ -540,17 +535,19 @@ def run_arm(args: argparse.Namespace, arm: str, seeds: Sequence[int], runs: dict
         posthoc = [name for name in POSTHOC if arm == "cls"]
         for name in posthoc:
             eval_run(args, model, seed, run, evals[name, seed], pool=POSTHOC[name])
-        also = [also_folder(args, name, seed) for name in (arm, *posthoc)] if args.also_eval else []
-        for name, folder in zip((arm, *posthoc), also, strict=False):
-            eval_run(args, model, seed, run, folder, pool=POSTHOC.get(name), dataset=args.also_eval)
+        also = [(name, dataset, also_folder(dataset, args.output, name, seed)) for dataset in args.also_eval or ()
+                for name in (arm, *posthoc)]
+        for name, dataset, folder in also:
+            eval_run(args, model, seed, run, folder, pool=POSTHOC.get(name), dataset=dataset)
         if args.commit:
-            commit_paths([run, evals[arm, seed], *(evals[name, seed] for name in posthoc), *also],
+            commit_paths([run, evals[arm, seed], *(evals[name, seed] for name in posthoc), *(f for *_, f in also)],
                          _commit_message(arm, seed, evals[arm, seed], [POSTHOC[name] for name in posthoc]))
 
 
-def also_folder(args: argparse.Namespace, arm: str, seed: int) -> Path:
-    """Where ``--also-eval`` puts the evaluation of ``arm``'s seed: ``eval-<data set folder name>/<arm>-s<seed>``."""
-    return Path(args.output) / f"eval-{Path(args.also_eval).name}" / f"{arm}-s{seed}"
+def also_folder(dataset: str, output: str | Path, arm: str, seed: int) -> Path:
+    """Where ``--also-eval`` puts the evaluation of ``arm``'s seed on ``dataset``:
+    ``<output>/eval-<data set folder name>/<arm>-s<seed>``."""
+    return Path(output) / f"eval-{Path(dataset).name}" / f"{arm}-s{seed}"
 
 
 def packed(todo: Sequence[tuple[str, int]], pack: int) -> list[tuple[str, list[int]]]:
@@ -597,11 +594,12 @@ def means_table(groups: dict[str, Group], metrics: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def delta_tables(groups: dict[str, Group], metrics: Sequence[str], primary: tuple[str, str] | None = None) -> str:
+def delta_tables(groups: dict[str, Group], metrics: Sequence[str], primary: tuple[str, str] | None = None,
+                 primary_metric: str = PRIMARY) -> str:
     """Paired statistics of every arm against each of ``REFERENCES`` the study has (``cls``, ``gap``,
     ``rollout``), one table per comparison; a pair already shown against an earlier reference is not repeated.
     ``primary`` (base, arm): that comparison first, the only one whose top-1 is marked primary (the others' top-1
-    rows read "uncorrected")."""
+    rows read "uncorrected"). ``primary_metric``: the metric of the primary test (top-1, or the dose contrast)."""
     pairs = [(ref, arm) for ref in REFERENCES if ref in groups for arm in groups
              if arm not in REFERENCES[: REFERENCES.index(ref) + 1]]
     if primary is not None and all(a in groups for a in primary):
@@ -611,7 +609,8 @@ def delta_tables(groups: dict[str, Group], metrics: Sequence[str], primary: tupl
         first = primary is not None and (base, arm) == primary
         label = "primary" if primary is None or first else "uncorrected"
         parts += [f"### {arm} - {base}" + (" (the primary comparison)" if first else ""), "",
-                  render_comparison(compare_groups(groups[base], groups[arm], metrics), primary_label=label), ""]
+                  render_comparison(compare_groups(groups[base], groups[arm], metrics, primary=primary_metric),
+                                    primary=primary_metric, primary_label=label), ""]
     return "\n".join(parts)
 
 
@@ -689,7 +688,8 @@ def tested_metrics(extra: Sequence[str]) -> list[str]:
     return tested + [m for m in LOCALISATION if m not in (*CHANCE_LEVELS, *DESCRIPTIVE)]
 
 
-def _report_tables(groups: dict[str, Group], extra: list[str], primary: tuple[str, str] | None) -> list[str]:
+def _report_tables(groups: dict[str, Group], extra: list[str], primary: tuple[str, str] | None,
+                   primary_metric: str = PRIMARY) -> list[str]:
     """The report's statistics: means per arm, paired differences, and the original study's geometry."""
     shown = [*METRICS, *POOLING_DIAGNOSTICS, *extra]
     tested = tested_metrics(extra)
@@ -703,9 +703,12 @@ def _report_tables(groups: dict[str, Group], extra: list[str], primary: tuple[st
              "they are shown, not tested.", "", means_table(groups, shown), ""]
     if len(groups) > 1:
         named = "" if primary is None else (
-            f" The primary comparison, named before the runs, is {primary[1]} - {primary[0]} in {PRIMARY} (the first "
-            f"table); the {PRIMARY} rows of the other comparisons are secondary, and uncorrected too.")
-        lines += ["## Paired differences", "", STATISTICS_NOTE + named, "", delta_tables(groups, tested, primary)]
+            f" The primary comparison, named before the runs, is {primary[1]} - {primary[0]} in {primary_metric} (the "
+            f"first table); the {primary_metric} rows of the other comparisons are secondary, and uncorrected too.")
+        if primary_metric != PRIMARY:
+            named += f" With several --also-eval data sets the primary metric is {primary_metric}, not {PRIMARY}."
+        lines += ["## Paired differences", "", STATISTICS_NOTE + named, "",
+                  delta_tables(groups, tested, primary, primary_metric)]
     if any(g.mean.get(m) is not None for g in groups.values() for m in ORIGINAL_METRICS):
         lines += ["## The original study's geometry", "",
                   "Its mixed units (Euclidean intra, cosine-distance inter), only to set these runs beside its table; "
@@ -850,8 +853,9 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         "linear-probe training set (definitions in harness/README.md).", "",
         *data_section(args, out),
         *notes_section(out),
-        *_report_tables(groups, extra, args.primary),
+        *_report_tables(groups, extra, args.primary, primary_metric(args)),
         *localisation_section(out, groups, seeds, results),
+        *dose_report(args, seeds),
         *interaction_section(args, out, dict(zip(pairs, results, strict=True)), tested_metrics(extra)),
         "## Training curves", "", "![training curves](curves.png)", "",
         *(["## Pooling diagnostics", "", POOLING_NOTE, "", f"![pooling diagnostics]({POOLING_FILE})", "",
@@ -876,11 +880,39 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
     return write_text(out / REPORT_FILE, "\n".join(lines) + "\n")
 
 
+def primary_metric(args: argparse.Namespace) -> str:
+    """The metric of the primary test: the dose contrast with several ``--also-eval`` data sets, else top-1."""
+    names = [Path(d).name for d in args.also_eval or ()]
+    return contrast_metric(names) if len(names) > 1 and args.primary else PRIMARY
+
+
+def dose_report(args: argparse.Namespace, seeds: Sequence[int]) -> list[str]:
+    """The dose section (:mod:`harness.dose`) over the seeds whose primary arms were evaluated on every
+    ``--also-eval`` data set; nothing with fewer than two data sets or without ``--primary``."""
+    names = [Path(d).name for d in args.also_eval or ()]
+    if len(names) < 2 or not args.primary:
+        return []
+    folders = {(a, s, Path(d).name): also_folder(d, args.output, a, s) for a in args.primary for s in seeds
+               for d in args.also_eval}
+    done = [s for s in seeds if all((folders[a, s, n] / RESULTS_FILE).is_file() for a in args.primary for n in names)]
+    if not done:
+        return []
+    keys = [k for k in folders if k[1] in done]
+    results = dict(zip(keys, load_results([folders[k] for k in keys]), strict=True))
+    found = {k: read_predictions(folders[k]) for k in keys}
+    same = all(f is not None and (f["index"], f["label"]) == (found[keys[0]]["index"], found[keys[0]]["label"])
+               for f in found.values())  # image-level needs every model on the same images, in one order
+    hits = {k: (np.asarray(f["predicted"]["top1"]) == np.asarray(f["label"])).astype(np.float64)
+            for k, f in found.items()} if same else None
+    return dose_section(*args.primary, names, done, results, hits)
+
+
 def data_section(args: argparse.Namespace, out: Path) -> list[str]:
     """The data sets' cards (a folder's README.md, as scripts/make_cluttered.py writes it): title, and a copy in
     ``out/data/`` (committed with the report: the data sets themselves are not, and are made again from it)."""
     lines = []
-    for role, dataset in (("trained and evaluated on", args.dataset), ("also evaluated on", args.also_eval)):
+    for role, dataset in (("trained and evaluated on", args.dataset),
+                          *(("also evaluated on", d) for d in args.also_eval or ())):
         title = data_card_title(dataset) if dataset else None
         if title is not None:
             copy = write_text(out / DATA_DIR / f"{Path(dataset).name}.md",
@@ -891,14 +923,18 @@ def data_section(args: argparse.Namespace, out: Path) -> list[str]:
 
 
 def also_metrics(args: argparse.Namespace, arm: str, seed: int, result: dict[str, Any]) -> dict[str, float]:
-    """``--also-eval``: the run's top-1 on the other data set's test split and its paired change from the study's
-    (e.g. the top-1 a model loses to clutter, when the other set holds the same objects without it)."""
-    found = also_results(args, arm, seed)[1]
-    if not found:
-        return {}
-    other = found[0]["metrics"]["top1"]
-    name = Path(args.also_eval).name
-    return {f"top1 on {name}": other, f"top1 on {name} - top1": other - result["metrics"]["top1"]}
+    """``--also-eval``: the run's top-1 on each other data set's test split and its paired change from the study's
+    (e.g. the top-1 a model loses to clutter, when the other set holds the same objects without it); with several,
+    also the last minus the first (:func:`harness.dose.contrast_metric`: its paired comparison is the dose
+    interaction)."""
+    top1 = {folder.parent.name.removeprefix("eval-"): r["metrics"]["top1"]
+            for folder, r in zip(*also_results(args, arm, seed), strict=True)}
+    found = {f"top1 on {name}": v for name, v in top1.items()}
+    found |= {f"top1 on {name} - top1": v - result["metrics"]["top1"] for name, v in top1.items()}
+    names = [Path(d).name for d in args.also_eval or ()]
+    if len(names) > 1 and names[0] in top1 and names[-1] in top1:
+        found[contrast_metric(names)] = top1[names[-1]] - top1[names[0]]
+    return found
 
 
 LOCALISATION_NOTE = (
@@ -926,7 +962,8 @@ LOCALISATION_NOTE = (
 
 
 # the same for every arm: shown, not tested
-CHANCE_LEVELS = ("object_area_fraction", "content_chance", "object_content_fraction", "pointing_chance")
+CHANCE_LEVELS = ("object_area_fraction", "content_chance", "position_prior_mass", "object_content_fraction",
+                 "pointing_chance")
 # restate the object mass (the mean weight over the box and over the rest) or describe the weights: shown only
 DESCRIPTIVE = ("pooling_weight_inside", "pooling_weight_outside", "pooling_effective_patches")
 
@@ -1081,11 +1118,11 @@ def run_line(args: argparse.Namespace, out: Path, arm: str, seed: int, run: Path
 
 
 def also_results(args: argparse.Namespace, arm: str, seed: int) -> tuple[list[Path], list[dict[str, Any]]]:
-    """The ``--also-eval`` evaluation of ``arm``'s seed, when there is one: ([folder], [results]), else empty."""
-    folder = also_folder(args, arm, seed) if args.also_eval else None
-    if folder is None or not (folder / RESULTS_FILE).is_file():
-        return [], []
-    return [folder], load_results([folder])
+    """The ``--also-eval`` evaluations of ``arm``'s seed that exist, in the order of the data sets: (folders,
+    results)."""
+    folders = [also_folder(d, args.output, arm, seed) for d in args.also_eval or ()]
+    folders = [f for f in folders if (f / RESULTS_FILE).is_file()]
+    return folders, load_results(folders) if folders else []
 
 
 def run_short(path: str) -> str:
@@ -1121,10 +1158,6 @@ def faithfulness_metrics(result: dict[str, Any]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> Path | None:
     args = build_parser().parse_args(argv)
     args.command = shlex.join(["python", "scripts/study.py", *(sys.argv[1:] if argv is None else argv)])
-    if args.stack and args.pack < 2:
-        raise UserError("--stack stacks the seeds of one --pack job; add --pack N with N of at least 2")
-    if args.capture and not args.report_only and resolve_device(args.device).type != "cuda":
-        raise UserError("--capture records the training step as a CUDA graph; pass --device cuda (or drop it)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     args.threads = None if args.jobs == 1 else max(1, cores // args.jobs)
     out = Path(args.output)

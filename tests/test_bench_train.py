@@ -48,8 +48,8 @@ def test_json_keeps_the_finished_sections_of_a_run_cut_off_later(tmp_path: Path,
         bench_train.main(["--device", "cpu", "--pack", "2", "--json", str(out)])
     cut = json.loads(out.read_text())
     assert cut["complete"] is False and cut["ratio_vs_stock_timm_b128"] == pytest.approx(3.0)
-    assert cut["img_per_s"] == {"(a) full loop": 30.0, "(c) stock timm": 10.0} and "packed_total_img_per_s" not in cut
-    monkeypatch.setattr(bench_train, "pack_rates", lambda *a: {"packed_total_img_per_s": 5.0, "members": 2})
+    assert cut["img_per_s"] == {"(a) full loop": 30.0, "(c) stock timm": 10.0} and "serial_total_img_per_s" not in cut
+    monkeypatch.setattr(bench_train, "pack_rates", lambda *a: {"serial_total_img_per_s": 5.0, "members": 2})
     bench_train.main(["--device", "cpu", "--pack", "2", "--json", str(out)])
     whole = json.loads(out.read_text())
-    assert whole["complete"] is True and whole["packed_total_img_per_s"] == 5.0 and whole["members"] == 2
+    assert whole["complete"] is True and whole["serial_total_img_per_s"] == 5.0 and whole["members"] == 2

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from timm_rollout.errors import UserError
-from timm_rollout.train import build_parser
+from timm_rollout.train import _merge_saved_args, build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["timm_rollout.train", "--dataset", "cifar10-sample", "--output", "{out}", "--device", "cpu", "--amp",
@@ -58,8 +58,16 @@ CASES = [
     (TRAIN, ["--model-kwargs", "dpeth=2"], "cannot be built with {'dpeth': 2}"),
     (TRAIN, ["--model-kwargs", "depth"], "argument --model-kwargs: expected KEY=VALUE"),
     (TRAIN, ["--opt", "adamx"], "unknown optimizer 'adamx'; did you mean"),
-    (TRAIN, ["--stack", "--opt", "lamb"], "--opt lamb may take norms over whole tensors, which would mix the stacked"),
-    (TRAIN, ["--stack", "--amp", "fp16"], "--stack needs one loss scale per run, which fp16's GradScaler does not"),
+    # Removed flags: one line naming what to use instead.
+    (TRAIN, ["--seed", "0", "1", "--stack"], "--stack was removed; train many runs as separate processes with "
+                                             "scripts/study.py --jobs N"),
+    (TRAIN, ["--capture"], "--capture was removed; for CUDA graphs use --compile --compile-mode reduce-overhead"),
+    (TRAIN, ["--dropout-draws", "keyed"], "--dropout-draws was removed; drop it: dropout and drop-path masks come "
+                                          "from torch's generators"),
+    (STUDY, ["--pack", "2", "--stack"], "--stack was removed; run seeds side by side as separate processes with "
+                                        "--jobs N"),
+    (STUDY, ["--capture"], "--capture was removed; for CUDA graphs pass --train-args '--compile --compile-mode "
+                           "reduce-overhead'"),
     (TRAIN, ["--pool", "attention"], "argument --pool: invalid choice: 'attention'"),
     (TRAIN, ["--pool-kwargs", "head_fusion=max"], "--pool-kwargs are rollout options; add --pool rollout"),
     (TRAIN, ["--pool", "rollout", "--pool-kwargs", "head_fusion=median"], "unknown head_fusion 'median'"),
@@ -202,8 +210,6 @@ def test_bad_values_are_one_line_errors_with_exit_code_2(tmp_path: Path) -> None
 
 def _resume(tmp_path: Path, *flags: str):
     """Parse ``flags`` as the train CLI does and merge them with a run saved with --lr 1e-3 and depth=2."""
-    from timm_rollout.train import _merge_saved_args
-
     saved = {"lr": 1e-3, "epochs": 3, "model_kwargs": {"depth": 2}, "workers": 2, "dataset": "cifar10-sample"}
     (tmp_path / "train_args.json").write_text(json.dumps(saved))
     parser = build_parser()
@@ -221,6 +227,24 @@ def test_resume_refuses_a_typed_flag_that_differs_even_at_its_default(tmp_path: 
     assert merged.lr == 1e-3 and merged.epochs == 3 and merged.model_kwargs == {"depth": 2}
     merged = _resume(tmp_path, "--lr", "1e-3", "--model-kwargs", "depth=2", "--workers", "1")
     assert merged.lr == 1e-3 and merged.workers == 1  # the same values typed again; where/how it runs may change
+
+
+def test_resume_drops_the_keys_of_removed_flags_and_refuses_what_it_cannot_continue(tmp_path: Path) -> None:
+    """Runs recorded with the removed ``stack``/``capture``/``dropout_draws`` keys at their plain values (as every
+    committed run is) resume; one trained with keyed draws or a captured step is refused in one line."""
+    saved = {"lr": 1e-3, "epochs": 3, "dataset": "cifar10-sample", "stack": False, "capture": False,
+             "dropout_draws": "streams"}
+    parser = build_parser()
+    args = parser.parse_args(["--output", str(tmp_path), "--resume"])
+    for extra in ({}, {"stack": True}):
+        (tmp_path / "train_args.json").write_text(json.dumps({**saved, **extra}))
+        merged = _merge_saved_args(args, tmp_path, parser)
+        assert merged.lr == 1e-3 and not {"stack", "capture", "dropout_draws"} & set(vars(merged))
+    for extra, flag in (({"dropout_draws": "keyed"}, "--dropout-draws keyed"), ({"capture": True}, "--capture")):
+        (tmp_path / "train_args.json").write_text(json.dumps({**saved, **extra}))
+        with pytest.raises(UserError, match=rf"was trained with {flag}, which was removed, so it cannot continue "
+                                            r"exactly; start a new --output$"):
+            _merge_saved_args(args, tmp_path, parser)
 
 
 def test_parser_records_the_flags_typed() -> None:

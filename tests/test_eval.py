@@ -598,3 +598,21 @@ def test_user_errors(checkpoint, tmp_path, tmp_path_factory):
     unlabelled = str(_synthetic_folder(tmp_path, False))
     assert "label column" in _user_error([*base, "--dataset", unlabelled])
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_a_post_hoc_readout_says_so_and_the_summary_names_precision_and_batch(checkpoint, tmp_path, capsys):
+    """[CLS] weights read out by rollout pooling (another architecture) or with --pool: one note line each; the
+    weights evaluated as trained: none. The summary line names the precision and batch size (bf16 results depend
+    on the batch size)."""
+    quick = ["--per-class", "2", "--heatmaps", "0", "--device", "cpu", "--amp", "none", "--batch-size", "16"]
+    harness_eval.main(_args(checkpoint, tmp_path / "a", *quick))
+    out, err = capsys.readouterr()
+    assert err.count("note: ") == 1 and ("note: the weights were trained as vit_tiny_cifar_cls and are read out as "
+                                         "vit_tiny_cifar_rollout (pool rollout): a post-hoc readout") in err
+    assert "(float32, batches of 16, " in out
+    harness_eval.main(["--model", "vit_tiny_cifar_cls", "--checkpoint", str(checkpoint), "--dataset", SAMPLE,
+                       "--output", str(tmp_path / "b"), *quick])
+    assert "note: " not in capsys.readouterr().err
+    harness_eval.main(["--model", "vit_tiny_cifar_cls", "--checkpoint", str(checkpoint), "--dataset", SAMPLE,
+                       "--output", str(tmp_path / "c"), "--pool", "avg", *quick])
+    assert "is read out with --pool avg: a post-hoc readout" in capsys.readouterr().err

@@ -127,7 +127,7 @@ def test_gradient_rollout_explains_the_models_own_readout(cifar, name, kwargs, k
 @pytest.mark.parametrize(("name", "kwargs", "kind"), READOUTS)
 def test_rollout_and_attention_maps_are_the_readout_times_R(cifar, name, kwargs, kind):
     model = tiny(name, depth=3, **kwargs)
-    p = E.forward_with_attention(model, cifar)
+    p = E.gradient_pass(model, cifar)
     r = _readout_by_hand(model, cifar, kind)
     torch.testing.assert_close(p.readout, r)
     full = attention_rollout(p.attentions)  # (B, N, N), the full matrix product
@@ -147,7 +147,7 @@ def test_rollout_and_attention_maps_are_the_readout_times_R(cifar, name, kwargs,
 
 def test_rollout_map_of_a_cls_model_is_its_post_hoc_rollout_pooling(cifar):
     model = tiny("vit_tiny_cifar_cls", depth=3)
-    rollout = E.rollout_map(E.forward_with_attention(model, cifar))
+    rollout = E.rollout_map(E.gradient_pass(model, cifar))
     model.global_pool = "rollout"  # the same weights read out by rollout pooling
     with torch.no_grad():
         torch.testing.assert_close(rollout, model.rollout_weights(model.forward_features(cifar)))
@@ -158,7 +158,7 @@ def test_map_readout_is_the_attention_the_pool_mixes_its_tokens_with(cifar):
     with torch.no_grad():  # a peaked query: a wrong row cannot pass for the near-uniform one of the init
         model.attn_pool.q.weight.normal_(std=0.3, generator=torch.Generator().manual_seed(1))
         model.attn_pool.kv.weight.normal_(std=0.3, generator=torch.Generator().manual_seed(2))
-    p = E.forward_with_attention(model, cifar)
+    p = E.gradient_pass(model, cifar)
     assert p.readout_name == "attention-pool query" and float(p.readout[:, 0].abs().max()) == 0.0
     torch.testing.assert_close(p.readout[:, 1:], _latent_attention_by_hand(model, cifar), rtol=1e-4, atol=1e-6)
     assert float(p.readout.max()) > 2.5 / 64  # far from uniform, so the comparison above has teeth
@@ -198,7 +198,7 @@ def test_batched_maps_equal_one_image_at_a_time(cifar):
 def test_attention_flow_of_one_layer_is_the_attention_row(cifar):
     # with one layer the only path from [CLS] to input patch j has capacity Â[0, j]: flow = rollout row
     model = tiny("vit_tiny_cifar_cls", depth=1)
-    p = E.forward_with_attention(model, cifar[:2])
+    p = E.gradient_pass(model, cifar[:2])
     flow = E.attention_flow(p, 1)
     torch.testing.assert_close(flow, E.rollout_map(p)[1], atol=1e-5, rtol=1e-4)
 
@@ -210,7 +210,7 @@ def test_register_model_without_class_token_reads_the_patch_mean():
     ex = E.explain(model, x, flow=True)
     assert ex.readout == "patch-mean" and ex.grid == (4, 4)
     assert all(v.shape == (2, 16) for v in ex.maps.values())
-    p = E.forward_with_attention(model, x)
+    p = E.gradient_pass(model, x)
     full = attention_rollout(p.attentions, num_prefix_tokens=4)[:, 4:, 4:].mean(dim=1)  # mean of patch rows
     torch.testing.assert_close(ex.maps["rollout, mean of heads"], full / full.sum(dim=1, keepdim=True))
 

@@ -198,6 +198,50 @@ def test_mask_metrics_by_hand():
     assert both["rollout_fill_mass"] == pytest.approx((0.75 + 1.0) / 2)
 
 
+def test_position_nulls_against_a_plain_loop():
+    """position_prior_mass, pooling_fixed_object_mass and <map>_fixed_box_mass: each image-blind map built by
+    averaging per patch in a plain loop, then its mass on each image's box by pixel counting."""
+    g = torch.Generator().manual_seed(7)
+    n, size, grid = 15, (16, 24), (2, 3)
+    boxes = _random_boxes(n, size, seed=9)
+    weights = torch.rand(n, 6, generator=g, dtype=torch.float64)
+    weights /= weights.sum(dim=1, keepdim=True)
+    maps = torch.rand(n, 6, generator=g, dtype=torch.float64) * 5  # shares: each map divided by its sum
+    (h, w), (rows, cols) = size, grid
+    ph, pw = h // rows, w // cols
+    cover = [[sum(bx <= x < bx + bw and by <= y < by + bh for y in range(r * ph, (r + 1) * ph)
+                  for x in range(c * pw, (c + 1) * pw)) / (ph * pw) for r in range(rows) for c in range(cols)]
+             for bx, by, bw, bh in boxes.int().tolist()]
+
+    def fixed(rows_: list[list[float]]) -> list[float]:
+        mean = [sum(r[p] for r in rows_) / len(rows_) for p in range(6)]
+        return [m / sum(mean) for m in mean]
+
+    def mass(fixed_map_: list[float]) -> float:
+        return sum(_dot(fixed_map_, c) for c in cover) / n
+
+    shares = [[v / sum(row) for v in row] for row in maps.tolist()]
+    values = localisation_metrics(weights, {"rollout": maps}, boxes, size, grid)
+    assert values["position_prior_mass"] == pytest.approx(mass(fixed(cover)), abs=1e-12)
+    assert values["pooling_fixed_object_mass"] == pytest.approx(mass(fixed(weights.tolist())), abs=1e-12)
+    assert values["rollout_fixed_box_mass"] == pytest.approx(mass(fixed(shares)), abs=1e-12)
+
+
+def test_position_nulls_by_hand():
+    """Two 4x4 images of four 2x2 patches, objects in patch 0 and in patch 1. The position prior is (1/2, 1/2, 0,
+    0): half its mass on each object. A pooling that always looks at patch 0 scores 0.5 per image, all of it
+    position (its fixed map equals it); one that follows the object scores 1, of which 0.5 is position and 0.5
+    depends on the image. A fixed central map would score whatever it puts on patches 0 and 1 only."""
+    boxes = torch.tensor([[0.0, 0.0, 2.0, 2.0], [2.0, 0.0, 2.0, 2.0]])
+    stuck = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    follows = torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    values = localisation_metrics(stuck, {"rollout": follows}, boxes, (4, 4), (2, 2))
+    assert values["position_prior_mass"] == pytest.approx(0.5) and values["object_area_fraction"] == 0.25
+    assert values["pooling_object_mass"] == pytest.approx(0.5) == values["pooling_fixed_object_mass"]
+    assert values["rollout_box_mass"] == pytest.approx(1.0) and values["rollout_fixed_box_mass"] == pytest.approx(0.5)
+    assert localisation_metrics(follows, {}, boxes, (4, 4), (2, 2))["pooling_fixed_object_mass"] == pytest.approx(0.5)
+
+
 def _loop_context_only(images: np.ndarray, labels: np.ndarray, masks: np.ndarray) -> tuple[np.ndarray, list[bool]]:
     """context_only pixel by pixel: each object pixel from the first image of the label after this one (cyclic
     index order) that shows no object there."""
@@ -385,10 +429,9 @@ def test_object_weights_figure(tmp_path):
 def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(tmp_path):
     """harness.eval on cluttered canvases with masks: the mask metrics of the uniform (gap) pooling against pixels
     counted by hand. Then an older record of the same evaluation (no mask metrics, no content hashes), whose folder
-    was written again (another datasets fingerprint, the same canvases): harness.diagnose shows by the recorded
-    predictions that the images are the evaluated ones, adds exactly what eval computes, and compare then pairs it
-    with a new evaluation by content; changed predictions are refused."""
-    import gzip
+    was written again (another datasets fingerprint, the same canvases): harness.diagnose refuses it, the recorded
+    predictions being no proof of the pixels; with its content hashes recorded it adds exactly what eval computes,
+    and compare pairs it with a new evaluation by content; other content is refused."""
     import json
     import os
 
@@ -441,7 +484,12 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
     with pytest.raises(UserError, match="evaluated on different data"):
         compare.compare_groups(*compare.summarise(compare.load_results([old, tmp_path / "again"]),
                                                   label=lambda r: r["path"]))
-    assert diagnose.update_evaluation(old) == ["mask localisation", "content hashes"]
+    # The labels and top-1 predictions it recorded are reproduced, but that proves nothing about the pixels:
+    with pytest.raises(UserError, match=r"cannot be shown to be the evaluated ones .*no proof\); re-evaluate it"):
+        diagnose.update_evaluation(old)
+    record["data"].update(split_content=full["data"]["split_content"], content=full["data"]["content"])
+    (old / "results.json").write_text(json.dumps(record))  # an evaluation that recorded its content hashes
+    assert diagnose.update_evaluation(old) == ["mask localisation"]
     back = json.loads((old / "results.json").read_text())
     assert back["metrics"] == pytest.approx(full["metrics"]) and back["data"]["content"] == again["data"]["content"]
     compare.compare_groups(*compare.summarise(compare.load_results([old, tmp_path / "again"]),
@@ -452,12 +500,23 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
     (old / "results.json").write_text(json.dumps(newer))
     assert diagnose.update_evaluation(old) == ["mask localisation"]
     assert json.loads((old / "results.json").read_text())["metrics"]["context_top1"] == full["metrics"]["context_top1"]
+    newer = json.loads((old / "results.json").read_text())
+    for key in ("position_prior_mass", "pooling_fixed_object_mass", "rollout_fixed_box_mass"):
+        del newer["metrics"][key]  # recorded before the position nulls existed
+    (old / "results.json").write_text(json.dumps(newer))
+    assert diagnose.outdated(newer) and diagnose.update_evaluation(old) == ["position nulls"]
+    back = json.loads((old / "results.json").read_text())["metrics"]
+    assert back["position_prior_mass"] == found["position_prior_mass"] > found["object_area_fraction"]
+    assert back["pooling_fixed_object_mass"] == pytest.approx(0.25)  # uniform weights: their average is uniform
+    assert back["rollout_fixed_box_mass"] == found["rollout_fixed_box_mass"]
+    from timm_rollout.records import code_version
+
+    assert json.loads((old / "results.json").read_text())["diagnosed"][-1] == {"added": ["position nulls"],
+                                                                              "code": code_version()}
 
     record["data"]["fingerprint"] = record["data"]["subset_fingerprint"] = "elsewhere"
+    record["data"]["content"] = "0" * 64  # other pixels than the ones there now
     (old / "results.json").write_text(json.dumps(record))
-    predictions = json.loads(gzip.decompress((old / "predictions.json.gz").read_bytes()))
-    predictions["predicted"]["top1"][0] = (predictions["predicted"]["top1"][0] + 1) % 10
-    (old / "predictions.json.gz").write_bytes(gzip.compress(json.dumps(predictions).encode()))
     with pytest.raises(UserError, match="cannot be shown to be the evaluated ones"):
         diagnose.update_evaluation(old)
 

@@ -42,7 +42,7 @@ def _argv(out: Path, epochs: int = 1, arms: tuple[str, ...] = ARMS) -> list[str]
     return ["--dataset", "cifar10-sample", "--epochs", str(epochs), "--seeds", "0", "1", "--max-train-samples", "100",
             "--arms", *arms, "--train-args", "--batch-size 20 --model-kwargs depth=1 --warmup-epochs 0 "
             "--max-eval-samples 100 --no-progress --workers 1", "--eval-per-class", "5", "--bank-per-class", "10",
-            "--faithfulness-images", "4", "--heatmaps", "2", "--jobs", "2", "--pack", "2", "--stack", "--device", "cpu",
+            "--faithfulness-images", "4", "--heatmaps", "2", "--jobs", "2", "--pack", "2", "--device", "cpu",
             "--commit", "--output", str(out)]
 
 
@@ -146,8 +146,8 @@ def test_report_matches_the_evaluations(finished):
 
 def test_report_lists_each_runs_wall_time_and_machine(finished):
     """The Runs section repeats what each run recorded: training minutes and the machine of every epoch, the
-    evaluation's minutes, machine and precision (this test's runs trained stacked, two seeds per job, and
-    evaluated on this CPU)."""
+    evaluation's minutes, machine and precision (this test's runs trained two seeds per job, one after another,
+    and evaluated on this CPU)."""
     report = (finished / "report.md").read_text(encoding="utf-8")
     cpu = device_name(torch.device("cpu")).removeprefix("CPU ").rsplit(", ", 1)[0]  # any CPU, "model name" or not
     for arm, seed in ((a, s) for a in SHOWN for s in (0, 1)):
@@ -155,7 +155,7 @@ def test_report_lists_each_runs_wall_time_and_machine(finished):
         summary = json.loads((run / "summary.json").read_text())
         [(machine, epochs)] = summary["machines"].items()
         precision = json.loads((run / "train_args.json").read_text())["amp_dtype"]  # --amp auto: bf16 where native
-        assert re.fullmatch(rf"CPU {re.escape(cpu)}, \d+ threads, {precision}, 2 runs stacked", machine) and epochs == 1
+        assert re.fullmatch(rf"CPU {re.escape(cpu)}, \d+ threads, {precision}", machine) and epochs == 1
         result = json.loads((finished / "eval" / f"{arm}-s{seed}" / "results.json").read_text())
         trained = f"{summary['wall_seconds'] / 60:.1f} min, {machine}: 1 epoch" if arm in ARMS else "the `cls` run"
         line = (f"- {arm}, seed {seed}: training `runs/{study.backbone(arm)}-s{seed}` ({trained}); evaluation "
@@ -327,7 +327,7 @@ def test_rerun_with_other_study_flags_is_refused(finished, tmp_path, repo):
     (["--train-args", "--model vit_tiny_cifar_gap"], "sets --model, which the study sets itself; use the study's --mo"),
     (["--train-args", "--device cpu"], "sets --device, which the study sets itself; use the study's --device"),
     (["--train-args", "--max-train-samples 9"], "sets --max-train-samples, which the study sets itself; use the stu"),
-    (["--train-args=--stack"], "sets --stack, which the study sets itself; use the study's --pack N --stack"),
+    (["--train-args=--stack"], "--train-args: --stack was removed; train many runs as separate processes with scri"),
     (["--train-args=--resume"], "sets --resume, which the study sets itself; drop it: re-running the study command"),
     (["--train-args=--overwrite"], "sets --overwrite, which the study sets itself; drop it: the study never overwri"),
     (["--train-args", "--pool avg"], "sets --pool, which the study sets itself; choose the pooling with --arms"),
@@ -360,15 +360,14 @@ def test_every_trainer_flag_the_study_sets_is_guarded(base):
     """Every flag of the training command the study builds (each arm, on the tiny ViT and on a --model, with every
     study flag that adds one), read by the trainer's own parser, is one --train-args may not set."""
     args = study.build_parser().parse_args(["--dataset", "cifar10-sample", "--epochs", "2", "--output", "out",
-                                            "--max-train-samples", "50", "--pack", "2", "--stack", "--seeds", "0", "1",
+                                            "--max-train-samples", "50", "--pack", "2", "--seeds", "0", "1",
                                             *(["--model", base] if base else []), "--train-args",
                                             "--model-kwargs img_size=32 patch_size=4 depth=1 --lr 1e-3"])
     for arm in study.ARMS:
         command = study.train_command(args, arm, [0, 1], "runs/{arm}-s{seed}")
         given, kwargs = study._train_flags(command)
         assert given - {"model_kwargs", "lr"} <= study.STUDY_SETS.keys(), arm
-        assert {"model", "dataset", "epochs", "seed", "output", "resume", "device", "max_train_samples",
-                "stack"} <= given, arm
+        assert {"model", "dataset", "epochs", "seed", "output", "resume", "device", "max_train_samples"} <= given, arm
         own = {k for k in kwargs if k not in ("img_size", "patch_size", "depth")}
         assert all(k.startswith(study.ARM_KWARGS) for k in own), arm
     trainer = {a.dest for a in study.train_parser()._actions}
@@ -401,11 +400,18 @@ def test_the_folder_remembers_also_eval_and_the_primary_comparison(tmp_path):
     with pytest.raises(UserError, match=r"no seed of .* is finished"):
         study.main([*base, "--also-eval", "cifar10-sample", "--primary", "gap:rollout"])
     saved = json.loads((out / "study.json").read_text())
-    assert saved["also_eval"] == "cifar10-sample" and saved["primary"] == ["gap", "rollout"]
+    assert saved["also_eval"] == ["cifar10-sample"] and saved["primary"] == ["gap", "rollout"]
     args = study.build_parser().parse_args(base)
     args.command = "python scripts/study.py ..."
     study._check_identity(args, out)
-    assert args.also_eval == "cifar10-sample" and args.primary == ("gap", "rollout")
+    assert args.also_eval == ["cifar10-sample"] and args.primary == ("gap", "rollout")
+    (out / "study.json").write_text(json.dumps({**saved, "also_eval": "cifar10-sample"}))  # recorded before lists
+    args = study.build_parser().parse_args(base)
+    args.command = "python scripts/study.py ..."
+    study._check_identity(args, out)
+    assert args.also_eval == ["cifar10-sample"]
+    with pytest.raises(UserError, match=r"was run with --also-eval cifar10-sample; repeat it, or leave --also-eval"):
+        study.main([*base, "--also-eval", "cifar10-sample", "cifar10-sample-2"])
     with pytest.raises(UserError, match=r"was run with --primary gap:rollout; repeat it, or leave --primary out"):
         study.main([*base, "--primary", "cls:rollout"])
     for wrong in ("gap", "gap:gap", "gap:nope"):

@@ -520,9 +520,9 @@ def test_a_killed_several_seed_command_resumes_every_run_from_its_last_epoch(tmp
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_attention_dropout_trains_on_the_explicit_path_on_every_device(device: str) -> None:
-    """Fused attention draws its dropout masks inside the kernel, where a stacked run cannot draw its separate run's:
-    with attention dropout every model trains on timm's explicit path (so --stack works with the original recipe on
-    GPUs); without it, GPUs keep fused attention. Only the model is built (no tensor is moved to the device)."""
+    """Fused attention draws its dropout masks inside the kernel: with attention dropout every model trains on
+    timm's explicit path, its masks drawn by its own dropout module; without it, GPUs keep fused attention. Only the
+    model is built (no tensor is moved to the device)."""
     from types import SimpleNamespace
 
     from timm_rollout.train import _create_model
@@ -636,13 +636,13 @@ def test_the_machine_record_names_compilation_and_processes() -> None:
     from timm_rollout import train as train_module
 
     d, data = SimpleNamespace(device=torch.device("cpu"), world=1), SimpleNamespace(amp_dtype=None)
-    eager = train_module._machine(d, data, SimpleNamespace(compile=False, compile_mode="default", capture=False))
+    eager = train_module._machine(d, data, SimpleNamespace(compile=False, compile_mode="default"))
     compiled = train_module._machine(d, data,
-                                     SimpleNamespace(compile=True, compile_mode="reduce-overhead", capture=False))
+                                     SimpleNamespace(compile=True, compile_mode="reduce-overhead"))
     assert eager.startswith("CPU ") and eager.endswith(", float32")
     assert compiled == f"{eager}, torch.compile mode reduce-overhead"
     two = train_module._machine(SimpleNamespace(device=d.device, world=2), data,
-                                SimpleNamespace(compile=False, compile_mode="default", capture=False))
+                                SimpleNamespace(compile=False, compile_mode="default"))
     assert two == f"{eager}, 2 processes"
 
 
@@ -820,20 +820,10 @@ def test_two_local_folders_of_one_name_and_card_load_their_own_images(tmp_path: 
     assert not list((cache / "timm_rollout_decoded").glob(f"*-{gone}-*"))
 
 
-def test_a_refused_stacked_resume_writes_nothing(tmp_path: Path) -> None:
-    """--stack opens every run before it writes: a resume refused for the second run (trained with another
-    --lr, so not one recipe) leaves the first run as it was; a refused --overwrite leaves the old run."""
-    for seed, lr in ((0, "2e-3"), (1, "1e-3")):
-        train([*TINY, *FP32, "--epochs", "1", "--lr", lr, "--seed", str(seed), "--output", str(tmp_path / "r{seed}")])
+def test_a_refused_overwrite_writes_nothing(tmp_path: Path) -> None:
+    """A refused --overwrite leaves the old run as it was (its files go only when the new run begins)."""
+    train([*TINY, *FP32, "--epochs", "1", "--lr", "2e-3", "--seed", "0", "--output", str(tmp_path / "r0")])
     before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
-    with pytest.raises(UserError, match=r"--stack trains runs of one recipe, but .*r1 was trained with other lr than "
-                                        r".*r0; resume it on its own$"):
-        train([*TINY, *FP32, "--epochs", "2", "--seed", "0", "1", "--stack", "--resume",
-               "--output", str(tmp_path / "r{seed}")])
-    with pytest.raises(UserError, match=r"but .*r2 would train with other lr than .*r0; train it on its own$"):
-        train([*TINY, *FP32, "--epochs", "2", "--seed", "0", "2", "--stack", "--resume",  # r2 new, at the default lr
-               "--output", str(tmp_path / "r{seed}")])
-    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
     with pytest.raises(UserError, match=r"do not fill one batch of 512"):  # refused: the old run stays
         train([*TINY, *FP32, "--epochs", "1", "--batch-size", "512", "--overwrite", "--output", str(tmp_path / "r0")])
     assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before

@@ -144,8 +144,8 @@ def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     """``torch.autocast`` for ``dtype`` on ``device``, or a no-op when ``dtype`` is None. Without autocast's cache
-    of cast weights, which a CUDA graph must not record (PyTorch's rule; ``train --capture``); each weight is cast
-    once per pass anyway, so the values are the same."""
+    of cast weights, which a CUDA graph must not record (PyTorch's rule); each weight is cast once per pass anyway,
+    so the values are the same."""
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_module
 from torch import nn
 
-__all__ = ["FastDropout", "effective_p", "use_fast_dropout"]
+__all__ = ["FastDropout", "use_fast_dropout"]
 
 # Literals below, not module constants, because TorchScript compiles these functions: 65536 = 2**16
 # thresholds per 16-bit slice, -9223372036854775807 - 1 = the lowest int64 (full 64-bit draws).
@@ -25,11 +25,6 @@ __all__ = ["FastDropout", "effective_p", "use_fast_dropout"]
 def _keep_threshold(p: float) -> int:
     """Number of the 65536 16-bit values that keep an element."""
     return int(round((1.0 - p) * 65536))  # noqa: RUF046 (TorchScript round() gives a float)
-
-
-def effective_p(p: float) -> float:
-    """The drop probability ``FastDropout(p)`` realises on CPU."""
-    return 1.0 - _keep_threshold(p) / 65536
 
 
 def _keep_mask(x: torch.Tensor, keep: int) -> torch.Tensor:

@@ -147,14 +147,17 @@ class CliParser(argparse.ArgumentParser):
 
     ``checks`` run on the parsed namespace and raise :class:`UserError` for mistakes that involve several
     flags. After each parse, ``given`` holds the destinations of the flags the user actually typed, so a
-    value equal to the default can be told from an omitted flag.
+    value equal to the default can be told from an omitted flag. ``removed`` maps flags the command no longer
+    has to what to use instead; typing one is refused with that.
     """
 
-    def __init__(self, *args: Any, checks: Sequence[Callable[[argparse.Namespace], None]] = (), **kwargs: Any):
+    def __init__(self, *args: Any, checks: Sequence[Callable[[argparse.Namespace], None]] = (),
+                 removed: dict[str, str] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         # argparse reads -1e-3 or -.5e-1 as a flag: read them as numbers, for the validators to judge
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
         self.checks = list(checks)
+        self.removed = dict(removed or {})
         self.given: frozenset[str] = frozenset()
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -170,7 +173,10 @@ class CliParser(argparse.ArgumentParser):
         args = sys.argv[1:] if args is None else list(args)
         unset = object()
         probe = argparse.Namespace(**{a.dest: unset for a in self._actions if a.dest != argparse.SUPPRESS})
-        super().parse_known_args(args, probe)  # defaults are only filled in for attributes not set yet
+        _, extras = super().parse_known_args(args, probe)  # defaults are only filled in for attributes not set yet
+        gone = next((flag for flag in (e.split("=", 1)[0] for e in extras) if flag in self.removed), None)
+        if gone:
+            raise UserError(f"{gone} was removed; {self.removed[gone]}")
         self.given = frozenset(k for k, v in vars(probe).items() if v is not unset)
         return super().parse_known_args(args, namespace)
 

@@ -56,7 +56,6 @@ __all__ = [
     "attention_flow",
     "chefer_row",
     "explain",
-    "forward_with_attention",
     "gradient_layers",
     "gradient_pass",
     "gradient_rollout",
@@ -207,14 +206,6 @@ def _pass(model: nn.Module, x: torch.Tensor, cap, logits: torch.Tensor,
     pool_attention = latent_attention(model.attn_pool, pool_tokens[-1]) if kind == "map" else None
     readout = readout_row(kind, attentions, prefix, pool_attention, *rollout_options(model))
     return AttentionPass(logits.detach().float(), attentions, prefix, readout, READOUTS[kind], grid)
-
-
-def forward_with_attention(model: nn.Module, x: torch.Tensor) -> AttentionPass:
-    """Logits and attention of every block for normalised images ``x`` (B, 3, H, W), without gradients."""
-    readout_kind(model)  # fail before the pass
-    with torch.inference_mode(), capture_attention(model) as cap, _pool_input(model) as pool_tokens:
-        logits = model(x)
-    return _pass(model, x, cap, logits, pool_tokens)
 
 
 def readout_attention(p: AttentionPass, layer: int = -1) -> torch.Tensor:

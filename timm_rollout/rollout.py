@@ -184,7 +184,7 @@ def rollout_cls_row(
         raise ValueError("attention rollout needs at least one layer of attention")
     onehot = torch.zeros(attentions[-1].shape[-1], device=attentions[-1].device)
     onehot.narrow(0, token_index, 1).fill_(1.0)  # a fill kernel (``onehot[i] = 1.0`` copies a host scalar, which a
-    # CUDA graph cannot record: train --capture)
+    # CUDA graph cannot record)
     return rollout_row(attentions, onehot, head_fusion, discard_ratio, num_prefix_tokens)
 
 

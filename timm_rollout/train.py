@@ -14,8 +14,7 @@ curves; ``summary.json`` appears when all epochs are done.
 The steps, in order: ``_open`` (``_prepare_data``: splits, sizes; ``_build``: model, optimizer, schedule, EMA,
 grad scaler, DDP, ``--compile``; ``_restore`` or ``_write_record``), then per epoch ``_train_epoch`` (no host
 sync per step) and ``_end_epoch`` (``evaluate``, the log row and, on save epochs, ``_save``);
-``_write_summary`` at the end. Several ``--seed`` runs train one after another, or with ``--stack`` together
-(``_train_stacked``: ``_stacked_epoch`` steps a :class:`timm_rollout.packed.Stack` of them).
+``_write_summary`` at the end. Several ``--seed`` runs train one after another in one process.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import difflib
 import json
 import math
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from timm.data import Mixup
-from timm.layers import DropPath, to_2tuple
+from timm.layers import to_2tuple
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -87,20 +87,7 @@ from .errors import (
     run_cli,
     seed_arg,
 )
-from .graphed import (
-    CAPTURE_DEVICES,
-    CAPTURE_OPTIMIZERS,
-    Graphed,
-    Plan,
-    epoch_draws,
-    fill_lrs,
-    learning_rates,
-    set_capturable,
-    tensor_lrs,
-)
-from .keyed import KeyedDropout, KeyedDropPath, set_draw_counters, use_keyed_draws
 from .loading import check_input_size, check_model, create_model, pretrained_config, pretrained_overlay
-from .packed import Stack, Streams, check_stackable, own_streams, seed_everything
 from .pooling import OPTION_ARGS, ROLLOUT, TIMM_POOLS, set_pooling
 from .progress import progress, tqdm
 from .records import (
@@ -123,7 +110,7 @@ __all__ = ["build_parser", "main", "train"]
 RUN_FILES = (*MODEL_FILES, ARGS_FILE, SUMMARY_FILE, LOG_FILE, CURVES_FILE, RESUME_FILE)
 # Flags that may differ when a run is resumed: where it lives and how it runs, not what it computes.
 RESUME_FREE = {"resume", "overwrite", "output", "workers", "device", "no_progress", "save_every", "compile",
-               "compile_mode", "stack", "capture"}
+               "compile_mode"}
 # torch.compile's modes: reduce-overhead replays the compiled passes as CUDA graphs (GPUs; plain compilation on CPU).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 EVAL_BATCH = 500
@@ -132,7 +119,10 @@ BAR_EVERY = 50  # steps between loss updates of the progress bar (each costs one
 
 
 POOLS = (*[p for p in TIMM_POOLS if p], ROLLOUT)  # --pool choices
-DRAWS = ("streams", "keyed")  # --dropout-draws choices
+# Removed flags, each refused in one line that names what to use instead (CliParser's ``removed``).
+REMOVED = {"--stack": "train many runs as separate processes with scripts/study.py --jobs N",
+           "--capture": "for CUDA graphs use --compile --compile-mode reduce-overhead",
+           "--dropout-draws": "drop it: dropout and drop-path masks come from torch's generators, seeded per epoch"}
 # Optimizer schedules that train steps every update (timm's plateau steps on epochs only).
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt", "none")
 
@@ -140,10 +130,9 @@ SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", 
 def build_parser() -> CliParser:
     """The CLI; names follow timm's ``train.py`` where it has them. Bad values are one-line errors at parse time."""
     p = CliParser(prog="python -m timm_rollout.train", description=__doc__.split("\n\n")[0],
-                  checks=[_check_model_args])
+                  checks=[_check_model_args], removed=REMOVED)
     p.checks.append(lambda args: _check_ema_args(args, p.given))
     p.checks.append(lambda args: _check_compile_args(args, p.given))
-    p.checks.append(_check_stack_args)
     _data_args(p.add_argument_group("data"))
     _model_args(p.add_argument_group("model"))
     _optimisation_args(p.add_argument_group("optimisation"))
@@ -189,10 +178,6 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--pretrained-file", type=existing_path, default=None,
                    help="start from these weights (safetensors or a timm checkpoint, never unpickled); the head is "
                         "new when the class count differs, the data are normalised with the model's mean/std")
-    g.add_argument("--dropout-draws", choices=DRAWS, default="streams",
-                   help="streams: dropout and drop-path masks from torch's generators (seeded per epoch); keyed: from "
-                        "a hash of (seed, site, update), so stacked runs draw them in one batched op and --stack "
-                        "--capture can replay them (timm_rollout.keyed)")
     g.add_argument("--model-ema", action="store_true", help="keep a timm ModelEmaV3; evaluate and export it")
     g.add_argument("--model-ema-decay", type=number(float, 0, 1, low_open=True, high_open=True), default=0.9998)
 
@@ -216,13 +201,8 @@ def _run_args(g: argparse._ArgumentGroup) -> None:
     """Output, seeds, device, precision and resume."""
     g.add_argument("--output", required=True, type=output_dir, help="output folder")
     g.add_argument("--seed", type=seed_arg, nargs="+", default=[0],
-                   help="one seed, or several: their runs train one after another in this process (or together "
-                        "with --stack), the data loaded once, into --output with {seed} replaced (e.g. "
-                        "runs/gap-s{seed})")
-    g.add_argument("--stack", action="store_true",
-                   help="train the --seed runs together: parameters stacked, one vmap pass per step doing every "
-                        "run's work (for GPUs, where a small model's step is launch-bound); each run keeps its "
-                        "seed, initialisation, data order and augmentation, and writes its own run folder")
+                   help="one seed, or several: their runs train one after another in this process, the data "
+                        "loaded once, into --output with {seed} replaced (e.g. runs/gap-s{seed})")
     g.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="auto: bf16 where it pays, else fp32")
     g.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
     g.add_argument("--workers", type=positive_int, default=None,
@@ -231,12 +211,9 @@ def _run_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--save-every", type=positive_int, default=1,
                    help="epochs between checkpoint, export, log and plot writes (the last epoch is always saved)")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile the model for training and evaluation (with --stack: the stacked pass)")
+                   help="torch.compile the model for training and evaluation")
     g.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
                    help="torch.compile's mode with --compile (reduce-overhead: CUDA graphs, for launch-bound GPUs)")
-    g.add_argument("--capture", action="store_true",
-                   help="CUDA: record the whole step (batch, forward, backward, clipping, optimizer, EMA) once as a "
-                        "CUDA graph and replay it, the data resident on the GPU (timm_rollout.graphed)")
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--resume", action="store_true",
                       help="continue the run in --output; a larger --epochs trains a finished run further, on a "
@@ -289,16 +266,6 @@ def _check_compile_args(args: argparse.Namespace, given: frozenset[str]) -> None
         raise UserError("--compile-mode sets how --compile compiles; add --compile or drop --compile-mode")
 
 
-def _check_stack_args(args: argparse.Namespace) -> None:
-    """``--stack`` with a typed optimizer or precision it cannot train exactly, refused before anything is written
-    (a resumed run's saved ones, and ``--amp auto`` resolved to fp16, are checked by :func:`_check_stackable`)."""
-    if not args.stack:
-        return
-    _check_stack_optimizer(args.opt)
-    if args.amp == "fp16":
-        raise UserError(STACK_FP16)
-
-
 class NonFiniteLossError(UserError):
     """The training loss became NaN or infinite."""
 
@@ -333,6 +300,13 @@ def _init_distributed(device: str) -> Dist:
         else:
             dist.init_process_group("gloo")
     return Dist(rank, world, dev)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and every GPU), numpy and Python's ``random``, as a run does at the start of each epoch."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 def _seed(*parts: int) -> int:
@@ -406,6 +380,11 @@ def _merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) ->
     is a larger ``--epochs``: the run continues to the new count (:func:`_record_extension`).
     """
     saved = _saved_args(out)
+    for flag, used in (("--dropout-draws keyed", saved.get("dropout_draws") == "keyed"),
+                       ("--capture", saved.get("capture"))):  # removed; other removed keys of a record are ignored
+        if used:
+            raise UserError(f"{out} was trained with {flag}, which was removed, so it cannot continue exactly; "
+                            "start a new --output")
     merged = vars(args).copy()
     for key, value in vars(args).items():
         if key in RESUME_FREE:
@@ -511,8 +490,7 @@ def train(argv: list[str] | None = None) -> Path | list[Path]:
     threads = torch.get_num_threads()
     loaded: dict[tuple, tuple] = {}
     try:
-        outs = _train_stacked(runs, parser, d, loaded) if args.stack else [_train(run, parser, d, loaded)
-                                                                            for run in runs]
+        outs = [_train(run, parser, d, loaded) for run in runs]
         return outs[0] if len(args.seed) == 1 else outs
     finally:
         torch.set_num_threads(threads)
@@ -608,16 +586,11 @@ def _open(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, lo
         raise UserError(f"mixup/cutmix need an even --batch-size, got {args.batch_size}")
 
     data = _prepare_data(args, d, loaded)
-    if args.capture:
-        _check_capture(args, d, data)
     if state == "resume":
         _check_same_data(out, args, data)
     t = _build(args, data, d)
-    if args.capture and args.stack:
-        _check_captured_stack(t.model)
     if state == "resume":
         _restore(t, out / RESUME_FILE)
-        set_capturable(t.optimizer, _capturable(args, d.device))
     return Run(args, out, data, t, _batches(args, data, d, loaded), data.eval.images.to(d.device),
                data.eval.labels.to(d.device), saved_epochs if state == "resume" else None)
 
@@ -644,13 +617,9 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, l
         return Path(args.output)
     _begin(run, d)
     machine = _machine(d, run.data, run.args)
-    captured = _capture([run], None, d) if run.args.capture else None
     for epoch in range(run.t.epoch, run.args.epochs):
         t0 = time.perf_counter()
-        if captured is not None:
-            (train_loss,), lr = _captured_epoch([run], captured, d, epoch)
-        else:
-            train_loss, lr = _train_epoch(run, d, epoch)
+        train_loss, lr = _train_epoch(run, d, epoch)
         _end_epoch(run, d, train_loss, lr, time.perf_counter() - t0, machine)
     if d.main:
         _write_summary(run.out, run.args, run.data, run.t)
@@ -674,230 +643,6 @@ def _end_epoch(run: Run, d: Dist, train_loss: float, lr: float, train_seconds: f
         _report_epoch(t.rows[-1], args.epochs)
 
 
-def _train_stacked(runs: list[argparse.Namespace], parser: argparse.ArgumentParser, d: Dist,
-                   loaded: dict[tuple, tuple]) -> list[Path]:
-    """``--stack``: the runs train together, one stacked update per step (:class:`timm_rollout.packed.Stack`);
-    each epoch takes the runs furthest behind (all of them unless a kill left some one epoch ahead)."""
-    opened = [_open(args, parser, d, loaded) for args in runs]
-    active = [run for run in opened if run is not None]
-    if active:  # none when every run was finished (each said so)
-        _check_stackable(active, d)
-    for run in active:
-        _begin(run, d)
-    stack, stacked = None, []
-    while pending := [run for run in active if run.t.epoch < run.args.epochs]:
-        epoch = min(run.t.epoch for run in pending)
-        group = [run for run in pending if run.t.epoch == epoch]
-        if group != stacked:  # the runs behind catch up first; a stack lives while its runs train together
-            stack, stacked = _stack(group, d), group
-            captured = _capture(group, stack, d) if group[0].args.capture else None
-        t0 = time.perf_counter()
-        if captured is not None:
-            losses, lr = _captured_epoch(group, captured, d, epoch)
-        else:
-            losses, lr = _stacked_epoch(group, stack, d, epoch)
-        runs_stacked = f"{len(group)} run{'s' if len(group) > 1 else ''} stacked"
-        seconds, machine = time.perf_counter() - t0, f"{_machine(d, group[0].data, group[0].args)}, {runs_stacked}"
-        for run, loss in zip(group, losses, strict=True):
-            _end_epoch(run, d, loss, lr, seconds, machine)
-    for run in active:
-        if d.main:
-            _write_summary(run.out, run.args, run.data, run.t)
-    return [Path(args.output) for args in runs]
-
-
-def _stack(group: list[Run], d: Dist) -> Stack:
-    """The runs' models, optimizers and EMAs stacked, with timm's optimizer for the stacked parameters."""
-    first = group[0]
-    return Stack([run.t.model for run in group], [run.t.optimizer for run in group],
-                 [run.t.ema.module for run in group] if first.t.ema is not None else None, first.t.criterion,
-                 lambda groups: _optimizer(groups, first.args, _capturable(first.args, d.device)),
-                 compile=first.args.compile,
-                 compile_mode=first.args.compile_mode)
-
-
-# timm optimizers whose update of a parameter element depends on that element's own state only: on stacked
-# parameters they update every run as alone (LAMB, LARS, Adafactor, AdamP, cautious and orthogonalising
-# optimizers take norms or means over a whole tensor, which would span the runs).
-STACKABLE_OPTIMIZERS = ("adabelief", "adagrad", "adam", "adamw", "lion", "momentum", "nadam", "nadamw", "nesterov",
-                        "radam", "rmsprop", "sgd")
-STACK_FP16 = "--stack needs one loss scale per run, which fp16's GradScaler does not keep; use --amp bf16 or fp32"
-
-
-def _check_stack_optimizer(opt: str) -> None:
-    if opt.lower() not in STACKABLE_OPTIMIZERS:
-        raise UserError(f"--stack needs an optimizer that updates each element on its own "
-                        f"({', '.join(STACKABLE_OPTIMIZERS)}); --opt {opt} may take norms over whole "
-                        "tensors, which would mix the stacked runs; drop --stack")
-
-
-def _check_stackable(runs: list[Run], d: Dist) -> None:
-    """The opened runs (at least one) train together exactly: one process, their saved optimizer and resolved
-    precision stackable, one recipe."""
-    if d.world > 1:
-        raise UserError("--stack trains its runs in one process; drop torchrun (or --stack)")
-    _check_stack_optimizer(runs[0].args.opt)
-    check_stackable(runs[0].t.model)
-    for run in runs:
-        if run.data.amp_dtype == torch.float16:
-            raise UserError(STACK_FP16)
-        same, first = _recipe(run), _recipe(runs[0])
-        if same != first:
-            diff = sorted(k for k in same if same[k] != first.get(k))
-            was, verb = ("was trained", "resume") if run.saved_epochs is not None else ("would train", "train")
-            raise UserError(f"--stack trains runs of one recipe, but {run.out} {was} with other {', '.join(diff)} "
-                            f"than {runs[0].out}; {verb} it on its own")
-
-
-def _check_capture(args: argparse.Namespace, d: Dist, data: RunData) -> None:
-    """``--capture`` where the recorded step would compute what the eager step does, refused otherwise."""
-    if d.device.type not in CAPTURE_DEVICES:
-        raise UserError(f"--capture records the training step as a CUDA graph; on {d.device} drop it "
-                        "(or pass --device cuda)")
-    problems = [
-        (args.compile, "--capture and --compile both record the step; pass one of them"),
-        (d.world > 1, "--capture trains in one process; drop torchrun (or --capture)"),
-        (args.mixup > 0 or args.cutmix > 0, "timm's Mixup draws on the host every step, which a CUDA graph cannot "
-                                            "replay; drop --mixup/--cutmix or --capture"),
-        (data.amp_dtype == torch.float16, "fp16's GradScaler checks the gradients on the host every step; with "
-                                          "--capture use --amp bf16 or --amp none"),
-        (args.opt.lower() not in CAPTURE_OPTIMIZERS, f"--capture needs an optimizer that reads its learning rate on "
-                                                     f"the GPU ({', '.join(CAPTURE_OPTIMIZERS)}); --opt {args.opt} "
-                                                     "would replay the first one; drop --capture"),
-    ]
-    for problem, message in problems:
-        if problem:
-            raise UserError(message)
-
-
-def _check_captured_stack(model: nn.Module) -> None:
-    """A stacked pass draws each run's stream-drawn dropout and drop-path masks on the host, run by run, which no
-    recorded graph replays; keyed masks (``--dropout-draws keyed``) it draws on the device."""
-    random = [name for name, m in model.named_modules() if not isinstance(m, KeyedDropout | KeyedDropPath)
-              and ((isinstance(m, nn.Dropout) and m.p > 0) or (isinstance(m, DropPath) and m.drop_prob > 0))]
-    if random:
-        raise UserError(f"--capture --stack cannot replay dropout or drop path drawn from each run's generator "
-                        f"({random[0]} draws); drop --capture (or train new runs with --dropout-draws keyed)")
-
-
-def _recipe(run: Run) -> dict[str, Any]:
-    """What a run computes: its arguments but seed, folder and the free ones, with the splits, class count and
-    mean/std as resolved (a resumed run's saved arguments hold them resolved, a fresh run's as typed)."""
-    resolved = {"train_split": run.data.train.split, "eval_split": run.data.eval.split,
-                "num_classes": run.data.num_classes, "mean": list(run.data.mean), "std": list(run.data.std)}
-    return {k: resolved.get(k, v) for k, v in vars(run.args).items() if k not in ("seed", "output", *RESUME_FREE)}
-
-
-def _stacked_epoch(group: list[Run], stack: Stack, d: Dist, epoch: int) -> tuple[list[float], float]:
-    """One epoch of stacked updates: each run's own data order, augmentation and schedule; returns each run's
-    mean training loss and the last learning rate. The runs' own objects get the state at the end."""
-    first = group[0]
-    stack.seed([_seed(run.args.seed, epoch, d.rank) for run in group])  # each run's streams, as _train_epoch's
-    set_draw_counters(stack.buffers, _first_draw(epoch, d))
-    orders = [_epoch_order(run.args, run.data, d, epoch) for run in group]
-    for run in group:
-        run.t.model.train()
-    steps, batch = first.data.steps, first.args.batch_size
-    losses = torch.zeros(steps, len(group), device=d.device)
-    bar = progress(range(steps), desc=f"epoch {epoch + 1}/{first.args.epochs} ({len(group)} runs stacked)",
-                   disable=first.args.no_progress, leave=False, file=sys.stderr)
-    for step in bar:
-        x, y = zip(*(_batch(run, streams, order[step * batch:(step + 1) * batch], gen)
-                     for run, streams, (order, gen) in zip(group, stack.streams, orders, strict=True)), strict=True)
-        lr = first.t.optimizer.param_groups[0]["lr"]
-        losses[step] = stack.step(torch.stack(x), torch.stack(y), device=d.device, amp_dtype=first.data.amp_dtype,
-                                  clip_grad=first.args.clip_grad)
-        for run in group:
-            run.t.num_updates += 1
-            if run.t.scheduler is not None:
-                run.t.scheduler.step_update(run.t.num_updates)
-        stack.follow_schedule()
-        if stack.ema is not None:
-            stack.update_ema(first.t.ema.get_decay(first.t.num_updates))
-    stack.unstack()
-    return [_epoch_loss(losses[:, i], run, d, epoch) for i, run in enumerate(group)], lr
-
-
-@dataclass
-class Captured:
-    """A step recorded once and replayed (:mod:`timm_rollout.graphed`): one run's, or a stack's of runs."""
-
-    plan: Plan
-    graphed: Graphed
-    optimizer: torch.optim.Optimizer  # whose learning rates the step reads: the run's, or the stack's
-    lrs: list[torch.Tensor] | None  # their device copies (None off CUDA)
-    stack: Stack | None
-
-
-def _capture(group: list[Run], stack: Stack | None, d: Dist) -> Captured:
-    """The step of one run (``stack`` None) or of a stack, reading its batches from a :class:`Plan`."""
-    first = group[0]
-    args, data, t = first.args, first.data, first.t
-    plan = Plan([run.batches.images for run in group], [run.batches.labels for run in group], data.mean, data.std,
-                args.crop_padding, data.steps, args.batch_size)
-    optimizer = stack.optimizer if stack is not None else t.optimizer
-    lrs = learning_rates(optimizer)
-
-    def step(decay: float | None) -> None:
-        x, y = plan.batch()
-        with tensor_lrs(optimizer, lrs):
-            if stack is not None:
-                losses = stack.step(x, y, device=d.device, amp_dtype=data.amp_dtype, clip_grad=args.clip_grad)
-            else:
-                losses = optimizer_step(t.net, x[0], y[0], t.criterion, optimizer, device=d.device,
-                                        amp_dtype=data.amp_dtype, clip_grad=args.clip_grad)
-        if decay is not None and stack is not None:
-            stack.update_ema(decay)
-        elif decay is not None:
-            t.ema.apply_update_(t.model, decay)
-        plan.record(losses)
-
-    return Captured(plan, Graphed(step, d.device), optimizer, lrs, stack)
-
-
-def _captured_epoch(group: list[Run], c: Captured, d: Dist, epoch: int) -> tuple[list[float], float]:
-    """One epoch of recorded steps: each run's data order, augmentation and schedule, as the eager loop's; the
-    host fills the learning rates and replays, and reads the losses once at the end."""
-    first = group[0]
-    if c.stack is not None:
-        c.stack.seed([_seed(run.args.seed, epoch, d.rank) for run in group])
-    else:
-        seed_everything(_seed(first.args.seed, epoch, d.rank))
-    set_draw_counters(c.stack.buffers if c.stack is not None else dict(first.t.model.named_buffers()),
-                      _first_draw(epoch, d))
-    orders = [_epoch_order(run.args, run.data, d, epoch) for run in group]
-    c.plan.start([order for order, _ in orders], [epoch_draws(first.data.steps, first.args.batch_size,
-                                                              first.args.crop_padding, first.data.hflip, gen)
-                                                  for _, gen in orders])
-    for run in group:
-        run.t.net.train()
-    runs = f" ({len(group)} runs stacked)" if c.stack is not None else ""
-    bar = progress(range(first.data.steps), desc=f"epoch {epoch + 1}/{first.args.epochs}{runs}",
-                   disable=not d.main or first.args.no_progress, leave=False, file=sys.stderr)
-    ema = first.t.ema
-    for step in bar:
-        lr = first.t.optimizer.param_groups[0]["lr"]
-        fill_lrs(c.optimizer, c.lrs)
-        c.graphed(ema.get_decay(first.t.num_updates + 1) if ema is not None else None)
-        for run in group:
-            run.t.num_updates += 1
-            if run.t.scheduler is not None:
-                run.t.scheduler.step_update(run.t.num_updates)
-        if c.stack is not None:
-            c.stack.follow_schedule()
-        if not bar.disable and (step + 1) % BAR_EVERY == 0:  # one local sync per BAR_EVERY steps, rank 0 only
-            bar.set_postfix(loss=f"{c.plan.losses[step + 1 - BAR_EVERY:step + 1].mean().item():.3f}", refresh=False)
-    if c.stack is not None:
-        c.stack.unstack()
-    return [_epoch_loss(c.plan.losses[:, i], run, d, epoch) for i, run in enumerate(group)], lr
-
-
-def _batch(run: Run, streams: Streams, idx: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """One stacked run's batch, drawn from its own global random states (timm's Mixup draws from numpy's)."""
-    with own_streams(streams):
-        return run.batches(idx, generator)
-
-
 def _prepare_data(args: argparse.Namespace, d: Dist, loaded: dict[tuple, tuple]) -> RunData:
     """Load the splits, check they fit the run's flags, and derive the sizes and settings they imply."""
     train_set, eval_set, mean, std = _load_data(args, loaded)
@@ -919,10 +664,9 @@ def _create_model(args: argparse.Namespace, data: RunData, device: torch.device)
     """The timm model named by ``--model`` (seeded), with FastDropout, checked against the image size.
 
     On CPU its attention runs timm's explicit path: the fused (flash) kernel's backward is the slowest op of a
-    training step there (``scripts/bench_train.py``). So it does on a GPU when attention dropout is on: the fused
-    kernel draws its masks inside, where no stacked run (``--stack``) could draw the same ones as its separate run.
-    Without attention dropout, fused attention stays on GPUs for separate runs (a ``--stack`` pass always runs the
-    explicit path, :class:`~timm_rollout.packed.Stack`).
+    training step there (``scripts/bench_train.py``). So it does on a GPU when attention dropout is on (the
+    masks then come from the model's own dropout module, as they have for every run trained so far); without
+    attention dropout, fused attention stays on GPUs.
     """
     seed_everything(args.seed)
     kwargs = dict(args.model_kwargs)
@@ -940,8 +684,6 @@ def _create_model(args: argparse.Namespace, data: RunData, device: torch.device)
     if args.pool is not None:
         set_pooling(model, args.pool, **args.pool_kwargs)
     use_fast_dropout(model)
-    if args.dropout_draws == "keyed":
-        use_keyed_draws(model, args.seed)
     attention_dropout = any(getattr(getattr(m, "attn_drop", None), "p", 0.0) > 0 for m in model.modules())
     if device.type == "cpu" or attention_dropout:
         set_fused_attention(model, False)
@@ -979,34 +721,18 @@ def _size_fix(args: argparse.Namespace, model: nn.Module, size: int) -> str:
 def _build(args: argparse.Namespace, data: RunData, d: Dist) -> Trainer:
     """Model, optimizer, per-update schedule, EMA, grad scaler (fp16 only), loss, DDP and ``--compile``."""
     model = _create_model(args, data, d.device).to(d.device)
-    optimizer = _optimizer(model, args, _capturable(args, d.device))
+    optimizer = create_optimizer_v2(model, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+                                    momentum=args.momentum)  # timm's grouping: no decay on norms, biases, pos, CLS
     scheduler, _ = create_scheduler_v2(optimizer, sched=args.sched, num_epochs=args.epochs, min_lr=args.min_lr,
                                        warmup_lr=args.warmup_lr, warmup_epochs=data.warmup, step_on_epochs=False,
                                        updates_per_epoch=data.steps)
     ema = ModelEmaV3(model, decay=args.model_ema_decay) if args.model_ema else None
     scaler = torch.amp.GradScaler(d.device.type) if data.amp_dtype == torch.float16 else None
-    if d.world > 1:  # each rank keeps its own keyed dropout counters: DDP would copy rank 0's to all each pass
-        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, [name for name, _ in model.named_buffers() if name.endswith(("draw_key", "draw_counter"))])
     net = nn.parallel.DistributedDataParallel(model) if d.world > 1 else model
     evaluator = ema.module if ema is not None else model
     if args.compile:
         net, evaluator = (torch.compile(m, mode=args.compile_mode) for m in (net, evaluator))
     return Trainer(model, net, optimizer, scheduler, ema, scaler, _criterion(args), evaluator)
-
-
-def _optimizer(model_or_groups: nn.Module | list[dict], args: argparse.Namespace,
-               capturable: bool = False) -> torch.optim.Optimizer:
-    """timm's optimizer for ``--opt``; given a model, without weight decay on norms, biases, position embedding
-    and CLS token (timm's grouping), given parameter groups, with theirs. ``capturable``: torch's Adam/AdamW
-    stepping inside a CUDA graph (``--capture``)."""
-    return create_optimizer_v2(model_or_groups, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
-                               momentum=args.momentum, **({"capturable": True} if capturable else {}))
-
-
-def _capturable(args: argparse.Namespace, device: torch.device) -> bool:
-    """Whether the run's optimizer steps inside a recorded CUDA graph: ``--capture`` on CUDA."""
-    return bool(args.capture) and device.type == "cuda"
 
 
 def _batches(args: argparse.Namespace, data: RunData, d: Dist, loaded: dict[tuple, tuple]) -> Batches:
@@ -1074,12 +800,6 @@ def _write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -
         "code": code_version()})
 
 
-def _first_draw(epoch: int, d: Dist) -> int:
-    """The keyed dropout counter of an epoch's first draw on this rank: each (epoch, rank) its own block of 2**40
-    draws per site, however often a site is called per pass (timm's CaiT calls a drop path twice)."""
-    return (epoch * d.world + d.rank) << 40
-
-
 def _epoch_order(args: argparse.Namespace, data: RunData, d: Dist, epoch: int) -> tuple[torch.Tensor, torch.Generator]:
     """This rank's image order for the epoch and the generator of its augmentation, both from the run's seed."""
     order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(_seed(args.seed, epoch)))
@@ -1094,7 +814,6 @@ def _train_epoch(run: Run, d: Dist, epoch: int) -> tuple[float, float]:
     """
     t, args, data = run.t, run.args, run.data
     seed_everything(_seed(args.seed, epoch, d.rank))
-    set_draw_counters(dict(t.model.named_buffers()), _first_draw(epoch, d))
     order, aug_gen = _epoch_order(args, data, d, epoch)
     losses = torch.zeros(data.steps, device=d.device)
     t.net.train()
@@ -1158,7 +877,6 @@ def _machine(d: Dist, data: RunData, args: argparse.Namespace) -> str:
     """What trains this session's epochs, for ``summary.json``: a resumed run may continue on another machine,
     precision or compilation."""
     compiled = f", torch.compile mode {args.compile_mode}" if args.compile else ""
-    compiled += ", step captured as a CUDA graph" if _capturable(args, d.device) else ""
     processes = f", {d.world} processes" if d.world > 1 else ""
     return f"{device_name(d.device)}, {precision_name(data.amp_dtype)}{compiled}{processes}"
 
@@ -1170,7 +888,8 @@ def _write_summary(out: Path, args: argparse.Namespace, data: RunData, t: Traine
                "machines": t.machines, "code": t.codes, "train_images": len(data.train), "eval_images": len(data.eval)}
     write_json(out / SUMMARY_FILE, summary)
     print(f"{args.model} on {args.dataset}: eval top-1 {last['eval_top1']:.2f}%, top-5 {last['eval_top5']:.2f}% "
-          f"after {args.epochs} epochs ({summary['wall_seconds']:.0f} s) -> {out}")
+          f"after {args.epochs} epochs ({summary['wall_seconds']:.0f} s; evaluated in "
+          f"{precision_name(data.amp_dtype)}, batches of {EVAL_BATCH}) -> {out}")
 
 
 def main(argv: list[str] | None = None) -> None:
