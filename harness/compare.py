@@ -31,7 +31,8 @@ from harness.figures import plot_comparison
 from harness.metrics import ACCURACIES, LOCALISATION, POOLING_DIAGNOSTICS
 from harness.predictions import read_predictions
 from timm_rollout.atomic import write_text
-from timm_rollout.errors import CliParser, UserError, output_dir, run_cli
+from timm_rollout.cli import CliParser, output_dir, run_cli
+from timm_rollout.errors import UserError
 from timm_rollout.records import ARGS_FILE, COMPARISON_FILE, REPORT_FILE, RESULTS_FILE
 
 __all__ = [

@@ -35,9 +35,10 @@ from harness.features import box_localisation, pooling_diagnostics
 from harness.localisation import LOCALISATION, POSITION_NULLS
 from harness.metrics import POOLING_DIAGNOSTICS
 from timm_rollout.atomic import write_json
+from timm_rollout.cli import CliParser, existing_path, run_cli
 from timm_rollout.data import ImageSet
 from timm_rollout.device import device_arg, resolve_device
-from timm_rollout.errors import CliParser, UserError, existing_path, run_cli
+from timm_rollout.errors import UserError
 from timm_rollout.records import ARGS_FILE, RESULTS_FILE, code_version, resolve_recorded
 
 __all__ = ["has_diagnostics", "main", "outdated", "update_evaluation"]

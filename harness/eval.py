@@ -31,6 +31,18 @@ from harness.features import PoolingDiagnostics, box_localisation, extract, pool
 from harness.figures import plot_cosine_matrix, plot_heatmaps
 from harness.predictions import write_predictions
 from timm_rollout.atomic import atomic_path, write_json
+from timm_rollout.cli import (
+    CliParser,
+    as_type,
+    existing_path,
+    non_negative_int,
+    number,
+    output_dir,
+    positive,
+    positive_int,
+    run_cli,
+    seed_arg,
+)
 from timm_rollout.data import ImageSet, balanced_indices, dataset_arg, load_image_set, normalize
 from timm_rollout.device import (
     AMP_CHOICES,
@@ -42,19 +54,7 @@ from timm_rollout.device import (
     resolve_amp,
     resolve_device,
 )
-from timm_rollout.errors import (
-    CliParser,
-    UserError,
-    as_type,
-    existing_path,
-    non_negative_int,
-    number,
-    output_dir,
-    positive,
-    positive_int,
-    run_cli,
-    seed_arg,
-)
+from timm_rollout.errors import UserError
 from timm_rollout.explain import MAP_LABELS, READOUTS
 from timm_rollout.loading import check_input_size, check_model, load_model
 from timm_rollout.pooling import set_pooling
@@ -70,7 +70,7 @@ from timm_rollout.records import (
     versions,
 )
 
-__all__ = ["build_parser", "diagnostic_metrics", "evaluate", "main", "select_classes", "set_pool"]
+__all__ = ["build_parser", "diagnostic_metrics", "evaluate", "main", "posthoc_readout", "select_classes"]
 
 POST_HOC_POOLS = tuple(k for k in READOUTS if k != "map")  # a learned attention pool cannot be added post hoc
 
@@ -98,12 +98,14 @@ def build_parser() -> CliParser:
                    help="seed of the per-class draws, heatmap picks, silhouette sample")
     p.add_argument("--pool", choices=POST_HOC_POOLS, help="read the features out with this pooling instead of the "
                    "model's own (token: [CLS], avg: patch mean, rollout: rollout weights)")
-    p.add_argument("--k", type=positive_int, default=5, help="neighbours of the leave-one-out k-NN (default 5)")
+    p.add_argument("--k", type=positive_int, default=metrics.KNN_K,
+                   help=f"neighbours of the leave-one-out k-NN (default {metrics.KNN_K})")
     p.add_argument("--bank-split", help="split whose features form the k-NN bank (e.g. train); off by default")
     p.add_argument("--bank-per-class", type=positive_int, metavar="N", help="N random bank images per class")
-    p.add_argument("--bank-k", type=positive_int, default=20, help="neighbours of the bank k-NN (default 20)")
-    p.add_argument("--temperature", type=positive, default=0.07,
-                   help="bank k-NN vote temperature, > 0 (default 0.07)")
+    p.add_argument("--bank-k", type=positive_int, default=metrics.BANK_K,
+                   help=f"neighbours of the bank k-NN (default {metrics.BANK_K})")
+    p.add_argument("--temperature", type=positive, default=metrics.TEMPERATURE,
+                   help=f"bank k-NN vote temperature, > 0 (default {metrics.TEMPERATURE})")
     p.add_argument("--cosine-classes", nargs="+", metavar="NAME", help="classes of the cosine matrix (default: all)")
     p.add_argument("--heatmaps", type=non_negative_int, default=8, metavar="N", help="images in heatmaps.png (0: none)")
     p.add_argument("--save-features", action="store_true",
@@ -192,9 +194,10 @@ def _check_head(info: dict[str, Any], data: ImageSet) -> None:
               f"{data.class_names[:3]}...; top1 assumes the same class order", file=sys.stderr)
 
 
-def set_pool(model: torch.nn.Module, pool: str | None) -> str:
-    """Switch the model's readout to ``pool`` (None: keep its own) with :func:`timm_rollout.set_pooling`, on any
-    timm ViT; returns it."""
+def posthoc_readout(model: torch.nn.Module, pool: str | None) -> str:
+    """``--pool``: read a trained model out with ``pool`` (None: its own pooling) through
+    :func:`timm_rollout.set_pooling`, on any timm ViT, refusing what a post-hoc readout cannot be (the model's
+    learned attention pool, or a norm after pooling) with a one-line :class:`UserError`; returns the pooling."""
     own = getattr(model, "global_pool", None)
     if pool is None or pool == own:
         return own
@@ -315,7 +318,7 @@ def _load(args: argparse.Namespace, full: ImageSet, device: torch.device) -> tup
         model, info = load_model(args.model, args.checkpoint, num_classes=default_classes, device=device)
     _check_head(info, full)
     check_input_size(model, full.images, fix="evaluate it on a data set of its input size")
-    info["pool"] = set_pool(model, args.pool)
+    info["pool"] = posthoc_readout(model, args.pool)
     _say_readout(info, args.pool)
     return model, info
 

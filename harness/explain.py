@@ -34,18 +34,10 @@ from harness.figures import (
     upsample_patch_map,
 )
 from timm_rollout.atomic import save_figure
+from timm_rollout.cli import CliParser, as_type, existing_path, key_value, non_negative_int, output_dir, run_cli
 from timm_rollout.data import BoxColumnError, dataset_arg, load_image_set
 from timm_rollout.device import device_arg, resolve_device
-from timm_rollout.errors import (
-    CliParser,
-    UserError,
-    as_type,
-    existing_path,
-    key_value,
-    non_negative_int,
-    output_dir,
-    run_cli,
-)
+from timm_rollout.errors import UserError
 from timm_rollout.explain import Explanation, explain
 from timm_rollout.loading import check_model, load_model
 

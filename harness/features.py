@@ -19,18 +19,18 @@ from harness.localisation import context_only, localisation_metrics
 from timm_rollout.capture import capture_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast, inference_batch_size
-from timm_rollout.diagnostics import (
+from timm_rollout.explain import READOUTS, AttentionPass, gradient_pass, patch_grid, readout_maps
+from timm_rollout.progress import progress
+from timm_rollout.rollout import (
     ROLLOUT_VARIANTS,
     cosine_to_mean,
     effective_patches,
     layer_effective_patches,
+    patch_weights,
     pooling_weights,
     rollout_options,
     variant_name,
 )
-from timm_rollout.explain import READOUTS, AttentionPass, gradient_pass, patch_grid, readout_maps
-from timm_rollout.progress import progress
-from timm_rollout.rollout import patch_weights
 
 __all__ = ["PoolingDiagnostics", "SaliencyMaps", "box_localisation", "extract", "patch_pooling_weights",
            "pooling_diagnostics", "saliency_maps"]
@@ -95,7 +95,7 @@ def patch_pooling_weights(model: nn.Module, p: AttentionPass) -> torch.Tensor:
     """(B, P) weights with which ``model`` pools its patch tokens in the pass ``p``, summing to 1: the readout over
     the patches, renormalised (rollout: its own rollout weights; avg: uniform; map: its pool's attention, mean over
     heads); for [CLS] pooling, which reads no patch, the weights rollout pooling would use post hoc, as the pooling
-    diagnostics define them (:func:`~timm_rollout.diagnostics.pooling_weights` with the model's rollout options)."""
+    diagnostics define them (:func:`~timm_rollout.rollout.pooling_weights` with the model's rollout options)."""
     if p.readout_name == READOUTS["token"]:
         return pooling_weights(p.attentions, p.num_prefix_tokens, *rollout_options(model))
     return patch_weights(p.readout, p.num_prefix_tokens)
@@ -168,7 +168,7 @@ def box_localisation(
 class PoolingDiagnostics:
     """Per image: effective patches and cosine to the mean of the rollout pooling weights; their mean map; the
     effective patches of each layer's own [CLS] attention and of the sharper rollouts of
-    :data:`~timm_rollout.diagnostics.ROLLOUT_VARIANTS`."""
+    :data:`~timm_rollout.rollout.ROLLOUT_VARIANTS`."""
 
     effective_patches: torch.Tensor  # (N,)
     cosine_to_mean: torch.Tensor  # (N,)
@@ -203,9 +203,10 @@ def pooling_diagnostics(
     amp_dtype: torch.dtype | None = None,
     batch_size: int | None = None,
 ) -> PoolingDiagnostics | None:
-    """:mod:`timm_rollout.diagnostics` of uint8 (N, 3, H, W) ``images``: the rollout pooling weights of each image
-    (the model's own rollout options, see :func:`~timm_rollout.diagnostics.rollout_options`; for other poolings
-    the weights rollout pooling would use post hoc) against its final patch tokens, ``forward_features(x)``.
+    """The rollout diagnostics (:mod:`timm_rollout.rollout`) of uint8 (N, 3, H, W) ``images``: the rollout pooling
+    weights of each image (the model's own rollout options, see :func:`~timm_rollout.rollout.rollout_options`; for
+    other poolings the weights rollout pooling would use post hoc) against its final patch tokens,
+    ``forward_features(x)``.
     None for a model without a class token (no [CLS] row to roll out)."""
     if getattr(model, "cls_token", None) is None:
         return None

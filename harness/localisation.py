@@ -48,9 +48,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from timm_rollout.diagnostics import effective_patches
 from timm_rollout.explain import MAP_LABELS
 from timm_rollout.masks import BACKGROUND, CLUTTER, FILL, OBJECT
+from timm_rollout.rollout import effective_patches
 
 __all__ = ["LOCALISATION", "box_coverage", "box_mass", "centres_inside", "content_weights", "context_only",
            "fixed_map", "localisation_metrics", "map_shares", "mask_fractions", "object_mass", "object_share",

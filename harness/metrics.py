@@ -24,10 +24,15 @@ from timm_rollout.accuracy import topk_hits as _topk_hits
 
 __all__ = [
     "ACCURACIES",
+    "BANK_K",
+    "KNN_K",
     "LINEAR_PROBE",
     "LOCALISATION",
+    "METRIC_DEFAULTS",
+    "METRIC_DEFINITIONS",
     "POOLING_DIAGNOSTICS",
     "SILHOUETTE_SAMPLE_SIZE",
+    "TEMPERATURE",
     "accuracy",
     "angles",
     "centroid_metrics",
@@ -53,7 +58,11 @@ __all__ = [
 SILHOUETTE_SAMPLE_SIZE = 10_000
 # The accuracy metrics of an evaluation; each has per-image predictions (top5: per-image hits).
 ACCURACIES = ("top1", "top5", "linear_probe", "knn_loo", "knn_bank")
-# How uniform the rollout pooling weights of a backbone are (timm_rollout.diagnostics), means over the images.
+# The k-NN settings of harness.eval: neighbours of the leave-one-out and the bank k-NN, and the bank's vote
+# temperature.
+KNN_K, BANK_K, TEMPERATURE = 5, 20, 0.07
+METRIC_DEFAULTS = {"k": KNN_K, "bank_k": BANK_K, "temperature": TEMPERATURE}
+# How uniform the rollout pooling weights of a backbone are (timm_rollout.rollout), means over the images.
 POOLING_DIAGNOSTICS = ("rollout_effective_patches", "rollout_cosine_to_mean")
 # LOCALISATION (harness.localisation): where the pooling weights and saliency maps fall against the object's box,
 # means over the images; only for splits with boxes.
@@ -153,7 +162,7 @@ def accuracy(predictions: ArrayLike, labels: ArrayLike) -> float:
     return float((_numpy(predictions) == _numpy(labels).astype(np.int64)).mean())
 
 
-def knn_loo_predictions(features: ArrayLike, labels: ArrayLike, k: int = 5) -> np.ndarray:
+def knn_loo_predictions(features: ArrayLike, labels: ArrayLike, k: int = KNN_K) -> np.ndarray:
     """Leave-one-out k-NN prediction of each point within one set: cosine similarity, majority vote of the
     ``k`` nearest other points, ties to the class with the larger summed similarity. A point is never its own
     neighbour.
@@ -167,14 +176,14 @@ def knn_loo_predictions(features: ArrayLike, labels: ArrayLike, k: int = 5) -> n
     return _majority(y[ids], sims, int(y.max()) + 1)
 
 
-def knn_loo(features: ArrayLike, labels: ArrayLike, k: int = 5) -> float:
+def knn_loo(features: ArrayLike, labels: ArrayLike, k: int = KNN_K) -> float:
     """Leave-one-out k-NN accuracy (:func:`knn_loo_predictions`)."""
     return accuracy(knn_loo_predictions(features, labels, k), labels)
 
 
 def knn_bank_predictions(
-    bank_features: ArrayLike, bank_labels: ArrayLike, query_features: ArrayLike, k: int = 20,
-    temperature: float = 0.07,
+    bank_features: ArrayLike, bank_labels: ArrayLike, query_features: ArrayLike, k: int = BANK_K,
+    temperature: float = TEMPERATURE,
 ) -> np.ndarray:
     """DINO-style weighted k-NN prediction of each query: its ``k`` nearest bank features (cosine) vote for
     their class with weight ``exp(similarity / temperature)``.
@@ -192,8 +201,8 @@ def knn_bank(
     bank_labels: ArrayLike,
     query_features: ArrayLike,
     query_labels: ArrayLike,
-    k: int = 20,
-    temperature: float = 0.07,
+    k: int = BANK_K,
+    temperature: float = TEMPERATURE,
 ) -> float:
     """DINO-style weighted k-NN accuracy of the queries against the bank (:func:`knn_bank_predictions`)."""
     return accuracy(knn_bank_predictions(bank_features, bank_labels, query_features, k, temperature), query_labels)
@@ -332,3 +341,80 @@ def topk_hits(logits: ArrayLike, labels: ArrayLike, k: int = 1) -> np.ndarray | 
     """Per row, whether its label is among the ``k`` highest logits; None if there are fewer than k classes."""
     hits = _topk_hits(torch.as_tensor(_numpy(logits)), torch.as_tensor(_numpy(labels).astype(np.int64)), k)
     return None if hits is None else hits.numpy()
+
+
+# Definitions of the metrics of python -m harness.eval (harness/README.md "Metrics"), for the model cards
+# (harness.hub), all on L2-normalised pooled features; {k}, {bank_k} and {temperature} are filled from results.json
+# (METRIC_DEFAULTS otherwise). The original study's mixed-unit geometry (*_original) is left off the cards.
+METRIC_DEFINITIONS = {
+    "top1": "top-1 accuracy (fraction) of the model's own classifier head",
+    "top5": "top-5 accuracy (fraction) of the model's own classifier head",
+    "linear_probe": (
+        "accuracy of a linear probe on the frozen features: scikit-learn multinomial logistic regression (L2, C = 1, "
+        "lbfgs) trained on the train-split bank features, centred and PCA-whitened with the bank's statistics"
+    ),
+    "knn_loo": (
+        "leave-one-out k-NN accuracy inside the evaluated set (cosine similarity, k = {k}, majority vote, ties to "
+        "the class with the larger summed similarity, then the lower class id; a query is never its own neighbour)"
+    ),
+    "knn_bank": (
+        "k-NN accuracy of the evaluated images against a bank of train-split features (k = {bank_k}, votes "
+        "weighted by exp(similarity / {temperature}), as in DINO)"
+    ),
+    "intra": (
+        "mean over classes of the mean angle (radians) between a class's features and its direction, the "
+        "renormalised mean of its features (lower: tighter), over the classes with at least two evaluated images"
+    ),
+    "inter": "mean over class pairs of the angle (radians) between their directions",
+    "ratio": "inter / intra, unitless (higher: better separated classes; unchanged when every angle is scaled)",
+    "silhouette": (
+        "scikit-learn silhouette score, Euclidean on the normalised features (in [-1, 1]; above 10,000 points on a "
+        "seeded sample of 10,000)"
+    ),
+    "rollout_effective_patches": (
+        "mean over images of exp(entropy) of the rollout pooling weights over the patches (the [CLS] row of the "
+        "attention rollout, renormalised over the patches; for a model that does not pool by rollout, the weights "
+        "rollout pooling would use): the number of patches for uniform weights, 1 for a single patch"
+    ),
+    "rollout_cosine_to_mean": (
+        "mean over images of the cosine between the rollout-pooled and the mean-pooled final patch tokens"
+    ),
+    # Localisation, on data sets with object boxes: c_p is the fraction of patch p inside the image's box.
+    "pooling_object_mass": "mean over images of the share of the pooling weights on the object's box (sum of w_p c_p)",
+    "object_area_fraction": "the box's share of the image (the same sum for uniform weights): the chance level",
+    "position_prior_mass": (
+        "object mass of one image-blind map, the mean object coverage per patch over the evaluated images: what "
+        "knowing only where objects usually are scores"
+    ),
+    "pooling_fixed_object_mass": (
+        "object mass of the pooling weights averaged over the evaluated images, used as one fixed map for every image"
+    ),
+    "pooling_weight_inside": "mean over images of the pooling weight x number of patches over the box (1 = uniform)",
+    "pooling_weight_outside": "mean over images of the pooling weight x number of patches off the box (1 = uniform)",
+    "pooling_effective_patches": "mean over images of exp(entropy) of the weights the model pools the patches with",
+    "pointing_chance": "fraction of patches whose centre lies in the box: the pointing game of a uniform map",
+    # Content masks (0 fill, 1 clutter, 2 object per pixel): f_p, k_p, o_p the shares of patch p's pixels.
+    "pooling_fill_mass": "mean over images of the share of the pooling weights on flat fill (sum of w_p f_p)",
+    "content_chance": (
+        "object mass of weights that only avoid flat fill (each patch by its share of non-fill pixels): the chance "
+        "level of a pooling that treats clutter and object alike"
+    ),
+    "pooling_object_share": (
+        "mean over images of the pooling weight on the object over the weight on object and clutter"
+    ),
+    "object_content_fraction": "the same share for the fill-avoiding weights of content_chance: its chance level",
+    "context_top1": (
+        "top-1 with each object replaced by the clutter of other images of its class there: what the model reads "
+        "off the context (chance if it reads the object)"
+    ),
+    "<map>_box_mass": "mean over images of the share of the {map} map's mass on the object's box",
+    "<map>_fixed_box_mass": "object mass of the {map} map averaged over the images, used as one fixed map",
+    "<map>_fill_mass": "mean over images of the share of the {map} map's mass on flat fill (content masks)",
+    "<map>_object_share": (
+        "mean over images of the {map} map's mass on the object over its mass on object and clutter (content masks)"
+    ),
+    "<map>_pointing": (
+        "pointing game of the {map} map: the fraction of images whose maximal patch has its centre in the box "
+        "(tied maxima count the fraction of them inside)"
+    ),
+}

@@ -39,7 +39,8 @@ from harness.compare import (
     summarise,
 )
 from timm_rollout.atomic import save_figure, write_text
-from timm_rollout.errors import CliParser, UserError, existing_path, output_dir, run_cli
+from timm_rollout.cli import CliParser, existing_path, output_dir, run_cli
+from timm_rollout.errors import UserError
 from timm_rollout.records import ARGS_FILE, REPORT_FILE
 
 __all__ = ["best_values", "main", "render_sweep", "sweep_groups", "train_arg"]

@@ -23,9 +23,9 @@ import torch
 import timm_rollout  # noqa: F401  (registers the models)
 from harness.faithfulness import faithfulness_curves
 from harness.features import extract, saliency_maps
+from timm_rollout.cli import CliParser, positive_int, run_cli
 from timm_rollout.data import load_image_set, normalize
 from timm_rollout.device import inference_batch_size, resolve_amp, resolve_device
-from timm_rollout.errors import CliParser, positive_int, run_cli
 
 CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)

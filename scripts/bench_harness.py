@@ -22,8 +22,8 @@ from sklearn.neighbors import KNeighborsClassifier
 import timm_rollout  # noqa: F401  (registers the models)
 from harness import metrics
 from harness.features import extract
+from timm_rollout.cli import CliParser, positive_int, run_cli
 from timm_rollout.device import resolve_amp, resolve_device
-from timm_rollout.errors import CliParser, positive_int, run_cli
 
 CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 import timm_rollout  # noqa: F401  (registers the models)
 from timm_rollout.capture import set_fused_attention
+from timm_rollout.cli import CliParser, positive_int, run_cli
 from timm_rollout.device import autocast, cpu_supports_bf16, device_arg, resolve_amp
-from timm_rollout.errors import CliParser, positive_int, run_cli
 
 NAMES = ("vit_tiny_cifar_cls", "vit_tiny_cifar_rollout")
 

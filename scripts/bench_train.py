@@ -80,12 +80,13 @@ from torchvision import transforms
 
 from timm_rollout.atomic import write_json
 from timm_rollout.capture import set_fused_attention
+from timm_rollout.cli import CliParser, non_negative_int, positive_int, run_cli
 from timm_rollout.data import load_image_set, normalization_stats, resolve_dataset
 from timm_rollout.device import cpu_supports_bf16, device_arg, device_name, resolve_amp, resolve_device
-from timm_rollout.errors import CliParser, UserError, non_negative_int, positive_int, run_cli
+from timm_rollout.errors import UserError
 from timm_rollout.models import _TINY_CIFAR
 from timm_rollout.progress import progress
-from timm_rollout.train.cli import COMPILE_MODES
+from timm_rollout.train.flags import COMPILE_MODES
 from timm_rollout.train.log import read_log
 from timm_rollout.train.step import Batches, optimizer_step
 

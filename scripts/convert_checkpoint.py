@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from timm_rollout.cli import CliParser, existing_path, number, output_dir, positive, positive_int, run_cli
 from timm_rollout.convert import POOLING_MODELS, convert_checkpoint, guess_pooling
-from timm_rollout.errors import CliParser, existing_path, number, output_dir, positive, positive_int, run_cli
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

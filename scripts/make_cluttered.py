@@ -14,9 +14,9 @@ import argparse
 import shlex
 import time
 
+from timm_rollout.cli import CliParser, as_type, number, output_dir, positive_int, run_cli, seed_arg
 from timm_rollout.clutter import ClutterRecipe, make_cluttered
 from timm_rollout.data import dataset_arg
-from timm_rollout.errors import CliParser, as_type, number, output_dir, positive_int, run_cli, seed_arg
 
 
 def build_parser() -> CliParser:

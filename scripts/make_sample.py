@@ -14,8 +14,8 @@ from pathlib import Path
 import datasets
 
 from timm_rollout.atomic import atomic_path, write_text
+from timm_rollout.cli import CliParser, existing_path, output_dir, positive_int, run_cli, seed_arg
 from timm_rollout.data import SAMPLE_DIR, balanced_indices
-from timm_rollout.errors import CliParser, existing_path, output_dir, positive_int, run_cli, seed_arg
 
 README = """---
 pretty_name: CIFAR-10 sample (timm-rollout)

@@ -16,8 +16,9 @@ import tempfile
 from pathlib import Path
 
 import timm_rollout  # noqa: F401  (registers the architectures with timm)
-from timm_rollout.errors import CliParser, UserError, output_dir, run_cli
-from timm_rollout.hub import upload_folder, write_upload_folder
+from harness.hub import upload_folder, write_upload_folder
+from timm_rollout.cli import CliParser, output_dir, run_cli
+from timm_rollout.errors import UserError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

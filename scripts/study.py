@@ -5,7 +5,7 @@ run, write a report.
 """
 
 from harness.study import main
-from timm_rollout.errors import run_cli
+from timm_rollout.cli import run_cli
 
 if __name__ == "__main__":
     run_cli(main)

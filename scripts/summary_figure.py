@@ -20,8 +20,10 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from harness.compare import Group, compare_groups, load_results, summarise
+from harness.study.folder import arm_of
 from timm_rollout.atomic import save_figure
-from timm_rollout.errors import CliParser, UserError, existing_path, run_cli
+from timm_rollout.cli import CliParser, existing_path, run_cli
+from timm_rollout.errors import UserError
 from timm_rollout.records import LOG_FILE, RESULTS_FILE
 from timm_rollout.train.log import epoch_axis, read_log, seeds_phrase
 
@@ -29,17 +31,12 @@ ARM_NAMES = {"cls": "[CLS] token (cls)", "gap": "patch mean (gap)", "rollout": "
              "map": "learned attention pooling (map)", "rollout-max-discard0.9": "sharpened rollout (max, discard 0.9)"}
 
 
-def arm_of(folder: Path) -> str:
-    """``gap`` for ``.../gap-s2``: a study's run and evaluation folders are ``<arm>-s<seed>``."""
-    return folder.name.rsplit("-s", 1)[0]
-
-
 def study_groups(study: Path) -> dict[str, Group]:
     """Every evaluated arm of a study folder: arm -> its :class:`Group` of top-1 values, one run per seed."""
     folders = sorted(p.parent for p in (study / "eval").glob(f"*-s*/{RESULTS_FILE}"))
     if not folders:
         raise UserError(f"{study} has no eval/<arm>-s<seed>/{RESULTS_FILE}; pass a folder scripts/study.py wrote")
-    return {g.label: g for g in summarise(load_results(folders), ["top1"], label=lambda r: arm_of(Path(r["path"])))}
+    return {g.label: g for g in summarise(load_results(folders), ["top1"], label=lambda r: arm_of(r["path"]))}
 
 
 def paired_top1(groups: dict[str, Group], pairs: list[tuple[str, str]]) -> dict[tuple[str, str], tuple]:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import timm_rollout
+import timm_rollout.cli
 from timm_rollout.checkpoint import save_model
 from timm_rollout.convert import convert_checkpoint, guess_pooling, load_original, map_keys
 from timm_rollout.errors import UserError
@@ -239,7 +240,7 @@ def test_cli_cannot_guess_exits_2(tmp_path, capsys):
     src = tmp_path / "weights.pth"
     torch.save(reference("new", "cls").state_dict(), src)
     with pytest.raises(SystemExit) as e:
-        timm_rollout.errors.run_cli(load_script("convert_checkpoint").main, [str(src), str(tmp_path / "o")])
+        timm_rollout.cli.run_cli(load_script("convert_checkpoint").main, [str(src), str(tmp_path / "o")])
     assert e.value.code == 2
     assert capsys.readouterr().err.strip() == (
         "error: file name 'weights.pth' names no pooling; pass --pooling cls or --pooling rollout"

@@ -547,17 +547,18 @@ def test_map_pooled_model_evaluates_end_to_end(tmp_path_factory, tmp_path):
 
 def test_set_pool_refuses_what_it_cannot_switch():
     model = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=1)
-    assert harness_eval.set_pool(model, None) == "token" and harness_eval.set_pool(model, "rollout") == "rollout"
+    assert harness_eval.posthoc_readout(model, None) == "token"
+    assert harness_eval.posthoc_readout(model, "rollout") == "rollout"
     stock = timm.create_model("vit_tiny_patch16_224", depth=1)  # any timm ViT pools by rollout through set_pooling
-    assert harness_eval.set_pool(stock, "rollout") == "rollout" and stock.global_pool == "rollout"
+    assert harness_eval.posthoc_readout(stock, "rollout") == "rollout" and stock.global_pool == "rollout"
     with pytest.raises(UserError, match="--pool token: token pooling needs a class token"):
-        harness_eval.set_pool(timm.create_model("vit_tiny_patch16_224", depth=1, class_token=False,
-                                                global_pool="max", fc_norm=False), "token")
+        harness_eval.posthoc_readout(timm.create_model("vit_tiny_patch16_224", depth=1, class_token=False,
+                                                       global_pool="max", fc_norm=False), "token")
     with pytest.raises(UserError, match="fc_norm"):
-        harness_eval.set_pool(timm.create_model("vit_tiny_cifar_cls", global_pool="avg", fc_norm=True,
-                                                depth=1), "token")
+        harness_eval.posthoc_readout(timm.create_model("vit_tiny_cifar_cls", global_pool="avg", fc_norm=True,
+                                                       depth=1), "token")
     with pytest.raises(UserError, match="learned attention pool"):  # timm would pool with attn_pool whatever it says
-        harness_eval.set_pool(timm.create_model("vit_tiny_cifar_cls", global_pool="map", depth=1), "avg")
+        harness_eval.posthoc_readout(timm.create_model("vit_tiny_cifar_cls", global_pool="map", depth=1), "avg")
 
 
 def _synthetic_folder(root: Path, with_labels: bool) -> Path:

@@ -10,7 +10,7 @@ from PIL import Image
 from harness.explain import denormalize, main, prepare_image
 from timm_rollout import attention_rollout, capture_attention
 from timm_rollout import explain as E
-from timm_rollout.errors import run_cli
+from timm_rollout.cli import run_cli
 
 
 def tiny(name: str = "vit_tiny_cifar_rollout", **kwargs) -> torch.nn.Module:

@@ -21,9 +21,11 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from safetensors.torch import load_file
 
 import timm_rollout
-from timm_rollout import hub, online, set_pooling, train
+from harness import hub
+from timm_rollout import online, set_pooling, train
+from timm_rollout.cli import run_cli
 from timm_rollout.data import normalize
-from timm_rollout.errors import UserError, run_cli
+from timm_rollout.errors import UserError
 from timm_rollout.loading import load_model
 from timm_rollout.pooling import RolloutPooling
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from timm_rollout import errors
-from timm_rollout.errors import UserError, install_error, run_cli
+from timm_rollout.cli import run_cli
+from timm_rollout.errors import UserError, install_error
 
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN = "operator torchvision::nms does not exist"

@@ -200,7 +200,7 @@ def test_model_arguments_from_a_checkpoints_config_are_named_as_its_own(tmp_path
     how to load the run, in load_model and as harness.eval's one line."""
     from harness import eval as harness_eval
     from timm_rollout.checkpoint import save_model
-    from timm_rollout.errors import run_cli
+    from timm_rollout.cli import run_cli
 
     run = tmp_path / "run"
     save_model(run, timm.create_model("vit_tiny_cifar_rollout", num_classes=10, depth=2), LABELS, MEAN, STD)

@@ -18,8 +18,9 @@ from timm.models import save_for_hf
 from harness import diagnose
 from harness import eval as harness_eval
 from harness.localisation import LOCALISATION, localisation_metrics
+from timm_rollout.cli import run_cli
 from timm_rollout.data import load_image_set
-from timm_rollout.errors import UserError, run_cli
+from timm_rollout.errors import UserError
 from timm_rollout.masks import BACKGROUND, CLUTTER, FILL, OBJECT, BoxColumnError, object_boxes
 
 SIZE = 16  # 16x16 images

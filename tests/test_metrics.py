@@ -276,7 +276,7 @@ def test_effective_patches_is_the_perplexity_of_the_weights():
 
     import torch
 
-    from timm_rollout.diagnostics import effective_patches
+    from timm_rollout.rollout import effective_patches
 
     rng = np.random.default_rng(3)
     raw = rng.random((5, 64)) ** 4
@@ -292,7 +292,7 @@ def test_cosine_to_mean_and_pooling_weights_against_plain_routes():
     import torch
 
     from timm_rollout import attention_rollout
-    from timm_rollout.diagnostics import cosine_to_mean, pooling_weights
+    from timm_rollout.rollout import cosine_to_mean, pooling_weights
 
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randn(3, 16, 8, generator=gen)

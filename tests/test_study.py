@@ -428,7 +428,7 @@ def test_each_arm_is_compared_with_cls_gap_and_rollout():
 
     arms = {"cls": 0.50, "gap": 0.52, "rollout": 0.53, "rollout-grad": 0.51}
     results = [result(a, s, v + 0.01 * s * (a == "rollout")) for a, v in arms.items() for s in (0, 1, 2)]
-    groups = {g.label: g for g in summarise(results, ["top1"], label=lambda r: folder.run_short(r["path"]))}
+    groups = {g.label: g for g in summarise(results, ["top1"], label=lambda r: folder.arm_of(r["path"]))}
     text = study_tables.delta_tables(groups, ["top1"])
     headings = [line for line in text.splitlines() if line.startswith("###")]
     assert headings == ["### gap - cls", "### rollout - cls", "### rollout-grad - cls", "### rollout - gap",

@@ -24,8 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import timm_rollout
+from timm_rollout.cli import run_cli
 from timm_rollout.data import SAMPLE_DIR, balanced_indices, load_image_set, normalization_stats, normalize
-from timm_rollout.errors import UserError, run_cli
+from timm_rollout.errors import UserError
 from timm_rollout.records import RESUME_FILE
 from timm_rollout.train import build_parser, main, train
 from timm_rollout.train.log import LOG_COLUMNS, OPTIONAL_COLUMNS, read_log

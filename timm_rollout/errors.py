@@ -1,44 +1,18 @@
-"""User-facing errors, the CLI wrapper that turns them into one-line messages, and strict argument types.
-
-Every CLI builds a :class:`CliParser` and runs under :func:`run_cli`: a bad flag value, an unknown flag or a
-mistake found later (missing column, mismatched checkpoint...) prints one line ``error: ...`` naming the fix
-and exits 2, never a traceback. The argument types below reject bad values while parsing, before any data or
-model is loaded.
+"""User-facing errors: :class:`UserError`, a torch/torchvision pair that does not match, and the one line a
+command ends with (:func:`fail`). The command-line machinery that raises and renders them is :mod:`timm_rollout.cli`.
 """
 
 from __future__ import annotations
 
-import argparse
-import difflib
-import math
 import os
-import re
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
-__all__ = [
-    "CliParser",
-    "UserError",
-    "as_type",
-    "existing_path",
-    "fraction",
-    "install_error",
-    "install_guard",
-    "key_value",
-    "non_negative",
-    "non_negative_int",
-    "number",
-    "output_dir",
-    "positive",
-    "positive_int",
-    "run_cli",
-    "seed_arg",
-]
+__all__ = ["UserError", "fail", "install_error", "install_guard"]
 
 
 class UserError(ValueError):
@@ -112,195 +86,12 @@ def install_guard() -> Iterator[None]:
         if found is None:
             raise
         if _running_cli():
-            _fail(str(found))
+            fail(str(found))
         raise ImportError(str(found)) from e
 
 
-def _fail(message: str) -> None:
+def fail(message: str) -> None:
+    """Print ``error: message`` on one line and exit 2: how every command ends on a user's mistake."""
     print("error: " + " ".join(message.split("\n")), file=sys.stderr)
     raise SystemExit(2) from None
-
-
-def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
-    """Run ``main(argv)``; a :class:`UserError`, a broken torch/torchvision pair met while importing
-    (:func:`install_error`), or the file system refusing a path (permissions, a full disk, a read-only or special
-    folder), prints one line and exits 2."""
-    try:
-        main(argv)
-    except UserError as e:
-        _fail(str(e))
-    except (ImportError, RuntimeError, AttributeError, OSError) as e:
-        found = install_error(e)
-        if found is not None:
-            _fail(str(found))
-        if not isinstance(e, OSError):
-            raise
-        where = f"{e.filename}: " if e.filename else ""
-        _fail(f"{where}{e.strerror or e}; pass a path this machine can read and write (or free disk space) and re-run")
-    except KeyboardInterrupt:
-        print("interrupted; finished work is kept on disk", file=sys.stderr)
-        raise SystemExit(130) from None
-
-
-class CliParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors are :class:`UserError`\\ s (one line under :func:`run_cli`).
-
-    ``checks`` run on the parsed namespace and raise :class:`UserError` for mistakes that involve several
-    flags. After each parse, ``given`` holds the destinations of the flags the user actually typed, so a
-    value equal to the default can be told from an omitted flag. ``removed`` maps flags the command no longer
-    has to what to use instead; typing one is refused with that.
-    """
-
-    def __init__(self, *args: Any, checks: Sequence[Callable[[argparse.Namespace], None]] = (),
-                 removed: dict[str, str] | None = None, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        # argparse reads -1e-3 or -.5e-1 as a flag: read them as numbers, for the validators to judge
-        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
-        self.checks = list(checks)
-        self.removed = dict(removed or {})
-        self.given: frozenset[str] = frozenset()
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        head, _, rest = message.partition(": ")
-        flag = head.removeprefix("argument ").split("/")[0]
-        if head.startswith("argument ") and rest.startswith(flag + " "):
-            message = rest  # the validator already names the flag
-        elif head.startswith("argument ") and rest in ("expected one argument", "expected at least one argument"):
-            message += f"; give it after the flag, or as {flag}='...' when it starts with '-'"
-        raise UserError(message)
-
-    def parse_known_args(self, args=None, namespace=None):
-        args = sys.argv[1:] if args is None else list(args)
-        unset = object()
-        probe = argparse.Namespace(**{a.dest: unset for a in self._actions if a.dest != argparse.SUPPRESS})
-        _, extras = super().parse_known_args(args, probe)  # defaults are only filled in for attributes not set yet
-        gone = next((flag for flag in (e.split("=", 1)[0] for e in extras) if flag in self.removed), None)
-        if gone:
-            raise UserError(f"{gone} was removed; {self.removed[gone]}")
-        self.given = frozenset(k for k, v in vars(probe).items() if v is not unset)
-        return super().parse_known_args(args, namespace)
-
-    def parse_typed(self, args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-        """Parse ``args`` only for which flags they type, for a command that passes them on to this one:
-        abbreviations and ``--flag=value`` resolved as :meth:`parse_args` resolves them, values kept as typed (no
-        types, choices, required flags or checks; ``KEY=VALUE`` items are still split). ``given`` then names the
-        typed flags. Returns the namespace and the arguments this parser does not know."""
-        saved = [(a, a.required, a.type, a.choices) for a in self._actions]
-        for action in self._actions:
-            action.required, action.choices = False, None
-            action.type = key_value if action.type is key_value else None
-        try:
-            return self.parse_known_args(args)
-        finally:
-            for action, required, kind, choices in saved:
-                action.required, action.type, action.choices = required, kind, choices
-
-    def parse_args(self, args=None, namespace=None):
-        parsed, extras = self.parse_known_args(args, namespace)
-        if extras:
-            self._unrecognized(extras)
-        for check in self.checks:
-            check(parsed)
-        return parsed
-
-    def _unrecognized(self, extras: list[str]) -> None:
-        options = [s for a in self._actions for s in a.option_strings]
-        flag = extras[0].split("=", 1)[0]
-        close = difflib.get_close_matches(flag, options, n=3, cutoff=0.6) if flag.startswith("-") else []
-        hint = f"; did you mean {' or '.join(close)}?" if close else ""
-        raise UserError(f"unrecognized arguments: {' '.join(extras)}{hint} (see {self.prog} --help)")
-
-
-def as_type(check: Callable[[str], Any]) -> Callable[[str], Any]:
-    """An argparse ``type`` from a validator that raises :class:`UserError` (argparse keeps the message)."""
-
-    def convert(value: str) -> Any:
-        try:
-            return check(value)
-        except UserError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    convert.__name__ = getattr(check, "__name__", "value")
-    return convert
-
-
-def _bound(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else f"{v:g}"  # 4294967295, not 4.29497e+09
-
-
-def _interval(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
-    if high is None:
-        return f"{'>' if low_open else '>='} {_bound(low)}"
-    if low is None:
-        return f"{'<' if high_open else '<='} {_bound(high)}"
-    return f"in {'(' if low_open else '['}{_bound(low)}, {_bound(high)}{')' if high_open else ']'}"
-
-
-def number(kind: type = float, low: float | None = None, high: float | None = None, *, low_open: bool = False,
-           high_open: bool = False) -> Callable[[str], Any]:
-    """An argparse ``type``: an ``int`` or finite ``float`` inside the given bounds."""
-    noun = "an integer" if kind is int else "a number"
-    allowed = _interval(low, high, low_open, high_open)
-
-    def convert(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun} {allowed}, got {text!r}") from None
-        bad = not math.isfinite(value) or (low is not None and (value < low or (low_open and value == low))) or \
-            (high is not None and (value > high or (high_open and value == high)))
-        if bad:
-            raise argparse.ArgumentTypeError(f"must be {noun} {allowed}, got {text}")
-        return value
-
-    convert.__name__ = kind.__name__
-    return convert
-
-
-# The ranges the CLIs use: counts, sizes, rates, probabilities and seeds.
-positive_int, non_negative_int = number(int, 1), number(int, 0)
-positive, non_negative = number(float, 0, low_open=True), number(float, 0)
-fraction = number(float, 0, 1, high_open=True)  # rates and probabilities in [0, 1)
-seed_arg = number(int, 0, 2**32 - 1)
-
-
-class PerChannel(argparse.Action):
-    """``nargs="+"`` values for the three RGB channels, or one for all three (as timm's ``--mean``/``--std``)."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        if len(values) not in (1, 3):
-            parser.error(f"{option_string} takes 3 values (R G B) or 1 for all channels, got {len(values)}")
-        setattr(namespace, self.dest, list(values) * (3 // len(values)))
-
-
-def key_value(text: str) -> str:
-    """An argparse ``type`` for ``KEY=VALUE`` items (timm's ``ParseKwargs`` splits them)."""
-    key = text.split("=", 1)[0]
-    if "=" not in text or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. depth=2), got {text!r}")
-    return text
-
-
-def existing_path(text: str) -> str:
-    """An argparse ``type``: a file or folder that exists."""
-    if not Path(text).expanduser().exists():
-        raise argparse.ArgumentTypeError(f"{text} does not exist; check the path")
-    return text
-
-
-def output_dir(text: str) -> str:
-    """An argparse ``type``: a folder that exists or can be created, and can be written to."""
-    path = Path(text).expanduser().absolute()
-    if path.exists() and not path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text} is a file; pass a folder (it is created if missing)")
-    parent = path
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{parent} is a file, so {text} cannot be created; pass another folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"cannot write into {parent}; pass a folder you can write to")
-    return text
-
 

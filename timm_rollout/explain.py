@@ -45,8 +45,15 @@ from timm.layers import AttentionPoolLatent
 from torch import nn
 
 from .capture import capture_attention
-from .diagnostics import rollout_options
-from .rollout import HEAD_FUSIONS, fuse_heads, patch_weights, rollout_cls_row, rollout_layers, rollout_row
+from .rollout import (
+    HEAD_FUSIONS,
+    fuse_heads,
+    patch_weights,
+    rollout_cls_row,
+    rollout_layers,
+    rollout_options,
+    rollout_row,
+)
 
 __all__ = [
     "MAP_LABELS",

@@ -8,6 +8,13 @@ row-stochastic ``A``.
 
 All of it runs in float32 with autocast off on the tensors' device: under CUDA or CPU autocast a bf16
 matmul would put ~0.2% error into the weights.
+
+The rollout diagnostics say how far pooling weights ``w`` (B, P) over the patches (the [CLS] row of the rollout
+over the patch columns, renormalised, as rollout pooling uses it: :func:`pooling_weights`) are from the plain
+patch mean: the effective patches ``exp(H(w))``, ``H(w) = -sum_p w_p log w_p`` (P for uniform weights, 1 when all
+the weight is on one patch), and the cosine between the ``w``-pooled and the mean-pooled final patch tokens.
+Where near-uniform weights come from: :func:`layer_effective_patches` measures each layer's own [CLS] attention
+the same way, and :data:`ROLLOUT_VARIANTS` are the sharper rollout options to compare with.
 """
 
 from __future__ import annotations
@@ -17,18 +24,26 @@ import numbers
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
 
 HEAD_FUSIONS = ("mean", "max", "min")
 
 __all__ = [
     "HEAD_FUSIONS",
+    "ROLLOUT_VARIANTS",
     "attention_rollout",
     "check_options",
+    "cosine_to_mean",
+    "effective_patches",
     "fuse_heads",
+    "layer_effective_patches",
     "patch_weights",
+    "pooling_weights",
     "rollout_cls_row",
     "rollout_layers",
+    "rollout_options",
     "rollout_row",
+    "variant_name",
 ]
 
 
@@ -192,3 +207,47 @@ def patch_weights(row: torch.Tensor, num_prefix_tokens: int = 1) -> torch.Tensor
     """Drop the prefix-token columns of a rollout row (B, N) and renormalise to sum 1: (B, N - prefix)."""
     w = row[:, num_prefix_tokens:]
     return w / w.sum(dim=-1, keepdim=True)
+
+
+# (head fusion, discard ratio) of the sharper rollouts measured beside a model's own: max fusion keeps each
+# position's most focused head, discarding drops the weakest 90% of patch-to-patch attention.
+ROLLOUT_VARIANTS = (("max", 0.0), ("min", 0.0), ("mean", 0.9), ("max", 0.9))
+
+
+def variant_name(head_fusion: str, discard_ratio: float) -> str:
+    """``'max'``, ``'max-discard0.9'``: a rollout variant's name, as in the study's arm names."""
+    return head_fusion if discard_ratio == 0 else f"{head_fusion}-discard{discard_ratio:g}"
+
+
+def rollout_options(model: nn.Module) -> tuple[str, float]:
+    """(head fusion, discard ratio) with which ``model`` pools, or would pool post hoc, by rollout."""
+    return str(getattr(model, "rollout_head_fusion", "mean")), float(getattr(model, "rollout_discard_ratio", 0.0))
+
+
+def pooling_weights(attentions: Sequence[torch.Tensor], num_prefix_tokens: int, head_fusion: str = "mean",
+                    discard_ratio: float = 0.0) -> torch.Tensor:
+    """Rollout pooling weights (B, P) of one pass's attention: the [CLS] rollout row over the patches, renormalised."""
+    row = rollout_cls_row(attentions, head_fusion, discard_ratio, num_prefix_tokens)
+    return patch_weights(row, num_prefix_tokens)
+
+
+def layer_effective_patches(attentions: Sequence[torch.Tensor], num_prefix_tokens: int) -> torch.Tensor:
+    """Effective patches (B, L) of each layer's own [CLS] attention over the patches (mean over heads,
+    renormalised over the patch columns): how focused the attention is that rollout composes."""
+    rows = [a.float().mean(dim=1)[:, 0, num_prefix_tokens:] for a in attentions]
+    return torch.stack([effective_patches(r / r.sum(dim=-1, keepdim=True)) for r in rows], dim=1)
+
+
+def effective_patches(weights: torch.Tensor) -> torch.Tensor:
+    """``exp(-sum_p w_p log w_p)`` per row of (B, P) weights that sum to 1 (``0 log 0 = 0``), in float32: (B,)."""
+    w = weights.float()
+    return torch.exp(-torch.special.xlogy(w, w).sum(dim=-1))
+
+
+def cosine_to_mean(tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Cosine between the ``weights``-pooled and the mean-pooled (B, P, D) ``tokens``, in float32: (B,).
+
+    A product and a sum, not a matmul, so that autocast (the training log's evaluation pass) keeps it in float32."""
+    t = tokens.float()
+    pooled = (weights.float().unsqueeze(-1) * t).sum(dim=1)
+    return torch.nn.functional.cosine_similarity(pooled, t.mean(dim=1), dim=-1)

@@ -19,12 +19,12 @@ detectable effect, McNemar's per-image test for accuracies; see :mod:`harness.co
 curves, the distribution of effective patches and the mean rollout weight map per arm, the cosine-similarity
 matrices and a heatmap grid of the same test images under every arm.
 
-The modules, in the order a study meets them: :mod:`.cli` (flags, the command), :mod:`.plan` (arms, train
+The modules, in the order a study meets them: :mod:`.command` (flags, the command), :mod:`.plan` (arms, train
 commands), :mod:`.folder` (``study.json``: identity and remembered settings; the folder layout), :mod:`.jobs`
 (training and evaluation processes, ``--jobs``, ``--pack``, ``--commit``), :mod:`.report` (``report.md``, its
 figures, the Hub exports), :mod:`.tables` (its markdown tables) and :mod:`.dose` (the dose analysis).
 """
 
-from .cli import build_parser, main
+from .command import build_parser, main
 
 __all__ = ["build_parser", "main"]

@@ -118,6 +118,6 @@ def also_folder(dataset: str, output: str | Path, arm: str, seed: int) -> Path:
     return Path(output) / f"eval-{Path(dataset).name}" / f"{arm}-s{seed}"
 
 
-def run_short(path: str) -> str:
-    """Arm of a run or evaluation folder named ``<arm>-s<seed>``."""
+def arm_of(path: str | Path) -> str:
+    """``gap`` for ``.../gap-s2``: the arm of a run or evaluation folder, named ``<arm>-s<seed>``."""
     return Path(path).name.rsplit("-s", 1)[0]

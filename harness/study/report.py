@@ -27,15 +27,15 @@ from harness.compare import (
     same_images,
     summarise,
 )
-from harness.eval import set_pool
+from harness.eval import posthoc_readout
 from harness.features import saliency_maps
 from harness.figures import plot_heatmaps, plot_object_weights, plot_pooling_diagnostics, plot_training_curves
+from harness.hub import write_upload_folder
 from harness.metrics import LOCALISATION, POOLING_DIAGNOSTICS
 from harness.predictions import read_predictions
 from timm_rollout.atomic import write_text
 from timm_rollout.data import load_image_set, normalize
 from timm_rollout.explain import MAP_LABELS
-from timm_rollout.hub import write_upload_folder
 from timm_rollout.loading import load_model
 from timm_rollout.records import (
     CARD_FILE,
@@ -55,7 +55,7 @@ from timm_rollout.records import (
 from timm_rollout.train.log import read_log
 
 from .dose import contrast_metric, dose_section
-from .folder import also_folder, run_short
+from .folder import also_folder, arm_of
 from .plan import ARMS, POSTHOC, arm_model, backbone
 from .tables import (
     INTERACTION_NOTE,
@@ -96,7 +96,7 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
     found = {}
     for short, (name, run, pool) in panels.items():
         model, info = load_model(name, run)
-        set_pool(model, pool)
+        posthoc_readout(model, pool)
         found[short] = saliency_maps(model, normalize(images, info["mean"], info["std"]), device=torch.device("cpu"))
     names = data.class_names
     maps, preds = {}, {}
@@ -170,7 +170,7 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
     results = [{**r, "metrics": {**r["metrics"], **more}} for r, more in zip(loaded, added, strict=True)]
     extra = list(dict.fromkeys(m for more in added for m in more))
     shown = [*METRICS, *POOLING_DIAGNOSTICS, *LOCALISATION, *extra, *ORIGINAL_METRICS]
-    groups = {g.label: g for g in summarise(results, shown, label=lambda r: run_short(r["path"]))}
+    groups = {g.label: g for g in summarise(results, shown, label=lambda r: arm_of(r["path"]))}
     pooling = _figures(args, out, arms, seeds, runs, dict(zip(pairs, loaded, strict=True)))
     exported = export_picked(args, out, arms, seeds, runs, evals)
     trained = [(a, s) for a in arms if a in ARMS for s in seeds]
@@ -220,7 +220,7 @@ def primary_metric(args: argparse.Namespace) -> str:
 
 
 def dose_report(args: argparse.Namespace, seeds: Sequence[int]) -> list[str]:
-    """The dose section (:mod:`harness.dose`) over the seeds whose primary arms were evaluated on every
+    """The dose section (:mod:`.dose`) over the seeds whose primary arms were evaluated on every
     ``--also-eval`` data set; nothing with fewer than two data sets or without ``--primary``."""
     names = [Path(d).name for d in args.also_eval or ()]
     if len(names) < 2 or not args.primary:
@@ -258,7 +258,7 @@ def data_section(args: argparse.Namespace, out: Path) -> list[str]:
 def also_metrics(args: argparse.Namespace, arm: str, seed: int, result: dict[str, Any]) -> dict[str, float]:
     """``--also-eval``: the run's top-1 on each other data set's test split and its paired change from the study's
     (e.g. the top-1 a model loses to clutter, when the other set holds the same objects without it); with several,
-    also the last minus the first (:func:`harness.dose.contrast_metric`: its paired comparison is the dose
+    also the last minus the first (:func:`.dose.contrast_metric`: its paired comparison is the dose
     interaction)."""
     top1 = {folder.parent.name.removeprefix("eval-"): r["metrics"]["top1"]
             for folder, r in zip(*also_results(args, arm, seed), strict=True)}

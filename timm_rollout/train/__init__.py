@@ -11,14 +11,14 @@ embedding and CLS token; ``create_scheduler_v2`` stepped every update). Every ``
 ``config.json``, loadable with ``timm.create_model("local-dir:<out>")``), a resume state, the log and the
 curves; ``summary.json`` appears when all epochs are done.
 
-The modules, in the order a run meets them: :mod:`.cli` (flags and their checks), :mod:`.setup` (data, model,
+The modules, in the order a run meets them: :mod:`.flags` (flags and their checks), :mod:`.setup` (data, model,
 optimizer, schedule, EMA, grad scaler, batches), :mod:`.distributed` (``torchrun``), :mod:`.output` (the run
 folder: resume, record, saves, summary), :mod:`.loop` (``train()``: the one epoch loop, one :mod:`.step` per
 update), :mod:`.validation` (the evaluation after each epoch) and :mod:`.log` (``log.csv``, ``curves.png``).
 Several ``--seed`` runs train one after another in one process.
 """
 
-from .cli import build_parser
+from .flags import build_parser
 from .loop import main, train
 
 __all__ = ["build_parser", "main", "train"]

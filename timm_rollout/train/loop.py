@@ -19,8 +19,8 @@ import torch.distributed as dist
 from ..errors import UserError
 from ..progress import progress, tqdm
 from ..records import RESUME_FILE, code_label
-from .cli import as_typed, build_parser
 from .distributed import Dist, init_distributed, reduce_sum
+from .flags import as_typed, build_parser
 from .output import (
     RUN_FILES,
     check_same_data,

@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 from ..atomic import write_json
 from ..checkpoint import load_resume, save_model, save_resume
+from ..cli import CliParser
 from ..device import device_name, fp32_precision, precision_name
-from ..errors import CliParser, UserError
+from ..errors import UserError
 from ..records import (
     ARGS_FILE,
     CURVES_FILE,
@@ -25,8 +26,8 @@ from ..records import (
     portable_path,
     versions,
 )
-from .cli import as_typed
 from .distributed import Dist
+from .flags import as_typed
 from .log import plot_curves, write_log
 from .setup import RunData, Trainer
 from .validation import EVAL_BATCH

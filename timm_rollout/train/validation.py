@@ -12,7 +12,7 @@ from torch import nn
 from ..accuracy import topk_hits
 from ..data import normalize
 from ..device import autocast
-from ..diagnostics import cosine_to_mean, effective_patches
+from ..rollout import cosine_to_mean, effective_patches
 from .distributed import Dist, reduce_sum
 
 EVAL_BATCH = 500
@@ -34,7 +34,7 @@ def _eval_pass(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def validate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean, std, d: Dist,
              amp_dtype: torch.dtype | None) -> dict[str, float]:
     """Eval loss and top-1/top-5 accuracy (%) of ``model``; each rank takes every ``world``-th image. A
-    rollout-pooled model adds the means of its pooling diagnostics (:mod:`timm_rollout.diagnostics`).
+    rollout-pooled model adds the means of its pooling diagnostics (:mod:`timm_rollout.rollout`).
 
     Sums stay on the device until the end: one all-reduce and one host sync per evaluation.
     """

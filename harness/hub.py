@@ -20,15 +20,16 @@ import torch
 from huggingface_hub import HfApi, constants, get_token
 from timm.models._hub import generate_readme
 
-from . import online
-from .atomic import atomic_path, write_text
-from .data import ALIASES
-from .errors import UserError
-from .explain import MAP_LABELS
-from .loading import load_model
-from .models import RolloutVisionTransformer
-from .pooling import OPTIONS, POOLED_ARCHITECTURE, built_pool
-from .records import (
+from harness.metrics import METRIC_DEFAULTS, METRIC_DEFINITIONS
+from timm_rollout import online
+from timm_rollout.atomic import atomic_path, write_text
+from timm_rollout.data import ALIASES
+from timm_rollout.errors import UserError
+from timm_rollout.explain import MAP_LABELS
+from timm_rollout.loading import load_model
+from timm_rollout.models import RolloutVisionTransformer
+from timm_rollout.pooling import OPTIONS, POOLED_ARCHITECTURE, built_pool
+from timm_rollout.records import (
     ARGS_FILE,
     CARD_FILE,
     CONFIG_FILE,
@@ -41,8 +42,6 @@ from .records import (
 )
 
 __all__ = [
-    "METRIC_DEFAULTS",
-    "METRIC_DEFINITIONS",
     "UPLOAD_FILES",
     "check_eval_matches",
     "describe_model",
@@ -83,75 +82,6 @@ POOLING_TEXT = {
 STUDY_AVG_TEXT = (" (timm's global_pool='avg' with fc_norm=False: the final LayerNorm stays before pooling, so the "
                   "parameter names match the other pooling arms)")
 ROLLOUT_GRAD_TEXT = "; trained with rollout_grad=True: gradients flow through the pooling weights (detached by default)"
-
-# Definitions of the harness metrics (python -m harness.eval, harness/README.md "Metrics"), all on L2-normalised pooled
-# features; {k}, {bank_k} and {temperature} are filled from results.json (harness defaults otherwise). The original
-# study's mixed-unit geometry (*_original) is left off the card.
-METRIC_DEFINITIONS = {
-    "top1": "top-1 accuracy (fraction) of the model's own classifier head",
-    "top5": "top-5 accuracy (fraction) of the model's own classifier head",
-    "linear_probe": (
-        "accuracy of a linear probe on the frozen features: scikit-learn multinomial logistic regression (L2, C = 1, "
-        "lbfgs) trained on the train-split bank features, centred and PCA-whitened with the bank's statistics"
-    ),
-    "knn_loo": (
-        "leave-one-out k-NN accuracy inside the evaluated set (cosine similarity, k = {k}, majority vote, ties to "
-        "the class with the larger summed similarity, then the lower class id; a query is never its own neighbour)"
-    ),
-    "knn_bank": (
-        "k-NN accuracy of the evaluated images against a bank of train-split features (k = {bank_k}, votes "
-        "weighted by exp(similarity / {temperature}), as in DINO)"
-    ),
-    "intra": (
-        "mean over classes of the mean angle (radians) between a class's features and its direction, the "
-        "renormalised mean of its features (lower: tighter), over the classes with at least two evaluated images"
-    ),
-    "inter": "mean over class pairs of the angle (radians) between their directions",
-    "ratio": "inter / intra, unitless (higher: better separated classes; unchanged when every angle is scaled)",
-    "silhouette": (
-        "scikit-learn silhouette score, Euclidean on the normalised features (in [-1, 1]; above 10,000 points on a "
-        "seeded sample of 10,000)"
-    ),
-    "rollout_effective_patches": (
-        "mean over images of exp(entropy) of the rollout pooling weights over the patches (the [CLS] row of the "
-        "attention rollout, renormalised over the patches; for a model that does not pool by rollout, the weights "
-        "rollout pooling would use): the number of patches for uniform weights, 1 for a single patch"
-    ),
-    "rollout_cosine_to_mean": (
-        "mean over images of the cosine between the rollout-pooled and the mean-pooled final patch tokens"
-    ),
-    # Localisation, on data sets with object boxes: c_p is the fraction of patch p inside the image's box.
-    "pooling_object_mass": "mean over images of the share of the pooling weights on the object's box (sum of w_p c_p)",
-    "object_area_fraction": "the box's share of the image (the same sum for uniform weights): the chance level",
-    "pooling_weight_inside": "mean over images of the pooling weight x number of patches over the box (1 = uniform)",
-    "pooling_weight_outside": "mean over images of the pooling weight x number of patches off the box (1 = uniform)",
-    "pooling_effective_patches": "mean over images of exp(entropy) of the weights the model pools the patches with",
-    "pointing_chance": "fraction of patches whose centre lies in the box: the pointing game of a uniform map",
-    # Content masks (0 fill, 1 clutter, 2 object per pixel): f_p, k_p, o_p the shares of patch p's pixels.
-    "pooling_fill_mass": "mean over images of the share of the pooling weights on flat fill (sum of w_p f_p)",
-    "content_chance": (
-        "object mass of weights that only avoid flat fill (each patch by its share of non-fill pixels): the chance "
-        "level of a pooling that treats clutter and object alike"
-    ),
-    "pooling_object_share": (
-        "mean over images of the pooling weight on the object over the weight on object and clutter"
-    ),
-    "object_content_fraction": "the same share for the fill-avoiding weights of content_chance: its chance level",
-    "context_top1": (
-        "top-1 with each object replaced by the clutter of other images of its class there: what the model reads "
-        "off the context (chance if it reads the object)"
-    ),
-    "<map>_box_mass": "mean over images of the share of the {map} map's mass on the object's box",
-    "<map>_fill_mass": "mean over images of the share of the {map} map's mass on flat fill (content masks)",
-    "<map>_object_share": (
-        "mean over images of the {map} map's mass on the object over its mass on object and clutter (content masks)"
-    ),
-    "<map>_pointing": (
-        "pointing game of the {map} map: the fraction of images whose maximal patch has its centre in the box "
-        "(tied maxima count the fraction of them inside)"
-    ),
-}
-METRIC_DEFAULTS = {"k": 5, "bank_k": 20, "temperature": 0.07}
 
 ABNAR_ZUIDEMA_2020 = """@inproceedings{abnar-zuidema-2020-quantifying,
   title = {Quantifying Attention Flow in Transformers},

@@ -13,12 +13,9 @@ import timm
 import torch
 from timm.utils import ParseKwargs
 
-from ..data import dataset_arg
-from ..device import AMP_CHOICES, device_arg
-from ..errors import (
+from ..cli import (
     CliParser,
     PerChannel,
-    UserError,
     as_type,
     existing_path,
     fraction,
@@ -31,6 +28,9 @@ from ..errors import (
     positive_int,
     seed_arg,
 )
+from ..data import dataset_arg
+from ..device import AMP_CHOICES, device_arg
+from ..errors import UserError
 from ..loading import check_model
 from ..pooling import ROLLOUT, TIMM_POOLS, set_pooling
 

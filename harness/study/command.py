@@ -7,18 +7,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from timm_rollout.cli import CliParser, as_type, non_negative_int, number, output_dir, positive_int, seed_arg
 from timm_rollout.data import dataset_arg
 from timm_rollout.device import device_arg
-from timm_rollout.errors import (
-    CliParser,
-    UserError,
-    as_type,
-    non_negative_int,
-    number,
-    output_dir,
-    positive_int,
-    seed_arg,
-)
+from timm_rollout.errors import UserError
 from timm_rollout.records import (
     CURVES_FILE,
     DATA_DIR,
