@@ -42,7 +42,8 @@ from timm_rollout.records import ARGS_FILE, RESULTS_FILE, code_version, resolve_
 
 __all__ = ["has_diagnostics", "main", "outdated", "update_evaluation"]
 
-MASK_METRICS = ("pooling_fill_mass", "content_chance")  # present (not None) once the mask metrics were computed
+# present (not None) once the mask metrics were computed, in either mask convention (foreground masks have no fill)
+MASK_METRICS = ("object_content_fraction",)
 DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

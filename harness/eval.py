@@ -252,7 +252,7 @@ def _heatmap_figure(model, data: ImageSet, info: dict, args, device, amp_dtype, 
     maps = {f"{MAP_LABELS[k]}\n(readout {found.readout})": v for k, v in found.maps.items()}
     title = f"{info['name']}: maps of its readout ({found.readout}, {data.split})"
     boxes = data.boxes[pick] if data.boxes is not None else None
-    return plot_heatmaps(images, maps, true, pred, out / HEATMAPS_FILE, title, boxes)
+    return plot_heatmaps(images, maps, true, pred, out / HEATMAPS_FILE, title, boxes, grid=found.grid)
 
 
 def _predictions(feats: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,

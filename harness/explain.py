@@ -24,7 +24,15 @@ from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 from timm.utils import ParseKwargs
 
-from harness.figures import BOX_NOTE, UNIFORM_SCALE_LABEL, draw_box, draw_map, relative_to_uniform, shared_range
+from harness.figures import (
+    BOX_NOTE,
+    UNIFORM_SCALE_LABEL,
+    draw_box,
+    draw_map,
+    relative_to_uniform,
+    shared_range,
+    upsample_patch_map,
+)
 from timm_rollout.atomic import save_figure
 from timm_rollout.data import BoxColumnError, dataset_arg, load_image_set
 from timm_rollout.device import device_arg, resolve_device
@@ -148,9 +156,7 @@ def _panel(fig: Figure, ax, size: tuple[int, int], values: torch.Tensor, grid: t
            vrange: tuple[float, float]) -> None:
     """One map on the input's pixel grid (its patches as blocks, placed where they are in the image), opaque, with
     its colour bar."""
-    h, w = size
-    im = draw_map(ax, values.view(grid).numpy(), vrange, interpolation="nearest",
-                  extent=(-0.5, w - 0.5, h - 0.5, -0.5))  # the image's pixel edges
+    im = draw_map(ax, upsample_patch_map(values, grid, size), vrange)  # its patches on the image's pixels
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label(UNIFORM_SCALE_LABEL, fontsize=7)
     ax.set_title(title, fontsize=8)
     ax.set_xticks([])

@@ -28,7 +28,7 @@ from timm_rollout.diagnostics import (
     rollout_options,
     variant_name,
 )
-from timm_rollout.explain import READOUTS, AttentionPass, gradient_pass, readout_maps
+from timm_rollout.explain import READOUTS, AttentionPass, gradient_pass, patch_grid, readout_maps
 from timm_rollout.progress import progress
 from timm_rollout.rollout import patch_weights
 
@@ -188,6 +188,7 @@ class PoolingDiagnostics:
     discard_ratio: float
     layer_patches: torch.Tensor  # (N, L)
     variant_patches: dict[str, torch.Tensor]  # variant name -> (N,)
+    grid: tuple[int, int]  # (rows, cols) of the patches, mean_weights' layout
 
     def record(self) -> dict:
         """results.json's ``pooling_diagnostics``: the rollout options, the mean weight map and a histogram of
@@ -195,7 +196,7 @@ class PoolingDiagnostics:
         p = self.mean_weights.numel()
         counts, edges = np.histogram(self.effective_patches.numpy(), bins=np.linspace(1.0, p, 4 * (p - 1) + 1))
         return {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio,
-                "num_images": int(self.effective_patches.numel()), "num_patches": p,
+                "num_images": int(self.effective_patches.numel()), "num_patches": p, "grid": list(self.grid),
                 "mean_weights": [round(float(v), 7) for v in self.mean_weights],
                 "effective_patches_histogram": {"edges": edges.tolist(), "counts": counts.tolist()},
                 "layer_effective_patches": [round(float(v), 4) for v in self.layer_patches.double().mean(dim=0)],
@@ -238,4 +239,5 @@ def pooling_diagnostics(
     patches, cosines, sums, layers, *variants = zip(*found, strict=True)
     return PoolingDiagnostics(torch.cat(patches), torch.cat(cosines), torch.stack(sums).sum(dim=0) / len(images),
                               fusion, ratio, torch.cat(layers),
-                              {variant_name(*v): torch.cat(p) for v, p in zip(ROLLOUT_VARIANTS, variants, strict=True)})
+                              {variant_name(*v): torch.cat(p) for v, p in zip(ROLLOUT_VARIANTS, variants, strict=True)},
+                              patch_grid(model, images.shape[-2:], sums[0].numel()))

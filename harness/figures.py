@@ -9,14 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from matplotlib.figure import Figure
 
 from timm_rollout.atomic import save_figure
 
 __all__ = ["BOX_NOTE", "MAP_CMAP", "UNIFORM_SCALE_LABEL", "draw_box", "draw_map", "plot_comparison",
            "plot_cosine_matrix", "plot_heatmaps", "plot_object_weights", "plot_pooling_diagnostics",
-           "relative_to_uniform", "shared_range", "upsample_patch_map"]
+           "recorded_grid", "relative_to_uniform", "shared_range", "upsample_patch_map"]
 
 # Colour-bar label of maps drawn on the scale of relative_to_uniform.
 UNIFORM_SCALE_LABEL = "weight x number of patches (1 = uniform)"
@@ -60,20 +59,40 @@ def shared_range(maps: Sequence[torch.Tensor]) -> tuple[float, float]:
     return 0.0, max(2.0, *(float(m.max()) for m in maps))
 
 
-def upsample_patch_map(weights: torch.Tensor, size: tuple[int, int]) -> np.ndarray:
-    """(P,) patch weights -> (H, W) map, bilinearly upsampled from the square patch grid."""
-    side = math.isqrt(weights.numel())
-    grid = weights.float().view(1, 1, side, side)
-    return F.interpolate(grid, size=size, mode="bilinear", align_corners=False)[0, 0].numpy()
+def upsample_patch_map(values: torch.Tensor, grid: Sequence[int], size: Sequence[int]) -> np.ndarray:
+    """(P,) patch values over a (rows, cols) ``grid`` -> (H, W) float32 map of ``size``, for any grid: the patches
+    row-major, as timm orders patch tokens (prefix tokens such as [CLS] and registers left out), pixel (y, x) taking
+    the value of patch (y * rows // H, x * cols // W), so each patch fills exactly the block of pixels it covers
+    (``size`` = ``grid`` gives the grid itself). The one way every figure turns patch values into a picture."""
+    rows, cols = (int(g) for g in grid)
+    if values.numel() != rows * cols:
+        raise ValueError(f"{values.numel()} patch values do not fill a {rows}x{cols} patch grid")
+    h, w = (int(s) for s in size)
+    at_row, at_col = torch.arange(h) * rows // h, torch.arange(w) * cols // w
+    return values.detach().float().cpu().reshape(rows, cols)[at_row[:, None], at_col[None, :]].numpy()
+
+
+def recorded_grid(record: Mapping) -> tuple[int, int]:
+    """The (rows, cols) patch grid of a results.json ``pooling_diagnostics`` record; records written before it was
+    recorded held square grids (8x8 for every committed study)."""
+    if record.get("grid"):
+        return tuple(int(g) for g in record["grid"])
+    p = int(record["num_patches"])
+    side = math.isqrt(p)
+    if side * side != p:
+        raise ValueError(f"a pooling_diagnostics record of {p} patches without its grid; re-evaluate it with this "
+                         "version of python -m harness.eval")
+    return side, side
 
 
 MAP_CMAP = "inferno"
 
 
 def draw_map(ax, values: np.ndarray, vrange: tuple[float, float], **imshow: object):
-    """Draw an (H, W) map on its own, opaque, on the colour range ``vrange``: every colour is the colour bar's
-    for its value (a map blended over the image would mix in the image's colours). Returns the ``AxesImage``."""
-    return ax.imshow(values, cmap=MAP_CMAP, vmin=vrange[0], vmax=vrange[1], **imshow)
+    """Draw an (H, W) map on its own, opaque, on the colour range ``vrange``, each array cell as its own block
+    (nearest, unless ``imshow`` says otherwise): every colour is the colour bar's for its value (a map blended over
+    the image would mix in the image's colours). Returns the ``AxesImage``."""
+    return ax.imshow(values, cmap=MAP_CMAP, vmin=vrange[0], vmax=vrange[1], **{"interpolation": "nearest", **imshow})
 
 
 BOX_COLOUR = "cyan"
@@ -97,12 +116,15 @@ def plot_heatmaps(
     path: str | Path,
     title: str,
     boxes: torch.Tensor | None = None,
+    *,
+    grid: Sequence[int],
 ) -> Path:
     """One row per image: the image, then each named map beside it, drawn by :func:`draw_map` (columns in the
     order of ``maps``, named on top).
 
-    ``images`` are uint8 (B, 3, H, W) (the de-normalised inputs); maps are (B, P) over the patch grid, drawn on
-    the :func:`relative_to_uniform` scale with one colour range and one colour bar for the whole figure.
+    ``images`` are uint8 (B, 3, H, W) (the de-normalised inputs); maps are (B, P) over the (rows, cols) patch
+    ``grid`` (:func:`upsample_patch_map`), drawn on the :func:`relative_to_uniform` scale with one colour range and
+    one colour bar for the whole figure.
     ``pred_names``: one prediction per image, or per map name when the columns come from different models.
     ``boxes``: (B, 4) object boxes ``[x, y, w, h]``, outlined on every panel of their row.
     The layout is fixed in inches (no tight_layout pass over dozens of axes), so a large grid renders quickly.
@@ -125,7 +147,7 @@ def plot_heatmaps(
         axes[i, 0].imshow(rgb, interpolation="nearest")
         axes[i, 0].set_title(f"true: {true_names[i]}" + ("" if per_column else f"\npred: {pred_names[i]}"), fontsize=8)
         for ax, (name, values) in zip(axes[i, 1:], maps.items(), strict=True):
-            im = draw_map(ax, upsample_patch_map(values[i], (h, w)), (vmin, vmax))
+            im = draw_map(ax, upsample_patch_map(values[i], grid, (h, w)), (vmin, vmax))
             pred = f"pred: {pred_names[name][i]}" if per_column else ""
             ax.set_title(f"{heads[name]}\n{pred}" if i == 0 else pred, fontsize=8)
         if boxes is not None:
@@ -201,10 +223,10 @@ def plot_pooling_diagnostics(records: Mapping[str, Sequence[dict]], path: str | 
     top.grid(alpha=0.3)
     top.legend(fontsize=8, loc="upper left")
     vmin, vmax = shared_range(list(means.values()))
-    side = math.isqrt(p)
     for j, arm in enumerate(arms):
         ax = fig.add_subplot(grid[1, j])
-        im = ax.imshow(means[arm].view(side, side).numpy(), cmap="inferno", vmin=vmin, vmax=vmax)
+        patches = recorded_grid(records[arm][0])
+        im = draw_map(ax, upsample_patch_map(means[arm], patches, patches), (vmin, vmax))
         ax.set_title(f"{arm}\nmean weights over the images", fontsize=9)
         ax.set(xlabel="patch column", ylabel="patch row")
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label(UNIFORM_SCALE_LABEL, fontsize=7)

@@ -35,6 +35,11 @@ them), :func:`mask_fractions` gives each patch's share of fill f_p, clutter k_p 
   instance which classes the clutter lacks) scores above chance (1 / classes on a class-balanced split); one that
   reads the object scores chance. The pixels come from the evaluated images; where some object cannot be taken
   out (no image of its class shows that pixel free), the metric is None rather than a mean over the rest.
+
+Foreground masks (0 background, 1 object; :mod:`timm_rollout.masks` reads their background as ``BACKGROUND``)
+do not tell fill from clutter: there the object share counts every non-object pixel as content (so it is the
+weight on the object's pixels), and the metrics that need the fill (fill masses, content chance) are None once
+an evaluated image has such background, rather than a mean over the rest.
 """
 
 from __future__ import annotations
@@ -43,9 +48,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from timm_rollout.data import CLUTTER, FILL, OBJECT
 from timm_rollout.diagnostics import effective_patches
 from timm_rollout.explain import MAP_LABELS
+from timm_rollout.masks import BACKGROUND, CLUTTER, FILL, OBJECT
 
 __all__ = ["LOCALISATION", "box_coverage", "box_mass", "centres_inside", "content_weights", "context_only",
            "fixed_map", "localisation_metrics", "map_shares", "mask_fractions", "object_mass", "object_share",
@@ -95,13 +100,13 @@ def centres_inside(boxes: torch.Tensor, image_size: Sequence[int], grid: Sequenc
 
 
 def mask_fractions(masks: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
-    """(N, P, 3) float64 share of each patch's pixels that are fill, clutter and object, from uint8 (N, H, W)
-    content ``masks``; patches row-major over ``grid`` (rows, cols)."""
+    """(N, P, 4) float64 share of each patch's pixels that are fill, clutter, object and background (indexed by
+    those values), from uint8 (N, H, W) ``masks``; patches row-major over ``grid`` (rows, cols)."""
     n, h, w = masks.shape
     _patch_edges((h, w), grid)
     rows, cols = grid
     counts = [(masks == value).reshape(n, rows, h // rows, cols, w // cols).sum(dim=(2, 4), dtype=torch.int64)
-              for value in (FILL, CLUTTER, OBJECT)]
+              for value in (FILL, CLUTTER, OBJECT, BACKGROUND)]
     return torch.stack(counts, dim=-1).flatten(1, 2).double() / ((h // rows) * (w // cols))
 
 
@@ -135,11 +140,12 @@ def content_weights(fractions: torch.Tensor) -> torch.Tensor:
 
 
 def object_share(weights: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor:
-    """Per image sum_p w_p o_p / sum_p w_p (o_p + k_p): the weight on the object as a share of the weight on
-    content (object and clutter); NaN where no weight falls on content."""
+    """Per image sum_p w_p o_p / sum_p w_p (o_p + k_p + b_p): the weight on the object as a share of the weight on
+    content (object, clutter and a foreground mask's background); NaN where no weight falls on content."""
     w = weights.double()
     on_object = (w * fractions[..., OBJECT]).sum(dim=-1)
-    on_content = (w * (fractions[..., OBJECT] + fractions[..., CLUTTER])).sum(dim=-1)
+    content = fractions[..., OBJECT] + fractions[..., CLUTTER] + fractions[..., BACKGROUND]
+    on_content = (w * content).sum(dim=-1)
     return torch.where(on_content > 0, on_object / on_content, torch.nan)
 
 
@@ -205,6 +211,8 @@ def _mask_values(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor], fracti
     for name, m in maps.items():
         values[f"{name}_fill_mass"] = object_mass(map_shares(m), fractions[..., FILL])
         values[f"{name}_object_share"] = object_share(map_shares(m), fractions)
+    if (fractions[..., BACKGROUND] > 0).any():  # fill not told from clutter: no metric that needs the fill
+        values = {k: v for k, v in values.items() if not k.endswith(("fill_mass", "content_chance"))}
     return values
 
 

@@ -677,7 +677,7 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
         preds[column] = [names[int(j)] for j in found[short].logits.argmax(dim=1)]
     return plot_heatmaps(images, maps, [names[int(y)] for y in labels], preds, path,
                          f"Same test images under every arm, maps of each arm's own readout (seed {seed})",
-                         data.boxes[pick] if data.boxes is not None else None)
+                         data.boxes[pick] if data.boxes is not None else None, grid=next(iter(found.values())).grid)
 
 
 def tested_metrics(extra: Sequence[str]) -> list[str]:

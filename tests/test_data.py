@@ -264,3 +264,41 @@ def test_a_missing_split_names_the_commands_flag(tmp_path: Path) -> None:
     with pytest.raises(UserError) as e:
         load_image_set(str(folder), "test")
     assert str(e.value).endswith(": name one with --split")
+
+
+def _with_an_empty_split(folder: Path, layout: str) -> str:
+    """A data set of 4 images in `train` and none in `test`: a save_to_disk folder or a folder of parquet files."""
+    feats = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    train = datasets.Dataset.from_dict({"image": [_png("RGB", (i, 0, 0)) for i in range(4)], "label": [0, 1, 0, 1]},
+                                       features=feats)
+    empty = datasets.Dataset.from_dict({"image": [], "label": []}, features=feats)
+    if layout == "saved":
+        datasets.DatasetDict({"train": train, "test": empty}).save_to_disk(str(folder))
+    else:
+        folder.mkdir()
+        train.to_parquet(str(folder / "train.parquet"))
+        empty.to_parquet(str(folder / "test.parquet"))
+    return str(folder)
+
+
+@pytest.mark.parametrize("layout", ["saved", "parquet"])
+def test_an_empty_split_is_named_as_such_and_the_other_splits_load(tmp_path: Path, layout: str) -> None:
+    """datasets fails on the whole data set (save_to_disk: IndexError; parquet: 'corresponds to no data'): the
+    split with rows loads, the empty one is one line naming it and the splits that have rows."""
+    folder = _with_an_empty_split(tmp_path / "ds", layout)
+    assert load_image_set(folder, "train").images[:, 0, 0, 0].tolist() == [0, 1, 2, 3]
+    with pytest.raises(UserError) as e:
+        load_image_set(folder, "test", split_flag="--eval-split")
+    assert str(e.value) == (f"data set {folder!r}: split 'test' has no rows (its files hold no images); name a split "
+                            "that has rows with --eval-split (train), or add images to 'test'")
+
+
+def test_a_path_like_name_of_no_folder_says_so_and_what_the_hub_said(tmp_path: Path, monkeypatch) -> None:
+    """``data/cifar10`` (no ./) where there is no such folder is tried as a Hub id; the message says both."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError) as e:
+        load_image_set("data/cifar10")
+    assert str(e.value).startswith(f"no folder 'data/cifar10' exists in {tmp_path}, and as a Hub id it is not in the "
+                                   "local cache and the Hugging Face Hub is offline or unreachable")

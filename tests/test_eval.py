@@ -306,7 +306,7 @@ def test_palette_figures_stay_close_to_the_full_colour_render(tmp_path):
     for ax, image, seed in zip(fig.subplots(2, 3).flat, images, range(6), strict=True):
         ax.imshow(image.permute(1, 2, 0).numpy(), interpolation="nearest")
         weights = torch.rand(64, generator=torch.Generator().manual_seed(seed))
-        fig.colorbar(ax.imshow(upsample_patch_map(weights, (32, 32)), cmap="inferno", alpha=0.6), ax=ax)
+        fig.colorbar(ax.imshow(upsample_patch_map(weights, (8, 8), (32, 32)), cmap="inferno", alpha=0.6), ax=ax)
     save_figure(fig, tmp_path / "fig.png")
     raw = io.BytesIO()
     fig.savefig(raw, dpi=FIGURE_DPI, bbox_inches="tight", format="png")

@@ -327,7 +327,7 @@ def test_map_panels_show_the_map_alone_in_the_colour_bars_colours(tmp_path, monk
     gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=gen)
     maps = {"rollout": torch.rand(2, 64, generator=gen), "attention": torch.rand(2, 64, generator=gen)}
-    figures.plot_heatmaps(images, maps, ["a", "b"], ["a", "a"], tmp_path / "h.png", "heatmaps")
+    figures.plot_heatmaps(images, maps, ["a", "b"], ["a", "a"], tmp_path / "h.png", "heatmaps", grid=(8, 8))
     ex = E.Explanation(maps={k: v[:1] for k, v in maps.items()}, buildup=torch.rand(1, 2, 64, generator=gen),
                        logits=torch.zeros(1, 3), target=torch.zeros(1, dtype=torch.int64), grid=(8, 8), readout="cls")
     harness_explain.plot_explanation(ex, images[0].permute(1, 2, 0).numpy(), "explain", "input", tmp_path / "e.png")
@@ -347,7 +347,7 @@ def test_map_panels_show_the_map_alone_in_the_colour_bars_colours(tmp_path, monk
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     im = next(im for ax in fig.axes for im in ax.get_images() if im.get_array().ndim == 2)
-    value = float(np.asarray(im.get_array())[3, 5])
+    value = float(np.asarray(im.get_array())[3 * 4, 5 * 4])  # the map on the image's pixels: patch (3, 5)
     want = np.asarray(im.cmap(im.norm(value))[:3]) * 255
     x, y = im.axes.transData.transform((5 * 4 + 1.5, 3 * 4 + 1.5))  # patch (3, 5) in the 32x32 image's pixels
     rgba = np.asarray(canvas.buffer_rgba())

@@ -374,9 +374,9 @@ def test_eval_with_boxes_end_to_end(tmp_path, tmp_path_factory, monkeypatch):
 
     drawn = []
 
-    def recorded(images, *args):  # the heatmaps' images and the boxes outlined on them
+    def recorded(images, *args, **kwargs):  # the heatmaps' images and the boxes outlined on them
         drawn.append((images, args[-1]))
-        return plot_heatmaps(images, *args)
+        return plot_heatmaps(images, *args, **kwargs)
 
     monkeypatch.setattr(harness_eval, "load_image_set", with_boxes)
     monkeypatch.setattr(harness_eval, "plot_heatmaps", recorded)

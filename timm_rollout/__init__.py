@@ -5,10 +5,13 @@ Importing the package registers ``vit_tiny_cifar_cls``, ``vit_tiny_cifar_gap``, 
 ``model.global_pool = 'rollout'`` on a timm ViT what ``set_pooling(model, 'rollout')`` does.
 """
 
-from .capture import AttentionCapture, attention_modules, capture_attention
-from .models import RolloutPooledVisionTransformer, RolloutVisionTransformer
-from .pooling import set_pooling
-from .rollout import HEAD_FUSIONS, attention_rollout, fuse_heads, patch_weights, rollout_cls_row
+from .errors import install_guard
+
+with install_guard():  # a torchvision that does not match torch (it fails on import): one line naming the fix
+    from .capture import AttentionCapture, attention_modules, capture_attention
+    from .models import RolloutPooledVisionTransformer, RolloutVisionTransformer
+    from .pooling import set_pooling
+    from .rollout import HEAD_FUSIONS, attention_rollout, fuse_heads, patch_weights, rollout_cls_row
 
 __version__ = "0.1.0"
 

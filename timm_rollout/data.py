@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-import math
+import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -25,9 +25,15 @@ import torch
 
 from .atomic import atomic_path
 from .errors import UserError
+from .masks import BOX_COLUMN, CLUTTER, FILL, MASK_COLUMN, OBJECT, BoxColumnError, read_localisation
 
-__all__ = [
+__all__ = [  # with the columns and mask values of timm_rollout.masks, which the harness reads
     "ALIASES",
+    "BOX_COLUMN",
+    "CLUTTER",
+    "FILL",
+    "MASK_COLUMN",
+    "OBJECT",
     "SAMPLE_DIR",
     "BoxColumnError",
     "ImageSet",
@@ -72,10 +78,6 @@ KNOWN_STATS: dict[str, tuple[tuple[float, float, float], tuple[float, float, flo
 _HUB_TO_STATS = {spec.path: spec.stats_key for spec in ALIASES.values() if spec.stats_key}
 
 IMAGE_COLUMNS = ("img", "image")
-BOX_COLUMN = "bbox"  # one object box per image, [x, y, w, h] in pixels (COCO order): kept for the harness
-MASK_COLUMN = "mask"  # a per-pixel content mask per image, as timm_rollout.clutter writes it
-FILL, CLUTTER, OBJECT = 0, 1, 2  # the content mask's values: flat fill, visible clutter, the object
-MASK_VALUES = OBJECT + 1
 LABEL_COLUMNS = ("label", "fine_label", "labels")
 CACHE_VERSION = 1
 # What makes a folder a data set: datasets' save_to_disk markers, or data files load_dataset reads as images.
@@ -94,7 +96,10 @@ class ImageSet:
     split: str
     fingerprint: str  # datasets' fingerprint of the split (provenance)
     boxes: torch.Tensor | None = None  # float32 (N, 4) object box [x, y, w, h] in pixels (COCO order), if any
-    masks: torch.Tensor | None = None  # uint8 (N, H, W) content mask (0 fill, 1 clutter, 2 object), if any
+    # uint8 (N, H, W) masks, if any, in the encoding of timm_rollout.masks: 0 fill, 1 clutter, 2 object, 3 background
+    # (a foreground mask's 0: fill or clutter, not told apart); mask_convention: what the column held
+    masks: torch.Tensor | None = None
+    mask_convention: str | None = None  # 'clutter' (0 fill, 1 clutter, 2 object) or 'foreground' (0, 1 object)
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -118,7 +123,7 @@ class ImageSet:
             self.images[indices], self.labels[indices], list(self.class_names), self.dataset, self.split,
             f"{self.fingerprint}[{len(indices)}:{drawn}]" if len(indices) != len(self) else self.fingerprint,
             None if self.boxes is None else self.boxes[indices],
-            None if self.masks is None else self.masks[indices],
+            None if self.masks is None else self.masks[indices], self.mask_convention,
         )
 
 
@@ -223,19 +228,57 @@ def _local_key(folder: Path) -> str:
     return f"{place}-{files}"
 
 
+def _empty(features):
+    """A split without rows, of these ``features`` (``datasets`` itself cannot read one back)."""
+    import datasets
+
+    return datasets.Dataset.from_dict({column: [] for column in features}, features=features)
+
+
+def _load_saved(local: Path):
+    """A ``save_to_disk`` folder's splits; a split saved without rows, which ``load_from_disk`` fails on
+    (IndexError), comes back empty."""
+    import datasets
+
+    def split(folder: Path):
+        if json.loads((folder / "state.json").read_text())["_data_files"]:
+            return datasets.load_from_disk(str(folder))
+        return _empty(datasets.DatasetInfo.from_directory(str(folder)).features)
+
+    if (local / "dataset_dict.json").is_file():
+        names = json.loads((local / "dataset_dict.json").read_text())["splits"]
+        return datasets.DatasetDict({name: split(local / name) for name in names})
+    return datasets.DatasetDict({"train": split(local)})
+
+
+def _load_files(path: str, config: str | None, cache: Path):
+    """The splits ``load_dataset`` finds in a folder of data files; a split whose files hold no rows, on which
+    ``load_dataset`` fails ('corresponds to no data'), comes back empty."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(path, config, cache_dir=str(cache))
+    except ValueError as e:
+        if "corresponds to no data" not in str(e):
+            raise
+    builder = datasets.load_dataset_builder(path, config, cache_dir=str(cache))
+    builder.download_and_prepare()
+    return datasets.DatasetDict({name: builder.as_dataset(split=name) if info.num_examples else
+                                 _empty(builder.info.features) for name, info in builder.info.splits.items()})
+
+
 def _load_local(spec: DatasetSpec, name: str, key: str):
-    """Splits of a local folder, ``datasets``' cache of it kept under ``key`` (:func:`_local_key`); anything
-    ``datasets`` cannot make of it is a :class:`UserError`."""
+    """Splits of a local folder, ``datasets``' cache of it kept under ``key`` (:func:`_local_key`), splits without
+    rows as empty ones; anything ``datasets`` cannot make of it is a :class:`UserError`."""
     import datasets
 
     local = Path(spec.path)
     try:
         if SAVED_MARKERS & {p.name for p in local.iterdir()}:
-            loaded = datasets.load_from_disk(str(local))
-            return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
+            return _load_saved(local)
         place, files = key.split("-")
-        cache = Path(datasets.config.HF_DATASETS_CACHE) / "timm_rollout_local" / place / files
-        return datasets.load_dataset(spec.path, spec.config, cache_dir=str(cache))
+        return _load_files(spec.path, spec.config,
+                           Path(datasets.config.HF_DATASETS_CACHE) / "timm_rollout_local" / place / files)
     except Exception as e:  # the folder is the user's: any failure to read it is theirs to fix, not a traceback
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise UserError(f"datasets cannot read the folder {name} ({type(e).__name__}: {reason}); pass a folder "
@@ -261,8 +304,10 @@ def _load_splits(spec: DatasetSpec, name: str):
         except (ConnectionError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
             where, also = ("is found neither on the Hugging Face Hub nor in the local cache", ", an existing Hub id") \
                 if online else ("is not in the local cache and the Hugging Face Hub is offline or unreachable", "")
+            what = f"data set {name!r} ({spec.path})" if name in ALIASES else \
+                f"no folder {name!r} exists in {Path.cwd()}, and as a Hub id it"  # e.g. data/cifar10 without ./
             raise UserError(
-                f"data set {name!r} ({spec.path}) {where} ({type(e).__name__}); pass a local data set folder "
+                f"{what} {where} ({type(e).__name__}); pass a local data set folder "
                 f"(e.g. ../shared/data/cifar10){also} or cifar10-sample (shipped with the package)"
             ) from None
 
@@ -364,68 +409,6 @@ def _decoded_tensors(
     return images, labels
 
 
-def _box(cell: object) -> list[float] | None:
-    """``[x, y, w, h]`` (or ``[[x, y, w, h]]``) as four finite floats with w, h > 0; None for anything else."""
-    if isinstance(cell, list) and len(cell) == 1 and isinstance(cell[0], list):
-        cell = cell[0]
-    if not isinstance(cell, list) or len(cell) != 4:
-        return None
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in cell):
-        return None
-    return [float(v) for v in cell] if min(cell[2:]) > 0 else None
-
-
-class BoxColumnError(UserError):
-    """A ``bbox`` column that is not one box per image (the localisation metrics refuse it)."""
-
-
-def _boxes(split_ds, name: str, size: tuple[int, int]) -> torch.Tensor | None:
-    """float32 (N, 4) boxes of a split with a ``bbox`` column of one ``[x, y, w, h]`` per image (or ``[[x, y, w,
-    h]]``); None without one. Anything else (several boxes, none, non-finite or non-positive sizes) is refused:
-    the harness scores one object per image. So is a box that is not at least a pixel wide and high and inside its
-    ``size`` = (H, W) image (to within a pixel): the sign of another format ([x1, y1, x2, y2], centres, fractions
-    of the image), which would otherwise give wrong localisation numbers."""
-    if BOX_COLUMN not in split_ds.features:
-        return None
-    cells = split_ds.select_columns([BOX_COLUMN]).with_format("arrow")[:].column(BOX_COLUMN).to_pylist()
-    boxes = [_box(c) for c in cells]
-    bad = next((i for i, b in enumerate(boxes) if b is None), None)
-    if bad is not None:
-        raise BoxColumnError(f"data set {name!r}: row {bad} of column {BOX_COLUMN!r} is {str(cells[bad])[:80]}, "
-                             "not one box [x, y, w, h] of finite numbers with w, h > 0; keep one box per image, or "
-                             "rename the column to evaluate without boxes")
-    h, w = size
-    out = next((i for i, (x, y, bw, bh) in enumerate(boxes)
-                if min(bw, bh) < 1 or min(x, y) < -1 or x + bw > w + 1 or y + bh > h + 1), None)
-    if out is not None:
-        raise BoxColumnError(f"data set {name!r}: row {out} of column {BOX_COLUMN!r} is {str(cells[out])[:80]}, "
-                             f"not a box [x, y, w, h] in pixels (COCO order) inside its {h}x{w} image; convert the "
-                             "column to that format (not [x1, y1, x2, y2], centres or fractions of the image)")
-    return torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4)
-
-
-def _masks(split_ds, name: str, size: tuple[int, int]) -> torch.Tensor | None:
-    """uint8 (N, H, W) content masks of a split with a ``mask`` Image column (values 0 fill, 1 clutter, 2 object,
-    as :mod:`timm_rollout.clutter` writes them); None without one. A mask of another size than its ``size`` =
-    (H, W) image, or with other values, is refused: the localisation metrics would read it wrongly."""
-    import datasets
-    from PIL import Image
-
-    if not isinstance(split_ds.features.get(MASK_COLUMN), datasets.Image):
-        return None
-    cells = split_ds.select_columns([MASK_COLUMN]).cast_column(MASK_COLUMN, datasets.Image(decode=False))
-    arrays = [np.asarray(Image.open(io.BytesIO(c["bytes"]) if c["bytes"] is not None else c["path"]))
-              for c in cells[MASK_COLUMN]]
-    bad = next((i for i, a in enumerate(arrays)
-                if a.dtype != np.uint8 or a.shape != tuple(size) or int(a.max()) >= MASK_VALUES), None)
-    if bad is not None:
-        a = arrays[bad]
-        raise UserError(f"data set {name!r}: row {bad} of column {MASK_COLUMN!r} is a {a.dtype} mask of shape "
-                        f"{a.shape} with values up to {a.max()}, not a {size[0]}x{size[1]} mask of 0 (fill), 1 "
-                        "(clutter), 2 (object); rename the column to evaluate without it")
-    return torch.from_numpy(np.stack(arrays)) if arrays else torch.zeros(0, *size, dtype=torch.uint8)
-
-
 def split_names(dataset: str) -> list[str]:
     """The splits of ``dataset`` (alias, Hub id or local folder)."""
     return list(_load_splits(resolve_dataset(dataset), dataset)[0])
@@ -446,8 +429,10 @@ def load_image_set(
     ``cifar10-sample`` shipped in the package), a Hub id, or a local folder that ``load_dataset`` or
     ``load_from_disk`` reads. Columns are detected (``img``/``image``, ``label``/``fine_label``) unless named.
     ``boxes``: read a ``bbox`` column (one object box per image) into ``ImageSet.boxes`` and a ``mask`` column (a
-    content mask per image, as ``scripts/make_cluttered.py`` writes) into ``ImageSet.masks`` (the harness scores
-    localisation with them; training and the rest leave them alone, whatever they hold). ``split_flag``: the
+    mask per image, in the clutter convention ``scripts/make_cluttered.py`` writes or a foreground mask) into
+    ``ImageSet.masks``, checked against each other, boxes taken from the masks where there is no ``bbox`` column
+    (:mod:`timm_rollout.masks`; the harness scores localisation with them; training and the rest leave them alone,
+    whatever they hold). ``split_flag``: the
     command's flag that names ``split``, for the error when the data set lacks it.
     """
     import datasets
@@ -458,6 +443,11 @@ def load_image_set(
         raise UserError(f"data set {dataset!r} has no split {split!r}; its splits are {', '.join(splits)}: name one "
                         f"with {split_flag}")
     ds = splits[split]
+    if not len(ds):
+        full = [s for s in splits if len(splits[s])]
+        fix = f"name a split that has rows with {split_flag} ({', '.join(full)}), or add images to {split!r}" \
+            if full else "add images to the data set"
+        raise UserError(f"data set {dataset!r}: split {split!r} has no rows (its files hold no images); {fix}")
     features = ds.features
     img_col = _pick_column(features, image_column, IMAGE_COLUMNS, "image", datasets.Image, "--image-column")
     if not isinstance(features[img_col], datasets.Image):
@@ -476,9 +466,8 @@ def load_image_set(
         class_names = list(feature.names)
     else:
         class_names = [str(i) for i in range(int(labels.max()) + 1 if len(labels) else 0)]
-    size = tuple(images.shape[2:])
-    return ImageSet(images, labels, class_names, spec.path, split, ds._fingerprint,
-                    _boxes(ds, dataset, size) if boxes else None, _masks(ds, dataset, size) if boxes else None)
+    located = read_localisation(ds, dataset, tuple(images.shape[2:])) if boxes else (None, None, None)
+    return ImageSet(images, labels, class_names, spec.path, split, ds._fingerprint, *located)
 
 
 def balanced_indices(

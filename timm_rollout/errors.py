@@ -14,7 +14,10 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,8 @@ __all__ = [
     "as_type",
     "existing_path",
     "fraction",
+    "install_error",
+    "install_guard",
     "key_value",
     "non_negative",
     "non_negative_int",
@@ -43,20 +48,95 @@ class UserError(ValueError):
     """
 
 
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _matching_pair() -> str:
+    """``pip install torch==X torchvision==Y [--index-url ...]``: the installed torch with the torchvision of its
+    release (torch 2.N pairs with torchvision 0.(N + 15)), from the index the torch build came from."""
+    torch_version = _version("torch")
+    if torch_version is None:
+        return "pip install torch torchvision (from one index)"
+    release, _, build = torch_version.partition("+")
+    major, minor = [*release.split("."), "0"][:2]
+    vision = f"==0.{int(minor) + 15}.*" if major == "2" and minor.isdigit() else ""
+    index = f" --index-url https://download.pytorch.org/whl/{build}" if build else ""
+    return f"pip install torch=={release} torchvision{vision}{index}"
+
+
+def _importing_torchvision(error: BaseException) -> bool:
+    """Whether ``error`` (or one it was raised from) came out of torchvision's import: its module code failing,
+    e.g. ``operator torchvision::nms does not exist`` when its compiled ops were built for another torch."""
+    while error is not None:
+        frames = traceback.extract_tb(error.__traceback__)
+        if any(f.name == "<module>" and f"{os.sep}torchvision{os.sep}" in f.filename for f in frames) or \
+                "partially initialized module 'torchvision'" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def install_error(error: BaseException) -> UserError | None:
+    """The one-line error for a torchvision that is missing or does not match the installed torch, from the
+    exception importing it raised; None for any other exception."""
+    if isinstance(error, ModuleNotFoundError) and error.name == "torchvision":
+        return UserError(f"torchvision is not installed; install it with the torch it matches: {_matching_pair()}")
+    if not isinstance(error, (ImportError, RuntimeError, AttributeError, OSError)) or not _importing_torchvision(error):
+        return None
+    reason = str(error).strip().splitlines()[0][:120] if str(error).strip() else type(error).__name__
+    return UserError(f"torchvision {_version('torchvision')} does not match torch {_version('torch')} (importing it "
+                     f"fails: {reason}); install a matching pair from one index: {_matching_pair()}")
+
+
+def _running_cli() -> bool:
+    """Whether this process is a command of this project: ``python -m ...`` (while its package is imported,
+    ``sys.argv[0]`` is ``-m``) or a script in its repository."""
+    first = sys.argv[0] if sys.argv else ""
+    if first == "-m":
+        return True
+    return first not in ("", "-c") and Path(__file__).resolve().parents[1] in Path(first).resolve().parents
+
+
+@contextmanager
+def install_guard() -> Iterator[None]:
+    """Around the package's first imports: a broken torch/torchvision pair (:func:`install_error`) ends a command
+    with one line ``error: ...`` and exit 2, and is an ``ImportError`` with that line elsewhere."""
+    try:
+        yield
+    except Exception as e:
+        found = install_error(e)
+        if found is None:
+            raise
+        if _running_cli():
+            _fail(str(found))
+        raise ImportError(str(found)) from e
+
+
+def _fail(message: str) -> None:
+    print("error: " + " ".join(message.split("\n")), file=sys.stderr)
+    raise SystemExit(2) from None
+
+
 def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
-    """Run ``main(argv)``; a :class:`UserError`, or the file system refusing a path (permissions, a full disk, a
-    read-only or special folder), prints one line and exits 2."""
+    """Run ``main(argv)``; a :class:`UserError`, a broken torch/torchvision pair met while importing
+    (:func:`install_error`), or the file system refusing a path (permissions, a full disk, a read-only or special
+    folder), prints one line and exits 2."""
     try:
         main(argv)
     except UserError as e:
-        message = " ".join(str(e).split("\n"))
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except OSError as e:
+        _fail(str(e))
+    except (ImportError, RuntimeError, AttributeError, OSError) as e:
+        found = install_error(e)
+        if found is not None:
+            _fail(str(found))
+        if not isinstance(e, OSError):
+            raise
         where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{e.strerror or e}; pass a path this machine can read and write (or free disk space) "
-              "and re-run", file=sys.stderr)
-        raise SystemExit(2) from None
+        _fail(f"{where}{e.strerror or e}; pass a path this machine can read and write (or free disk space) and re-run")
     except KeyboardInterrupt:
         print("interrupted; finished work is kept on disk", file=sys.stderr)
         raise SystemExit(130) from None

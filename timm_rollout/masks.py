@@ -1,0 +1,235 @@
+"""Object boxes and content masks a data set brings: their conventions, read and checked when a split is loaded.
+
+The harness (``load_image_set(..., boxes=True)``) reads two optional columns; training leaves them alone.
+
+- ``bbox``: one box per image, ``[x, y, w, h]`` in pixels (COCO order), covering [x, x + w) x [y, y + h). Without
+  a mask, a box that is not at least a pixel wide and high and inside its image is refused (the sign of
+  ``[x1, y1, x2, y2]``, centres or fractions); a corner box ``[x1, y1, x2, y2]`` that happens to fit the image
+  when read as ``[x, y, w, h]`` cannot be told apart there: it is assumed to be ``[x, y, w, h]``.
+- ``mask``: one mask per image, of the image's size: an Image column (one channel: PIL mode L, P, 1 or I) or a
+  2-D array column (``Array2D`` or nested lists of numbers). Its convention is told by the values the split holds:
+
+  * **clutter** (as ``scripts/make_cluttered.py`` writes): 0 flat fill, 1 clutter, 2 the object; a split whose
+    masks hold a 2 and nothing above it;
+  * **foreground**: 0 background, 1 the object (values 0 and 1 only, booleans too). Read into the harness's
+    encoding as :data:`BACKGROUND` and :data:`OBJECT`: fill and clutter are not told apart, so the metrics that
+    need the fill are None (:mod:`harness.localisation`).
+
+  Any other values are refused, naming both conventions and how to convert. Every image must mark its object.
+  With a ``bbox`` column each box must be its object's bounding box (each edge within :data:`TOLERANCE` pixels
+  of the object's outermost pixels): a contradiction is refused, naming the box convention the column looks like.
+  Without one, each box is the bounding box of its mask's object (the object itself where it is a rectangle, as
+  on ``make_cluttered.py`` canvases).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import UserError
+
+__all__ = ["BACKGROUND", "BOX_COLUMN", "CLUTTER", "CONVENTIONS", "FILL", "MASK_COLUMN", "OBJECT", "TOLERANCE",
+           "BoxColumnError", "check_boxes", "object_boxes", "read_localisation", "read_masks"]
+
+BOX_COLUMN = "bbox"  # one object box per image, [x, y, w, h] in pixels (COCO order)
+MASK_COLUMN = "mask"  # a per-pixel mask per image, in one of CONVENTIONS
+FILL, CLUTTER, OBJECT = 0, 1, 2  # the clutter convention's values: flat fill, visible clutter, the object
+BACKGROUND = 3  # a foreground mask's background in the harness's encoding: fill or clutter, not told apart
+CONVENTIONS = {"clutter": "0 fill, 1 clutter, 2 object", "foreground": "0 background, 1 object"}
+TOLERANCE = 1.0  # pixels a box edge may lie from its mask's object
+CONVERT = ("map its values to one of them (e.g. (mask > 0).astype('uint8') for a 0/255 foreground mask), or rename "
+           "the column to evaluate without masks")
+
+
+class BoxColumnError(UserError):
+    """A ``bbox`` or ``mask`` column the localisation metrics refuse (``harness.explain`` then draws no box)."""
+
+
+def _box(cell: object) -> list[float] | None:
+    """``[x, y, w, h]`` (or ``[[x, y, w, h]]``) as four finite floats with w, h > 0; None for anything else."""
+    if isinstance(cell, list) and len(cell) == 1 and isinstance(cell[0], list):
+        cell = cell[0]
+    if not isinstance(cell, list) or len(cell) != 4:
+        return None
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in cell):
+        return None
+    return [float(v) for v in cell] if min(cell[2:]) > 0 else None
+
+
+def _box_column(split_ds, name: str) -> tuple[torch.Tensor, list] | None:
+    """float32 (N, 4) boxes of a ``bbox`` column of one ``[x, y, w, h]`` per image (or ``[[x, y, w, h]]``) and its
+    cells; None without one. Anything else (several boxes, none, non-finite or non-positive sizes) is refused: the
+    harness scores one object per image."""
+    if BOX_COLUMN not in split_ds.features:
+        return None
+    cells = split_ds.select_columns([BOX_COLUMN]).with_format("arrow")[:].column(BOX_COLUMN).to_pylist()
+    boxes = [_box(c) for c in cells]
+    bad = next((i for i, b in enumerate(boxes) if b is None), None)
+    if bad is not None:
+        raise BoxColumnError(f"data set {name!r}: row {bad} of column {BOX_COLUMN!r} is {str(cells[bad])[:80]}, "
+                             "not one box [x, y, w, h] of finite numbers with w, h > 0; keep one box per image, or "
+                             "rename the column to evaluate without boxes")
+    return torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4), cells
+
+
+def _check_inside(boxes: torch.Tensor, cells: list, name: str, size: tuple[int, int]) -> None:
+    """Refuse a box that is not at least a pixel wide and high and inside its ``size`` = (H, W) image (to within a
+    pixel): the sign of another format ([x1, y1, x2, y2], centres, fractions of the image), which would otherwise
+    give wrong localisation numbers."""
+    h, w = size
+    x, y, bw, bh = boxes.double().unbind(dim=1)
+    out = (torch.minimum(bw, bh) < 1) | (torch.minimum(x, y) < -1) | (x + bw > w + 1) | (y + bh > h + 1)
+    if out.any():
+        i = int(out.nonzero()[0])
+        raise BoxColumnError(f"data set {name!r}: row {i} of column {BOX_COLUMN!r} is {str(cells[i])[:80]}, "
+                             f"not a box [x, y, w, h] in pixels (COCO order) inside its {h}x{w} image; convert the "
+                             "column to that format (not [x1, y1, x2, y2], centres or fractions of the image)")
+
+
+def _decode(cell: dict) -> np.ndarray:
+    """One Image cell (``{'bytes', 'path'}``) as the array PIL reads: (H, W) for one channel, (H, W, C) else."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(cell["bytes"]) if cell["bytes"] is not None else Path(cell["path"])) as image:
+        return np.asarray(image)
+
+
+def _mask_arrays(split_ds, name: str) -> list[np.ndarray]:
+    """The ``mask`` column as one array per row: an Image column decoded, any other column read as numbers; a
+    column that holds neither is refused."""
+    import datasets
+
+    column = split_ds.select_columns([MASK_COLUMN])
+    feature = split_ds.features[MASK_COLUMN]
+    if isinstance(feature, datasets.Image):
+        cells = column.cast_column(MASK_COLUMN, datasets.Image(decode=False))[MASK_COLUMN]
+        return [_decode(c) for c in cells]
+    try:
+        values = column.with_format("numpy")[:][MASK_COLUMN]
+    except (TypeError, ValueError):  # strings, dicts, ...: not numbers
+        values = None
+    arrays = None if values is None else [np.asarray(v) for v in values]
+    if arrays is None or any(a.dtype.kind not in "biuf" for a in arrays):
+        raise BoxColumnError(f"data set {name!r}: column {MASK_COLUMN!r} holds {feature}, not masks; store one mask "
+                             "per image as an Image column (one channel, e.g. PNG mode L) or a 2-D array of "
+                             "integers (Array2D), or rename the column to evaluate without masks")
+    return arrays
+
+
+def _convention(values: set[float], name: str) -> str:
+    """``'clutter'`` or ``'foreground'``, from the values a split's masks hold; any other values are refused."""
+    if values <= {0, 1, 2} and 2 in values:
+        return "clutter"
+    if values <= {0, 1}:
+        return "foreground"
+    shown = ", ".join(f"{v:g}" for v in sorted(values)[:6]) + (", ..." if len(values) > 6 else "")
+    raise BoxColumnError(f"data set {name!r}: column {MASK_COLUMN!r} holds the values {shown}, which fit neither mask "
+                         f"convention the harness reads: clutter ({CONVENTIONS['clutter']}, as make_cluttered.py "
+                         f"writes) or foreground ({CONVENTIONS['foreground']}); {CONVERT}")
+
+
+def read_masks(split_ds, name: str, size: tuple[int, int]) -> tuple[torch.Tensor, str] | None:
+    """uint8 (N, H, W) masks of a split with a ``mask`` column in the harness's encoding (:data:`FILL`,
+    :data:`CLUTTER`, :data:`OBJECT`, :data:`BACKGROUND`) and the convention they were read in (a key of
+    :data:`CONVENTIONS`); None without the column. A mask that is not one channel of its ``size`` = (H, W) image,
+    or whose values fit no convention, is refused (module docstring)."""
+    if MASK_COLUMN not in split_ds.features:
+        return None
+    arrays = _mask_arrays(split_ds, name)
+    bad = next((i for i, a in enumerate(arrays) if a.shape != tuple(size)), None)
+    if bad is not None:
+        raise BoxColumnError(f"data set {name!r}: row {bad} of column {MASK_COLUMN!r} is a mask of shape "
+                             f"{arrays[bad].shape}, not one channel of its {size[0]}x{size[1]} image; store one "
+                             "value per pixel, or rename the column to evaluate without masks")
+    values = {float(v) for a in arrays for v in np.unique(a)}
+    convention = _convention(values, name)
+    if not arrays:
+        return torch.zeros(0, *size, dtype=torch.uint8), convention
+    stacked = np.stack(arrays)
+    if convention == "foreground":
+        stacked = np.where(stacked == 1, OBJECT, BACKGROUND)
+    return torch.from_numpy(stacked.astype(np.uint8)), convention
+
+
+def object_boxes(masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (N, 4) bounding box ``[x, y, w, h]`` of each (N, H, W) mask's :data:`OBJECT` pixels (pixel i
+    spanning [i, i + 1)), and (N,) bool whether the mask has any (the box is zeros where not)."""
+    obj = masks == OBJECT
+    rows, cols = obj.any(dim=2), obj.any(dim=1)  # (N, H), (N, W)
+    found = rows.any(dim=1)
+    y0, x0 = rows.int().argmax(dim=1), cols.int().argmax(dim=1)  # the first object row and column
+    y1 = rows.shape[1] - rows.flip(1).int().argmax(dim=1)
+    x1 = cols.shape[1] - cols.flip(1).int().argmax(dim=1)
+    boxes = torch.stack([x0, y0, x1 - x0, y1 - y0], dim=1).float()
+    return torch.where(found[:, None], boxes, 0.0), found
+
+
+# Box conventions a column may be in, as the [x0, y0, x1, y1] edges they give (float64 (N, 4) columns a, b, c, d),
+# and how to convert each to [x, y, w, h]: the first is the one the harness reads.
+_READINGS = (
+    ("[x, y, w, h] (COCO order)", lambda a, b, c, d: (a, b, a + c, b + d), ""),
+    ("[x1, y1, x2, y2] (corners)", lambda a, b, c, d: (a, b, c, d), "w = x2 - x1, h = y2 - y1"),
+    ("[cx, cy, w, h] (centre and size)", lambda a, b, c, d: (a - c / 2, b - d / 2, a + c / 2, b + d / 2),
+     "x = cx - w / 2, y = cy - h / 2"),
+    ("[y, x, h, w] (rows first)", lambda a, b, c, d: (b, a, b + d, a + c), "swap x with y and w with h"),
+)
+
+
+def _fits(boxes: torch.Tensor, edges: torch.Tensor, reading) -> torch.Tensor:
+    """(N,) bool: whether ``boxes`` read by ``reading`` put every edge within :data:`TOLERANCE` of ``edges``."""
+    got = torch.stack(reading(*boxes.double().unbind(dim=1)), dim=1)
+    return ((got - edges).abs() <= TOLERANCE).all(dim=1)
+
+
+def check_boxes(boxes: torch.Tensor, masks: torch.Tensor, convention: str, name: str) -> None:
+    """Refuse (N, 4) ``boxes`` that are not the bounding boxes of their (N, H, W) ``masks``' objects (the
+    masks read in ``convention``), naming the box convention the column looks like and how to convert it."""
+    found, _ = object_boxes(masks)
+    edges = torch.cat([found[:, :2], found[:, :2] + found[:, 2:]], dim=1).double()
+    wrong = ~_fits(boxes, edges, _READINGS[0][1])
+    if not wrong.any():
+        return
+    i = int(wrong.nonzero()[0])
+    x0, y0, x1, y1 = (f"{v:g}" for v in _READINGS[0][1](*boxes[i].double().tolist()))
+    o = [f"{v:g}" for v in edges[i].tolist()]
+    n = int(wrong.sum())
+    count, label, how = max(((int(_fits(boxes[wrong], edges[wrong], reading).sum()), label, how)
+                             for label, reading, how in _READINGS[1:]), key=lambda fit: fit[0])
+    likely = "" if 2 * count <= n else (f"; {'every such box' if count == n else f'{count} of them'} reads as "
+                                        f"{label}: convert with {how}")
+    raise BoxColumnError(
+        f"data set {name!r}: {n} boxes of column {BOX_COLUMN!r} contradict their masks (read as "
+        f"{convention}: {CONVENTIONS[convention]}), e.g. row {i}: {[round(v, 3) for v in boxes[i].tolist()]} read "
+        f"as [x, y, w, h] spans x {x0}..{x1}, y {y0}..{y1}, its object x {o[0]}..{o[2]}, y {o[1]}..{o[3]}{likely}; "
+        f"give each box as [x, y, w, h] pixels of its object's bounding box, or remove the {BOX_COLUMN!r} column to "
+        "take the boxes from the masks")
+
+
+def read_localisation(split_ds, name: str, size: tuple[int, int]
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, str | None]:
+    """A split's object boxes (float32 (N, 4)), masks (uint8 (N, H, W), the harness's encoding) and their
+    convention, each None where the split has none; every check of the module docstring applied."""
+    column, read = _box_column(split_ds, name), read_masks(split_ds, name, size)
+    boxes = None if column is None else column[0]
+    if read is None:
+        if column is not None:
+            _check_inside(*column, name, size)
+        return boxes, None, None
+    masks, convention = read
+    derived, found = object_boxes(masks)
+    if not found.all():
+        i = int((~found).nonzero()[0])
+        marked = "2" if convention == "clutter" else "1"
+        raise BoxColumnError(
+            f"data set {name!r}: the mask of row {i} marks no pixel as the object (read as {convention}: "
+            f"{CONVENTIONS[convention]}; the object is {marked}); mark every image's object, drop its row, or "
+            f"rename the {MASK_COLUMN!r} column to evaluate without masks")
+    if boxes is None:
+        return derived, masks, convention
+    check_boxes(boxes, masks, convention, name)
+    return boxes, masks, convention
