@@ -12,10 +12,11 @@ import torch
 from matplotlib.figure import Figure
 
 from timm_rollout.atomic import save_figure
+from timm_rollout.train.log import epoch_axis, seeds_phrase
 
 __all__ = ["BOX_NOTE", "MAP_CMAP", "UNIFORM_SCALE_LABEL", "draw_box", "draw_map", "plot_comparison",
            "plot_cosine_matrix", "plot_heatmaps", "plot_object_weights", "plot_pooling_diagnostics",
-           "recorded_grid", "relative_to_uniform", "shared_range", "upsample_patch_map"]
+           "plot_training_curves", "recorded_grid", "relative_to_uniform", "shared_range", "upsample_patch_map"]
 
 # Colour-bar label of maps drawn on the scale of relative_to_uniform.
 UNIFORM_SCALE_LABEL = "weight x number of patches (1 = uniform)"
@@ -261,4 +262,45 @@ def plot_object_weights(values: Mapping[str, Sequence[tuple[float, float]]], pat
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
+    return save_figure(fig, path)
+
+
+CURVE_PANELS = {  # log.csv column -> (y label, title); the last only when some run logged it (rollout pooling)
+    "train_loss": ("train cross-entropy loss", "Training loss"),
+    "eval_top1": ("eval top-1 accuracy (%)", "Eval top-1 accuracy"),
+    "rollout_effective_patches": ("effective patches of the rollout weights", "Rollout pooling: effective patches"),
+}
+
+
+def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], path: Path, title: str) -> Path:
+    """Train loss, eval top-1 and (rollout-pooled arms) the effective patches of their pooling weights per epoch:
+    one colour per arm, a thin line per seed and a bold mean over seeds (an arm of one seed: its one bold line),
+    one legend entry per arm below the axes (readable with any number of seeds), ticks on whole epochs."""
+    keys = [k for k in CURVE_PANELS if k != "rollout_effective_patches"
+            or any(k in r for per_seed in logs.values() for rows in per_seed.values() for r in rows)]
+    fig = Figure(figsize=(5.5 * len(keys), 4.6))
+    axes = dict(zip(keys, fig.subplots(1, len(keys)), strict=True))
+    for arm, (short, per_seed) in enumerate(logs.items()):
+        colour = f"C{arm}"  # one colour per arm, any number of arms
+        runs = [rows for _, rows in sorted(per_seed.items())]
+        for key, ax in axes.items():
+            logged = [[r for r in rows if key in r] for rows in runs]
+            length = min(len(rows) for rows in logged)
+            if length == 0:
+                continue
+            for rows in logged if len(runs) > 1 else []:
+                ax.plot([r["epoch"] for r in rows], [r[key] for r in rows], color=colour, lw=0.8, alpha=0.35)
+            columns = zip(*[[r[key] for r in rows[:length]] for rows in logged], strict=True)
+            mean = [sum(col) / len(col) for col in columns]
+            ax.plot([r["epoch"] for r in logged[0][:length]], mean, color=colour, lw=2,
+                    label=f"{short} ({'mean of ' if len(runs) > 1 else ''}{seeds_phrase(len(runs))})")
+    for key, ax in axes.items():
+        ax.set(ylabel=CURVE_PANELS[key][0], title=CURVE_PANELS[key][1])
+        epoch_axis(ax)
+        ax.grid(alpha=0.3)
+    handles, labels = axes["eval_top1"].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
+    several = any(len(per_seed) > 1 for per_seed in logs.values())
+    fig.suptitle(f"{title} (thin lines: single seeds)" if several else title)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     return save_figure(fig, path)

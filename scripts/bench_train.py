@@ -85,9 +85,9 @@ from timm_rollout.device import cpu_supports_bf16, device_arg, device_name, reso
 from timm_rollout.errors import CliParser, UserError, non_negative_int, positive_int, run_cli
 from timm_rollout.models import _TINY_CIFAR
 from timm_rollout.progress import progress
-from timm_rollout.train import COMPILE_MODES
-from timm_rollout.train_log import read_log
-from timm_rollout.train_step import Batches, optimizer_step
+from timm_rollout.train.cli import COMPILE_MODES
+from timm_rollout.train.log import read_log
+from timm_rollout.train.step import Batches, optimizer_step
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
 Step = Callable[[], int]  # runs one training step, returns the number of images

@@ -150,14 +150,13 @@ dose)
   canvases
   echo "data in $(( $(date +%s) - t0 )) s"
   mapfile -t cmds < <(python3 - "${seeds[@]}" <<EOF | grep '^python3 -m timm_rollout.train ' || true
-import importlib.util, shlex, sys, types
-try:  # study.py imports the harness, which imports faiss: not needed to build train commands, nor carried here
+import shlex, sys, types
+try:  # the study imports the harness, which imports faiss: not needed to build train commands, nor carried here
     import faiss  # noqa: F401
 except ImportError:
     sys.modules["faiss"] = types.ModuleType("faiss")
-spec = importlib.util.spec_from_file_location("study", "scripts/study.py")
-study = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(study)
+from harness import study
+from harness.study.plan import train_command
 seeds = sys.argv[1:]
 for dataset, out, extra in (("../cifar10-clutter256", "$DOSE", ["--also-eval", "../cifar10-clutter0"]),
                             ("../cifar10-clutter0", "$DOSE/fragments0", [])):
@@ -167,7 +166,7 @@ for dataset, out, extra in (("../cifar10-clutter256", "$DOSE", ["--also-eval", "
          "--device", "cuda"])
     for arm in args.arms:
         for seed in seeds:
-            flags = study.train_command(args, arm, [int(seed)], f"{out}/runs/{arm}-s{seed}")
+            flags = train_command(args, arm, [int(seed)], f"{out}/runs/{arm}-s{seed}")
             print(shlex.join(["python3", "-m", "timm_rollout.train", "--no-progress", *flags]))
 EOF
 )

@@ -23,7 +23,7 @@ from harness.compare import Group, compare_groups, load_results, summarise
 from timm_rollout.atomic import save_figure
 from timm_rollout.errors import CliParser, UserError, existing_path, run_cli
 from timm_rollout.records import LOG_FILE, RESULTS_FILE
-from timm_rollout.train_log import epoch_axis, read_log, seeds_phrase
+from timm_rollout.train.log import epoch_axis, read_log, seeds_phrase
 
 ARM_NAMES = {"cls": "[CLS] token (cls)", "gap": "patch mean (gap)", "rollout": "rollout-weighted patches (rollout)",
              "map": "learned attention pooling (map)", "rollout-max-discard0.9": "sharpened rollout (max, discard 0.9)"}

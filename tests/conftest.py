@@ -61,14 +61,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def killed_at_evaluation(monkeypatch) -> Callable[[int], contextlib.AbstractContextManager]:
     """``with killed_at_evaluation(n): train(...)``: the training command dies at its n-th evaluation, as if killed
     there (after the previous epoch's save, before this epoch's); evaluations are themselves again after the block."""
-    import timm_rollout.train as train_module
+    import timm_rollout.train.loop as train_module
 
     class Died(Exception):
         pass
 
     @contextlib.contextmanager
     def kill(call: int) -> Iterator[None]:
-        evaluate, calls = train_module.evaluate, []
+        evaluate, calls = train_module.validate, []
 
         def evaluate_or_die(*args, **kwargs):
             calls.append(1)
@@ -76,11 +76,11 @@ def killed_at_evaluation(monkeypatch) -> Callable[[int], contextlib.AbstractCont
                 raise Died
             return evaluate(*args, **kwargs)
 
-        monkeypatch.setattr(train_module, "evaluate", evaluate_or_die)
+        monkeypatch.setattr(train_module, "validate", evaluate_or_die)
         try:
             with pytest.raises(Died):
                 yield
         finally:
-            monkeypatch.setattr(train_module, "evaluate", evaluate)
+            monkeypatch.setattr(train_module, "validate", evaluate)
 
     return kill

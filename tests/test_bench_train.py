@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from timm_rollout.train_log import write_log
+from timm_rollout.train.log import write_log
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_train", ROOT / "scripts" / "bench_train.py")

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from timm_rollout.errors import UserError
-from timm_rollout.train import _merge_saved_args, build_parser
+from timm_rollout.train import build_parser
+from timm_rollout.train.output import merge_saved_args as _merge_saved_args
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["timm_rollout.train", "--dataset", "cifar10-sample", "--output", "{out}", "--device", "cpu", "--amp",

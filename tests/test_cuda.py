@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from timm_rollout.data import load_image_set
 from timm_rollout.records import RESUME_FILE, WEIGHTS_FILE
 from timm_rollout.train import train
-from timm_rollout.train_log import read_log
+from timm_rollout.train.log import read_log
 
 DEVICE = "cuda"
 pytestmark = pytest.mark.cuda

@@ -4,7 +4,6 @@ and plain loops, and scripts/study.py with several --also-eval data sets, checke
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import itertools
 import json
 from pathlib import Path
@@ -13,7 +12,8 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from harness.dose import (
+from harness import study
+from harness.study.dose import (
     contrast_metric,
     dose_section,
     image_level,
@@ -25,9 +25,6 @@ from harness.dose import (
 from timm_rollout.clutter import ClutterRecipe, make_cluttered
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("study", ROOT / "scripts" / "study.py")
-study = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(study)
 
 GRID = [round(x, 3) for x in np.arange(-0.03, 0.031, 0.0025)]
 

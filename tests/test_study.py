@@ -4,7 +4,6 @@ statistics, commits, skipping, refusal."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import re
 import shutil
@@ -19,15 +18,17 @@ import torch
 from safetensors.torch import load_file
 from scipy import stats as sps
 
+from harness import figures, study
 from harness.compare import summarise
 from harness.predictions import read_predictions
+from harness.study import folder, jobs, plan
+from harness.study import report as study_report
+from harness.study import tables as study_tables
+from timm_rollout import records
 from timm_rollout.device import device_name
 from timm_rollout.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("study", ROOT / "scripts" / "study.py")
-study = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(study)
 
 
 ARMS = ("cls", "gap", "rollout-grad")
@@ -151,14 +152,14 @@ def test_report_lists_each_runs_wall_time_and_machine(finished):
     report = (finished / "report.md").read_text(encoding="utf-8")
     cpu = device_name(torch.device("cpu")).removeprefix("CPU ").rsplit(", ", 1)[0]  # any CPU, "model name" or not
     for arm, seed in ((a, s) for a in SHOWN for s in (0, 1)):
-        run = finished / "runs" / f"{study.backbone(arm)}-s{seed}"
+        run = finished / "runs" / f"{plan.backbone(arm)}-s{seed}"
         summary = json.loads((run / "summary.json").read_text())
         [(machine, epochs)] = summary["machines"].items()
         precision = json.loads((run / "train_args.json").read_text())["amp_dtype"]  # --amp auto: bf16 where native
         assert re.fullmatch(rf"CPU {re.escape(cpu)}, \d+ threads, {precision}", machine) and epochs == 1
         result = json.loads((finished / "eval" / f"{arm}-s{seed}" / "results.json").read_text())
         trained = f"{summary['wall_seconds'] / 60:.1f} min, {machine}: 1 epoch" if arm in ARMS else "the `cls` run"
-        line = (f"- {arm}, seed {seed}: training `runs/{study.backbone(arm)}-s{seed}` ({trained}); evaluation "
+        line = (f"- {arm}, seed {seed}: training `runs/{plan.backbone(arm)}-s{seed}` ({trained}); evaluation "
                 f"`eval/{arm}-s{seed}` ({result['timing']['total'] / 60:.1f} min, CPU {cpu}, "
                 f"{result['environment']['torch_threads']} threads, {result['environment']['dtype']})")
         assert line in report.splitlines()
@@ -168,7 +169,7 @@ def test_posthoc_readouts_evaluate_the_cls_weights_with_another_pooling(finished
     cls = finished / "runs" / "cls-s1"
     for arm, pool in (("cls", "token"), ("cls-posthoc-rollout", "rollout"), ("cls-posthoc-avg", "avg")):
         model = json.loads((finished / "eval" / f"{arm}-s1" / "results.json").read_text())["model"]
-        assert model["pool"] == pool and model["sha256"] == study.sha256_file(cls / "model.safetensors")
+        assert model["pool"] == pool and model["sha256"] == records.sha256_file(cls / "model.safetensors")
     assert not (finished / "runs" / "cls-posthoc-avg-s1").exists()  # no training of its own
 
 
@@ -200,40 +201,40 @@ def test_arms_share_one_recipe(finished):
 
 def test_pick_seed_ignores_the_test_set_and_breaks_ties_by_seed():
     logs = {2: [{"train_loss": 0.1}, {"train_loss": 0.5}], 0: [{"train_loss": 0.4}], 1: [{"train_loss": 0.4}]}
-    assert study.pick_seed(logs) == 0  # the last epoch counts; 0 and 1 tie at 0.4
-    assert study.pick_seed({**logs, 1: [{"train_loss": 0.39}]}) == 1
+    assert study_report.pick_seed(logs) == 0  # the last epoch counts; 0 and 1 tie at 0.4
+    assert study_report.pick_seed({**logs, 1: [{"train_loss": 0.39}]}) == 1
 
 
 def test_arms_table_holds_learned_and_sharpened_pooling_outside_the_defaults():
     parser = study.build_parser()
-    assert parser.parse_args(["--dataset", "x", "--epochs", "1", "--output", "o"]).arms == list(study.DEFAULT_ARMS)
-    assert set(study.DEFAULT_ARMS) < set(study.ARMS)
+    assert parser.parse_args(["--dataset", "x", "--epochs", "1", "--output", "o"]).arms == list(plan.DEFAULT_ARMS)
+    assert set(plan.DEFAULT_ARMS) < set(plan.ARMS)
     # on the tiny CIFAR ViT: the committed studies' models and --model-kwargs
-    assert study.arm_model(None, "map") == ("vit_tiny_cifar_cls", ["global_pool=map"], [])
-    assert study.arm_model(None, "rollout-grad") == ("vit_tiny_cifar_rollout", ["rollout_grad=True"], [])
-    model, kwargs, flags = study.arm_model(None, "rollout-max-discard0.9")
+    assert plan.arm_model(None, "map") == ("vit_tiny_cifar_cls", ["global_pool=map"], [])
+    assert plan.arm_model(None, "rollout-grad") == ("vit_tiny_cifar_rollout", ["rollout_grad=True"], [])
+    model, kwargs, flags = plan.arm_model(None, "rollout-max-discard0.9")
     assert flags == []
     assert model == "vit_tiny_cifar_rollout" and kwargs == ["rollout_head_fusion=max", "rollout_discard_ratio=0.9"]
-    assert study.merge_model_kwargs(["--model-kwargs", "depth=1"], kwargs)[-3:] == ["depth=1", *kwargs]
-    assert [study.arm_model(None, a)[0] for a in ("cls", "gap", "rollout")] == [
+    assert plan.merge_model_kwargs(["--model-kwargs", "depth=1"], kwargs)[-3:] == ["depth=1", *kwargs]
+    assert [plan.arm_model(None, a)[0] for a in ("cls", "gap", "rollout")] == [
         "vit_tiny_cifar_cls", "vit_tiny_cifar_gap", "vit_tiny_cifar_rollout"]
     # on any timm ViT: the trainer's --pool / --pool-kwargs, and map built in
     base = "vit_small_patch16_224"
-    assert study.arm_model(base, "gap") == (base, [], ["--pool", "avg"])
-    assert study.arm_model(base, "rollout-max-discard0.9") == (
+    assert plan.arm_model(base, "gap") == (base, [], ["--pool", "avg"])
+    assert plan.arm_model(base, "rollout-max-discard0.9") == (
         base, [], ["--pool", "rollout", "--pool-kwargs", "head_fusion=max", "discard_ratio=0.9"])
-    assert study.arm_model(base, "map") == (base, ["global_pool=map"], [])
+    assert plan.arm_model(base, "map") == (base, ["global_pool=map"], [])
 
 
 def test_pack_groups_the_seeds_of_one_arm_into_jobs():
     todo = [(arm, seed) for seed in (0, 1, 2) for arm in ("cls", "gap")]
-    assert study.packed(todo, 1) == [(arm, [seed]) for arm, seed in todo]
-    assert study.packed(todo, 2) == [("cls", [0, 1]), ("gap", [0, 1]), ("cls", [2]), ("gap", [2])]
-    assert study.packed(todo, 5) == [("cls", [0, 1, 2]), ("gap", [0, 1, 2])]
+    assert jobs.packed(todo, 1) == [(arm, [seed]) for arm, seed in todo]
+    assert jobs.packed(todo, 2) == [("cls", [0, 1]), ("gap", [0, 1]), ("cls", [2]), ("gap", [2])]
+    assert jobs.packed(todo, 5) == [("cls", [0, 1, 2]), ("gap", [0, 1, 2])]
 
 
 def test_merge_model_kwargs_keeps_one_list():
-    merge = study.merge_model_kwargs
+    merge = plan.merge_model_kwargs
     assert merge(["--lr", "1e-3"], ()) == ["--lr", "1e-3"]
     assert merge(["--model-kwargs", "depth=1", "--lr", "1e-3"], ("rollout_grad=True",)) == [
         "--lr", "1e-3", "--model-kwargs", "depth=1", "rollout_grad=True"]
@@ -363,15 +364,15 @@ def test_every_trainer_flag_the_study_sets_is_guarded(base):
                                             "--max-train-samples", "50", "--pack", "2", "--seeds", "0", "1",
                                             *(["--model", base] if base else []), "--train-args",
                                             "--model-kwargs img_size=32 patch_size=4 depth=1 --lr 1e-3"])
-    for arm in study.ARMS:
-        command = study.train_command(args, arm, [0, 1], "runs/{arm}-s{seed}")
-        given, kwargs = study._train_flags(command)
-        assert given - {"model_kwargs", "lr"} <= study.STUDY_SETS.keys(), arm
+    for arm in plan.ARMS:
+        command = plan.train_command(args, arm, [0, 1], "runs/{arm}-s{seed}")
+        given, kwargs = plan.train_flags(command)
+        assert given - {"model_kwargs", "lr"} <= plan.STUDY_SETS.keys(), arm
         assert {"model", "dataset", "epochs", "seed", "output", "resume", "device", "max_train_samples"} <= given, arm
         own = {k for k in kwargs if k not in ("img_size", "patch_size", "depth")}
-        assert all(k.startswith(study.ARM_KWARGS) for k in own), arm
-    trainer = {a.dest for a in study.train_parser()._actions}
-    assert study.STUDY_SETS.keys() <= trainer
+        assert all(k.startswith(plan.ARM_KWARGS) for k in own), arm
+    trainer = {a.dest for a in plan.train_parser()._actions}
+    assert plan.STUDY_SETS.keys() <= trainer
 
 
 def test_recorded_settings_are_replaced_until_a_run_has_trained(tmp_path):
@@ -403,12 +404,12 @@ def test_the_folder_remembers_also_eval_and_the_primary_comparison(tmp_path):
     assert saved["also_eval"] == ["cifar10-sample"] and saved["primary"] == ["gap", "rollout"]
     args = study.build_parser().parse_args(base)
     args.command = "python scripts/study.py ..."
-    study._check_identity(args, out)
+    folder.check_identity(args, out)
     assert args.also_eval == ["cifar10-sample"] and args.primary == ("gap", "rollout")
     (out / "study.json").write_text(json.dumps({**saved, "also_eval": "cifar10-sample"}))  # recorded before lists
     args = study.build_parser().parse_args(base)
     args.command = "python scripts/study.py ..."
-    study._check_identity(args, out)
+    folder.check_identity(args, out)
     assert args.also_eval == ["cifar10-sample"]
     with pytest.raises(UserError, match=r"was run with --also-eval cifar10-sample; repeat it, or leave --also-eval"):
         study.main([*base, "--also-eval", "cifar10-sample", "cifar10-sample-2"])
@@ -427,8 +428,8 @@ def test_each_arm_is_compared_with_cls_gap_and_rollout():
 
     arms = {"cls": 0.50, "gap": 0.52, "rollout": 0.53, "rollout-grad": 0.51}
     results = [result(a, s, v + 0.01 * s * (a == "rollout")) for a, v in arms.items() for s in (0, 1, 2)]
-    groups = {g.label: g for g in summarise(results, ["top1"], label=lambda r: study.run_short(r["path"]))}
-    text = study.delta_tables(groups, ["top1"])
+    groups = {g.label: g for g in summarise(results, ["top1"], label=lambda r: folder.run_short(r["path"]))}
+    text = study_tables.delta_tables(groups, ["top1"])
     headings = [line for line in text.splitlines() if line.startswith("###")]
     assert headings == ["### gap - cls", "### rollout - cls", "### rollout-grad - cls", "### rollout - gap",
                         "### rollout-grad - gap", "### rollout-grad - rollout"]
@@ -440,7 +441,7 @@ def test_each_arm_is_compared_with_cls_gap_and_rollout():
     assert _table_row(text, "top1", after="### rollout-grad - rollout")[2:4] == [
         "-0.0300", f"[{-0.03 - half:+.4f}, {-0.03 + half:+.4f}]"]
     two = {k: groups[k] for k in ("cls", "gap")}
-    assert "| top1 | 0.5000 ± 0.0000 | 0.5200 ± 0.0000 |" in study.means_table(two, ["top1"])
+    assert "| top1 | 0.5000 ± 0.0000 | 0.5200 ± 0.0000 |" in study_tables.means_table(two, ["top1"])
 
 
 def test_commit_waits_for_a_busy_repository(tmp_path):
@@ -452,12 +453,12 @@ def test_commit_waits_for_a_busy_repository(tmp_path):
     lock = tmp_path / ".git" / "index.lock"
     lock.write_text("")
     threading.Timer(0.5, lock.unlink).start()
-    assert study.commit_paths([tmp_path / "run.txt"], "study: toy", wait=0.2)
+    assert jobs.commit_paths([tmp_path / "run.txt"], "study: toy", wait=0.2)
     assert _git(tmp_path, "log", "--format=%s") == "study: toy\n"
     lock.write_text("")  # a lock that stays: the study stops with git's own reason
     (tmp_path / "run.txt").write_text("changed\n")
     with pytest.raises(UserError, match=r"index\.lock"):
-        study.commit_paths([tmp_path / "run.txt"], "study: toy 2", attempts=2, wait=0.01)
+        jobs.commit_paths([tmp_path / "run.txt"], "study: toy 2", attempts=2, wait=0.01)
 
 
 def test_picked_run_of_each_arm_is_exported_for_the_hub(repo, finished):
@@ -546,7 +547,7 @@ def test_learning_curve_metrics_come_from_the_training_log(finished, tmp_path):
     top1 = [10.0, 20.0, 35.0, 40.0, 50.0, 55.0, 60.0, 62.0]
     (run / "log.csv").write_text("epoch,train_loss,eval_loss,eval_top1,eval_top5,lr,img_per_s,seconds\n" + "".join(
         f"{e},1,1,{t},90,0.001,100,10\n" for e, t in enumerate(top1, start=1)))
-    got = study.curve_metrics(run, epochs=8)
+    got = study_report.curve_metrics(run, epochs=8)
     assert got == {"learning curve mean top-1": pytest.approx(sum(top1) / 800), "eval top-1 at epoch 2": 0.20}
     report = (finished / "report.md").read_text(encoding="utf-8")
     cells = _table_row(report, "learning curve mean top-1")[1:]
@@ -568,22 +569,22 @@ def _mean_logged_top1(log: Path) -> float:
 def test_side_by_side_runs_spread_over_the_visible_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert study.job_devices("auto", 3) == ["cuda:0", "cuda:1", "cuda:0"]
-    assert study.job_devices("cuda", 2) == ["cuda:0", "cuda:1"]
-    assert study.job_devices("cuda:1", 2) == ["cuda:1", "cuda:1"]  # a device named by the user is kept
-    assert study.job_devices("cpu", 2) == ["cpu", "cpu"]
+    assert jobs.job_devices("auto", 3) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert jobs.job_devices("cuda", 2) == ["cuda:0", "cuda:1"]
+    assert jobs.job_devices("cuda:1", 2) == ["cuda:1", "cuda:1"]  # a device named by the user is kept
+    assert jobs.job_devices("cpu", 2) == ["cpu", "cpu"]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert study.job_devices("auto", 2) == ["auto", "auto"]  # one GPU: the runs share it
+    assert jobs.job_devices("auto", 2) == ["auto", "auto"]  # one GPU: the runs share it
 
 
 def test_training_curves_of_one_seed_say_so_and_tick_whole_epochs(tmp_path, monkeypatch):
     """One seed per arm: its legend says '1 seed', the title no 'thin lines', each arm draws one line and the epoch
     axis ticks whole epochs only; with two seeds the mean and the single seeds are named."""
     drawn = {}
-    monkeypatch.setattr(study, "save_figure", lambda fig, path: drawn.setdefault(len(drawn), fig))
+    monkeypatch.setattr(figures, "save_figure", lambda fig, path: drawn.setdefault(len(drawn), fig))
     rows = [{"epoch": e, "train_loss": 2.0 / e, "eval_top1": 10.0 * e} for e in (1, 2)]
-    study.plot_training_curves({"cls": {0: rows}, "gap": {0: rows}}, tmp_path / "one.png", "Training")
-    study.plot_training_curves({"cls": {0: rows, 1: rows}}, tmp_path / "two.png", "Training")
+    figures.plot_training_curves({"cls": {0: rows}, "gap": {0: rows}}, tmp_path / "one.png", "Training")
+    figures.plot_training_curves({"cls": {0: rows, 1: rows}}, tmp_path / "two.png", "Training")
     one, two = drawn[0], drawn[1]
     assert one.texts[0].get_text() == "Training" and two.texts[0].get_text() == "Training (thin lines: single seeds)"
     assert [t.get_text() for t in one.legends[0].get_texts()] == ["cls (1 seed)", "gap (1 seed)"]

@@ -3,7 +3,6 @@ top-1 change, checked against the evaluations' own results.json files."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -12,15 +11,15 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
+from harness import study
 from harness.compare import Group
+from harness.study import report as study_report
+from harness.study import tables as study_tables
 from timm_rollout.clutter import ClutterRecipe, make_cluttered
 from timm_rollout.device import cpu_supports_bf16
 from timm_rollout.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("study", ROOT / "scripts" / "study.py")
-study = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(study)
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +78,14 @@ def test_paired_tables_test_the_localisation_but_not_its_chance_levels() -> None
 
     groups = {"cls": group("cls", [0.3, 0.3, 0.3]), "gap": group("gap", [0.25, 0.25, 0.25]),
               "rollout": group("rollout", [0.26, 0.28, 0.27])}
-    report = "\n".join(study._report_tables(groups, [], None))
+    report = "\n".join(study_tables.report_tables(groups, [], None))
     section = report.split("### rollout - gap", 1)[1]
     row = next(line for line in section.splitlines() if line.startswith("| pooling_object_mass |"))
     assert row.split("|")[3].strip() == "+0.0200"  # (0.01 + 0.03 + 0.02) / 3
     for shown_only in ("object_area_fraction", "pooling_weight_inside", "pooling_effective_patches"):
         assert f"| {shown_only} |" not in section
     assert report.count("| top1 | 3 |") == 3 and report.count("| primary |") == 3 and "uncorrected" not in report
-    named = "\n".join(study._report_tables(groups, [], ("gap", "rollout")))
+    named = "\n".join(study_tables.report_tables(groups, [], ("gap", "rollout")))
     tables = named.split("\n### ")[1:]
     assert [t.splitlines()[0] for t in tables] == ["rollout - gap (the primary comparison)", "gap - cls",
                                                    "rollout - cls"]
@@ -105,14 +104,14 @@ def test_null_excess_is_each_seeds_value_minus_the_null_of_the_same_evaluation()
     groups = {"rollout": Group("rollout", [f"eval/rollout-s{s}" for s in range(3)], [0, 1, 2], [None] * 3, values,
                                {}, {}, dict.fromkeys(values, 3)),
               "cls": Group("cls", ["eval/cls-s0"], [0], [None], {"pooling_object_mass": [0.3]}, {}, {}, {})}
-    table = "\n".join(study.null_excess_table(groups))
+    table = "\n".join(study_tables.null_excess_table(groups))
     row = next(line for line in table.splitlines() if line.startswith("| rollout |")).strip("|").split("|")
     for (mean_at, ci_at), (a, b) in zip(((2, 3), (4, 5)), ((mass, chance), (share, fraction)), strict=True):
         d = np.subtract(a, b)
         low, high = sps.t.interval(0.95, 2, loc=d.mean(), scale=sps.sem(d))
         assert float(row[mean_at]) == pytest.approx(d.mean(), abs=1e-4)
         assert row[ci_at].strip() == f"[{low:+.4f}, {high:+.4f}]"
-    assert "| cls |" not in table and study.null_excess_table({"cls": groups["cls"]}) == []
+    assert "| cls |" not in table and study_tables.null_excess_table({"cls": groups["cls"]}) == []
 
 
 def _record(folder: Path, metrics: dict, data: str) -> None:
@@ -145,7 +144,8 @@ def test_interaction_sets_the_primary_comparison_against_another_study(tmp_path)
             for key, top1 in here_top1.items()}
     args = study.build_parser().parse_args(["--dataset", "cluttered", "--epochs", "1", "--output", str(tmp_path / "o"),
                                             "--primary", "gap:rollout", "--interaction", str(other)])
-    report = "\n".join(study.interaction_section(args, tmp_path / "o", here, ["top1", "linear_probe", "knn_bank"]))
+    report = "\n".join(study_report.interaction_section(args, tmp_path / "o", here,
+                                                        ["top1", "linear_probe", "knn_bank"]))
     by_seed = [(here_top1["rollout", s] - here_top1["gap", s]) - (there_top1["rollout", s] - there_top1["gap", s])
                for s in range(3)]
     row = _row(report, "top1")
@@ -168,10 +168,10 @@ def test_interaction_sets_the_primary_comparison_against_another_study(tmp_path)
     assert float(_row(report, "knn_bank")[7]) == pytest.approx(holm[p_knn], rel=1e-2)
     assert "[../clean/report.md](../clean/report.md)" in report
     here_same = {k: {**v, "data": {"fingerprint": "clean-data", "subset_fingerprint": "all"}} for k, v in here.items()}
-    same = "\n".join(study.interaction_section(args, tmp_path / "o", here_same, ["top1"]))
+    same = "\n".join(study_report.interaction_section(args, tmp_path / "o", here_same, ["top1"]))
     assert "Not computed: gap seed 0, gap seed 1, gap seed 2, rollout seed 0" in same and "| top1 |" not in same
     del here["rollout", 1]["metrics"]["knn_bank"]  # a metric one run lacks: that row pairs the other seeds
-    report = "\n".join(study.interaction_section(args, tmp_path / "o", here, ["top1", "knn_bank"]))
+    report = "\n".join(study_report.interaction_section(args, tmp_path / "o", here, ["top1", "knn_bank"]))
     assert _row(report, "knn_bank")[1].strip() == "2" and _row(report, "top1")[1].strip() == "3"
     assert float(_row(report, "knn_bank")[4]) == pytest.approx(0.01, abs=1e-4)  # seeds 0 and 2: (0 + 0.02) / 2
     change = report.split("there - here", 1)[1]  # each arm there minus here, paired by seed: what clutter costs it
@@ -182,7 +182,7 @@ def test_interaction_sets_the_primary_comparison_against_another_study(tmp_path)
         low, high = sps.t.interval(0.95, 2, loc=np.mean(cost), scale=sps.sem(cost))
         assert row[7].strip() == f"[{low:+.4f}, {high:+.4f}]"
         assert float(row[8]) == pytest.approx(sps.ttest_1samp(cost, 0).pvalue, rel=1e-2)
-    none_yet = study.interaction_section(args, tmp_path / "o", {("gap", 3): here["gap", 3]}, ["top1"])
+    none_yet = study_report.interaction_section(args, tmp_path / "o", {("gap", 3): here["gap", 3]}, ["top1"])
     assert "No seed has gap and rollout evaluated in both studies yet." in none_yet
 
 

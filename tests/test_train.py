@@ -28,7 +28,7 @@ from timm_rollout.data import SAMPLE_DIR, balanced_indices, load_image_set, norm
 from timm_rollout.errors import UserError, run_cli
 from timm_rollout.records import RESUME_FILE
 from timm_rollout.train import build_parser, main, train
-from timm_rollout.train_log import LOG_COLUMNS, OPTIONAL_COLUMNS, read_log
+from timm_rollout.train.log import LOG_COLUMNS, OPTIONAL_COLUMNS, read_log
 
 SAMPLE = "cifar10-sample"  # 2,000 train and 1,000 test images, shipped in the package
 QUICK = ["--dataset", SAMPLE, "--max-train-samples", "2000", "--max-eval-samples", "1000", "--epochs", "2",
@@ -119,7 +119,7 @@ def test_eval_pass_logs_the_pooling_diagnostics_of_the_rollout_weights_it_pooled
     import numpy as np
 
     from timm_rollout import attention_rollout, capture_attention
-    from timm_rollout import train as train_module
+    from timm_rollout.train import validation as train_module
 
     monkeypatch.setattr(train_module, "EVAL_BATCH", 7)  # several batches, the last one short
     data = load_image_set("cifar10-sample", "test")
@@ -128,7 +128,7 @@ def test_eval_pass_logs_the_pooling_diagnostics_of_the_rollout_weights_it_pooled
     d = train_module.Dist(0, 1, torch.device("cpu"))
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_cifar_rollout", num_classes=10, depth=2).eval()
-    got = train_module.evaluate(model, images, labels, mean, std, d, None)
+    got = train_module.validate(model, images, labels, mean, std, d, None)
     # independent route: the full rollout matrix product of the captured attention, per image in float64
     cls = timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=2).eval()
     cls.load_state_dict(model.state_dict())
@@ -146,12 +146,12 @@ def test_eval_pass_logs_the_pooling_diagnostics_of_the_rollout_weights_it_pooled
     with torch.no_grad():
         loss = torch.nn.functional.cross_entropy(model(normalize(images, mean, std)), labels).item()
     assert got["eval_loss"] == pytest.approx(loss, rel=1e-5)  # the same pass classifies
-    assert set(train_module.evaluate(cls, images, labels, mean, std, d, None)) == {"eval_loss", "eval_top1",
+    assert set(train_module.validate(cls, images, labels, mean, std, d, None)) == {"eval_loss", "eval_top1",
                                                                                    "eval_top5"}
 
 
 def test_log_keeps_optional_columns_of_some_rows_only(tmp_path: Path) -> None:
-    from timm_rollout.train_log import write_log
+    from timm_rollout.train.log import write_log
 
     base = dict.fromkeys(LOG_COLUMNS, 1.0)
     rows = [{**base, "epoch": 1}, {**base, "epoch": 2, "rollout_effective_patches": 60.5}]  # epoch 1 from before
@@ -190,9 +190,10 @@ def test_kill_and_resume_equals_uninterrupted_run(tiny_run: Path, tmp_path: Path
 
 
 def test_save_every_writes_less_and_resumes_exactly(tiny_run: Path, tmp_path: Path, monkeypatch) -> None:
-    import timm_rollout.train as train_module
+    import timm_rollout.train.loop as train_module
+    from timm_rollout.train import output
 
-    plots, evals, evaluate = [], [], train_module.evaluate
+    plots, evals, evaluate = [], [], train_module.validate
 
     class Died(Exception):
         pass
@@ -207,8 +208,8 @@ def test_save_every_writes_less_and_resumes_exactly(tiny_run: Path, tmp_path: Pa
     def plot(path, rows, title) -> None:
         plots.append(len(rows))
 
-    monkeypatch.setattr(train_module, "plot_curves", plot)
-    monkeypatch.setattr(train_module, "evaluate", crash_in_epoch_3)
+    monkeypatch.setattr(output, "plot_curves", plot)
+    monkeypatch.setattr(train_module, "validate", crash_in_epoch_3)
     out = tmp_path / "run"
     with pytest.raises(Died):
         train([*TINY_RUN, "--save-every", "2", "--output", str(out)])
@@ -216,7 +217,7 @@ def test_save_every_writes_less_and_resumes_exactly(tiny_run: Path, tmp_path: Pa
     assert plots == [2] and [r["epoch"] for r in read_log(out / "log.csv")] == [1, 2]
     with safe_open(str(out / RESUME_FILE), "pt") as f:
         assert json.loads(f.metadata()["resume"])["meta"]["epoch"] == 2
-    monkeypatch.setattr(train_module, "evaluate", evaluate)
+    monkeypatch.setattr(train_module, "validate", evaluate)
     train([*TINY_RUN, "--save-every", "2", "--output", str(out), "--resume"])
     assert plots == [2, 3]  # the last epoch is always saved
     assert _metrics(read_log(out / "log.csv")) == _metrics(read_log(tiny_run / "log.csv"))
@@ -227,7 +228,7 @@ def test_killed_between_the_last_epochs_writes_resume_publishes_them(tiny_run: P
                                                                       monkeypatch) -> None:
     """Killed after the last epoch's resume state was written but before its export and log: --resume has nothing
     left to train and writes the export, log and curves of that state, equal to the uninterrupted run's."""
-    import timm_rollout.train as train_module
+    import timm_rollout.train.output as train_module
 
     class Died(Exception):
         pass
@@ -502,15 +503,15 @@ def test_a_killed_several_seed_command_resumes_every_run_from_its_last_epoch(tmp
                                                                               killed_at_evaluation) -> None:
     """Seed 0 finishes, seed 1 dies after its first epoch; --resume skips seed 0 and trains seed 1's epochs 2-3:
     both equal an uninterrupted command's runs."""
-    import timm_rollout.train as train_module
+    import timm_rollout.train.loop as train_module
 
     flags = [*TINY_RUN, "--model", "vit_tiny_cifar_gap", "--max-train-samples", "128", "--seed", "0", "1"]
     whole = train([*flags, "--output", str(tmp_path / "whole-s{seed}")])
     with killed_at_evaluation(5):  # seed 1, epoch 2 (epoch 1 saved)
         train([*flags, "--output", str(tmp_path / "run-s{seed}")])
     assert (tmp_path / "run-s0" / "summary.json").exists() and len(read_log(tmp_path / "run-s1" / "log.csv")) == 1
-    evaluate, calls = train_module.evaluate, []
-    monkeypatch.setattr(train_module, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
+    evaluate, calls = train_module.validate, []
+    monkeypatch.setattr(train_module, "validate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
     train([*flags, "--resume", "--output", str(tmp_path / "run-s{seed}")])
     assert len(calls) == 2  # the finished run skipped, the other one's epochs 2 and 3 only
     for seed, ref in zip((0, 1), whole, strict=True):
@@ -525,7 +526,7 @@ def test_attention_dropout_trains_on_the_explicit_path_on_every_device(device: s
     model is built (no tensor is moved to the device)."""
     from types import SimpleNamespace
 
-    from timm_rollout.train import _create_model
+    from timm_rollout.train.setup import build_model as _create_model
 
     data = SimpleNamespace(num_classes=10, train=SimpleNamespace(images=torch.zeros(1, 3, 32, 32, dtype=torch.uint8)))
     for rate, fused_on_gpu in (("0.1", False), ("0", True)):
@@ -575,7 +576,7 @@ def test_typed_mean_and_std_normalise_training_evaluation_and_export(tmp_path: P
 def test_a_non_finite_loss_stops_the_run_naming_the_fixes_that_apply(tmp_path: Path) -> None:
     """A loss that turns NaN/inf stops the run before anything is saved; the message offers only the fixes this
     run can still make: not --amp none to an fp32 run, nor --clip-grad to one that clips; --std where it is tiny."""
-    from timm_rollout.train import NonFiniteLossError
+    from timm_rollout.train.loop import NonFiniteLossError
 
     base = [*TINY, *FP32, "--epochs", "1", "--clip-grad", "1.0"]
     fixes = r"step 1; no checkpoint was written in .*run; lower --lr or raise --std \(now 1e-30 1e-30 1e-30\) in "
@@ -633,15 +634,15 @@ def test_the_machine_record_names_compilation_and_processes() -> None:
     """summary.json's machines tell epochs compiled (and in which mode) from eager ones on the same device."""
     from types import SimpleNamespace
 
-    from timm_rollout import train as train_module
+    from timm_rollout.train import output as train_module
 
     d, data = SimpleNamespace(device=torch.device("cpu"), world=1), SimpleNamespace(amp_dtype=None)
-    eager = train_module._machine(d, data, SimpleNamespace(compile=False, compile_mode="default"))
-    compiled = train_module._machine(d, data,
+    eager = train_module.machine_label(d, data, SimpleNamespace(compile=False, compile_mode="default"))
+    compiled = train_module.machine_label(d, data,
                                      SimpleNamespace(compile=True, compile_mode="reduce-overhead"))
     assert eager.startswith("CPU ") and eager.endswith(", float32")
     assert compiled == f"{eager}, torch.compile mode reduce-overhead"
-    two = train_module._machine(SimpleNamespace(device=d.device, world=2), data,
+    two = train_module.machine_label(SimpleNamespace(device=d.device, world=2), data,
                                 SimpleNamespace(compile=False, compile_mode="default"))
     assert two == f"{eager}, 2 processes"
 

@@ -180,6 +180,21 @@ class CliParser(argparse.ArgumentParser):
         self.given = frozenset(k for k, v in vars(probe).items() if v is not unset)
         return super().parse_known_args(args, namespace)
 
+    def parse_typed(self, args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+        """Parse ``args`` only for which flags they type, for a command that passes them on to this one:
+        abbreviations and ``--flag=value`` resolved as :meth:`parse_args` resolves them, values kept as typed (no
+        types, choices, required flags or checks; ``KEY=VALUE`` items are still split). ``given`` then names the
+        typed flags. Returns the namespace and the arguments this parser does not know."""
+        saved = [(a, a.required, a.type, a.choices) for a in self._actions]
+        for action in self._actions:
+            action.required, action.choices = False, None
+            action.type = key_value if action.type is key_value else None
+        try:
+            return self.parse_known_args(args)
+        finally:
+            for action, required, kind, choices in saved:
+                action.required, action.type, action.choices = required, kind, choices
+
     def parse_args(self, args=None, namespace=None):
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:

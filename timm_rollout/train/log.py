@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .atomic import save_figure, write_text
+from ..atomic import save_figure, write_text
 
 __all__ = ["LOG_COLUMNS", "OPTIONAL_COLUMNS", "epoch_axis", "plot_curves", "read_log", "seeds_phrase", "write_log"]
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .augment import random_crop_flip
-from .data import normalize
-from .device import autocast
+from ..augment import random_crop_flip
+from ..data import normalize
+from ..device import autocast
 
 __all__ = ["Batches", "optimizer_step"]
 

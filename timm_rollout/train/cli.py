@@ -1,0 +1,193 @@
+"""The command line of ``python -m timm_rollout.train``: its flags, their checks and the removed flags.
+
+Names follow timm's ``train.py`` where it has them. Bad values, unknown models and flag combinations that
+cannot work are one-line errors at parse time, before any data or model is loaded (:class:`CliParser`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+
+import timm
+import torch
+from timm.utils import ParseKwargs
+
+from ..data import dataset_arg
+from ..device import AMP_CHOICES, device_arg
+from ..errors import (
+    CliParser,
+    PerChannel,
+    UserError,
+    as_type,
+    existing_path,
+    fraction,
+    key_value,
+    non_negative,
+    non_negative_int,
+    number,
+    output_dir,
+    positive,
+    positive_int,
+    seed_arg,
+)
+from ..loading import check_model
+from ..pooling import ROLLOUT, TIMM_POOLS, set_pooling
+
+DESCRIPTION = "Train any timm model (the tiny CIFAR ViTs by default) on a Hugging Face image data set."
+# torch.compile's modes: reduce-overhead replays the compiled passes as CUDA graphs (GPUs; plain compilation on CPU).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+POOLS = (*[p for p in TIMM_POOLS if p], ROLLOUT)  # --pool choices
+# Removed flags, each refused in one line that names what to use instead (CliParser's ``removed``).
+REMOVED = {"--stack": "train many runs as separate processes with scripts/study.py --jobs N",
+           "--capture": "for CUDA graphs use --compile --compile-mode reduce-overhead",
+           "--dropout-draws": "drop it: dropout and drop-path masks come from torch's generators, seeded per epoch"}
+# Optimizer schedules that train steps every update (timm's plateau steps on epochs only).
+SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt", "none")
+
+
+def build_parser() -> CliParser:
+    """The CLI; names follow timm's ``train.py`` where it has them. Bad values are one-line errors at parse time."""
+    p = CliParser(prog="python -m timm_rollout.train", description=DESCRIPTION,
+                  checks=[_check_model_args], removed=REMOVED)
+    p.checks.append(lambda args: _check_ema_args(args, p.given))
+    p.checks.append(lambda args: _check_compile_args(args, p.given))
+    _data_args(p.add_argument_group("data"))
+    _model_args(p.add_argument_group("model"))
+    _optimisation_args(p.add_argument_group("optimisation"))
+    _run_args(p.add_argument_group("run"))
+    return p
+
+
+def _data_args(g: argparse._ArgumentGroup) -> None:
+    """Data set, subsets and augmentation."""
+    g.add_argument("--dataset", type=as_type(dataset_arg),
+                   help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or local folder")
+    g.add_argument("--train-split", default="train")
+    g.add_argument("--eval-split", default=None, help="default: test, else validation")
+    g.add_argument("--image-column", default=None, help="default: img or image")
+    g.add_argument("--label-column", default=None, help="default: label or fine_label")
+    g.add_argument("--max-train-samples", type=positive_int, default=None, help="class-balanced seeded subset")
+    g.add_argument("--max-eval-samples", type=positive_int, default=None, help="class-balanced seeded subset")
+    g.add_argument("--crop-padding", type=non_negative_int, default=4,
+                   help="random crop after zero padding by this many pixels")
+    g.add_argument("--hflip", type=number(float, 0, 1), default=None,
+                   help="flip probability; default 0.5, 0 for svhn (digits)")
+    g.add_argument("--mixup", type=non_negative, default=0.0, help="mixup alpha (timm Mixup), 0 = off")
+    g.add_argument("--cutmix", type=non_negative, default=0.0, help="cutmix alpha (timm Mixup), 0 = off")
+    g.add_argument("--smoothing", type=fraction, default=0.0, help="label smoothing, in [0, 1)")
+    g.add_argument("--mean", type=number(float, 0, 1), nargs="+", action=PerChannel, default=None, metavar="M",
+                   help="normalisation mean in [0, 1] units, R G B or one for all; default: the data set's (the "
+                        "pretrained weights' with --pretrained-file)")
+    g.add_argument("--std", type=positive, nargs="+", action=PerChannel, default=None, metavar="S",
+                   help="normalisation std, R G B or one for all; default as --mean")
+
+
+def _model_args(g: argparse._ArgumentGroup) -> None:
+    """The timm model, its pooling, starting weights and EMA."""
+    g.add_argument("--model", default="vit_tiny_cifar_rollout", help="any timm model name")
+    g.add_argument("--num-classes", type=positive_int, default=None, help="default: the data set's class count")
+    g.add_argument("--drop-path", type=fraction, default=None, help="stochastic depth rate (model default if unset)")
+    g.add_argument("--model-kwargs", nargs="+", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
+                   help="extra timm.create_model arguments, e.g. depth=2")
+    g.add_argument("--pool", choices=POOLS, default=None,
+                   help="pool with this instead of the model's own pooling, on any timm ViT (timm_rollout.set_pooling)")
+    g.add_argument("--pool-kwargs", nargs="+", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
+                   help="rollout options with --pool rollout: head_fusion=max discard_ratio=0.9 grad=True")
+    g.add_argument("--pretrained-file", type=existing_path, default=None,
+                   help="start from these weights (safetensors or a timm checkpoint, never unpickled); the head is "
+                        "new when the class count differs, the data are normalised with the model's mean/std")
+    g.add_argument("--model-ema", action="store_true", help="keep a timm ModelEmaV3; evaluate and export it")
+    g.add_argument("--model-ema-decay", type=number(float, 0, 1, low_open=True, high_open=True), default=0.9998)
+
+
+def _optimisation_args(g: argparse._ArgumentGroup) -> None:
+    """Optimizer and schedule (timm factories)."""
+    g.add_argument("--epochs", type=positive_int, default=200)
+    g.add_argument("--batch-size", type=positive_int, default=128, help="per process")
+    g.add_argument("--opt", default="adamw", type=as_type(_optimizer_arg), help="any timm optimizer name")
+    g.add_argument("--lr", type=positive, default=5e-4)
+    g.add_argument("--weight-decay", type=non_negative, default=1e-4)
+    g.add_argument("--momentum", type=fraction, default=0.9, help="for SGD-family optimizers")
+    g.add_argument("--clip-grad", type=positive, default=None, help="gradient norm clipping, off by default")
+    g.add_argument("--sched", default="cosine", choices=SCHEDULERS, help="timm scheduler, stepped every update")
+    g.add_argument("--warmup-epochs", type=non_negative, default=5, help="linear warmup, clipped to the run length")
+    g.add_argument("--warmup-lr", type=non_negative, default=1e-5)
+    g.add_argument("--min-lr", type=non_negative, default=5e-6)
+
+
+def _run_args(g: argparse._ArgumentGroup) -> None:
+    """Output, seeds, device, precision and resume."""
+    g.add_argument("--output", required=True, type=output_dir, help="output folder")
+    g.add_argument("--seed", type=seed_arg, nargs="+", default=[0],
+                   help="one seed, or several: their runs train one after another in this process, the data "
+                        "loaded once, into --output with {seed} replaced (e.g. runs/gap-s{seed})")
+    g.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="auto: bf16 where it pays, else fp32")
+    g.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
+    g.add_argument("--workers", type=positive_int, default=None,
+                   help="CPU threads for torch (default: torch's choice; 1 is far faster on a busy machine)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--save-every", type=positive_int, default=1,
+                   help="epochs between checkpoint, export, log and plot writes (the last epoch is always saved)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model for training and evaluation")
+    g.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
+                   help="torch.compile's mode with --compile (reduce-overhead: CUDA graphs, for launch-bound GPUs)")
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true",
+                      help="continue the run in --output; a larger --epochs trains a finished run further, on a "
+                           "schedule rebuilt for the new total")
+    mode.add_argument("--overwrite", action="store_true", help="replace a run already in --output")
+
+
+def _optimizer_arg(name: str) -> str:
+    from timm.optim import get_optimizer_info, list_optimizers
+
+    try:
+        get_optimizer_info(name.lower().removeprefix("lookahead_"))
+    except ValueError:
+        close = difflib.get_close_matches(name.lower(), list_optimizers(), n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(close)}?" if close else "see timm.optim.list_optimizers()"
+        raise UserError(f"unknown optimizer {name!r}; {hint}") from None
+    return name
+
+
+def _check_model_args(args: argparse.Namespace) -> None:
+    """The model name and --model-kwargs, checked on the meta device before any data is loaded."""
+    kwargs = dict(args.model_kwargs)
+    if "num_classes" in kwargs:
+        raise UserError("pass --num-classes N instead of --model-kwargs num_classes=N")
+    if args.drop_path is not None:
+        kwargs["drop_path_rate"] = args.drop_path
+    if args.num_classes:
+        kwargs["num_classes"] = args.num_classes
+    check_model(args.model, kwargs)
+    if args.pool_kwargs and args.pool != ROLLOUT:
+        raise UserError("--pool-kwargs are rollout options; add --pool rollout or drop them")
+    if args.pool is not None:
+        try:
+            with torch.device("meta"):
+                set_pooling(timm.create_model(args.model, **kwargs), args.pool, **args.pool_kwargs)
+        except ValueError as e:
+            raise UserError(f"--pool {args.pool} {as_typed(args.pool_kwargs)}: {e}") from None
+
+
+def _check_ema_args(args: argparse.Namespace, given: frozenset[str]) -> None:
+    """A typed ``--model-ema-decay`` is used or refused: it sets the decay of ``--model-ema`` only."""
+    if "model_ema_decay" in given and not args.model_ema:
+        raise UserError("--model-ema-decay sets the decay of the EMA that --model-ema keeps; add --model-ema or drop "
+                        "--model-ema-decay")
+
+
+def _check_compile_args(args: argparse.Namespace, given: frozenset[str]) -> None:
+    """A typed ``--compile-mode`` is used or refused: it is the mode of ``--compile``."""
+    if "compile_mode" in given and not args.compile:
+        raise UserError("--compile-mode sets how --compile compiles; add --compile or drop --compile-mode")
+
+
+def as_typed(value: object) -> str:
+    if isinstance(value, dict):
+        return " ".join(f"{k}={v}" for k, v in value.items()) or "(none)"
+    if isinstance(value, (list, tuple)):  # as typed: --mean 0.1 0.2 0.3
+        return " ".join(map(str, value))
+    return str(value)

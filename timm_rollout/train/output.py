@@ -1,0 +1,194 @@
+"""The run folder (``--output``): refusing to clobber a run, resuming one (merged flags, the same images, the
+restored state, a longer schedule), and what a run writes: its record, the saves of each epoch, the summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ..atomic import write_json
+from ..checkpoint import load_resume, save_model, save_resume
+from ..device import device_name, fp32_precision, precision_name
+from ..errors import CliParser, UserError
+from ..records import (
+    ARGS_FILE,
+    CURVES_FILE,
+    LOG_FILE,
+    MODEL_FILES,
+    RESUME_FILE,
+    SUMMARY_FILE,
+    code_version,
+    portable_path,
+    versions,
+)
+from .cli import as_typed
+from .distributed import Dist
+from .log import plot_curves, write_log
+from .setup import RunData, Trainer
+from .validation import EVAL_BATCH
+
+RUN_FILES = (*MODEL_FILES, ARGS_FILE, SUMMARY_FILE, LOG_FILE, CURVES_FILE, RESUME_FILE)
+# Flags that may differ when a run is resumed: where it lives and how it runs, not what it computes.
+RESUME_FREE = {"resume", "overwrite", "output", "workers", "device", "no_progress", "save_every", "compile",
+               "compile_mode"}
+
+
+def prepare_output(out: Path, args: argparse.Namespace) -> str:
+    """``'fresh'``, ``'resume'`` or ``'finished'``; refuses to clobber a run unless asked (``--overwrite``: the
+    old run's files go when the new run begins, :func:`.loop._begin`)."""
+    finished, has_state = (out / SUMMARY_FILE).exists(), (out / RESUME_FILE).exists()
+    if args.overwrite:
+        return "fresh"
+    if args.resume:
+        return "finished" if finished else ("resume" if has_state else "fresh")
+    if finished:
+        raise UserError(f"{out} holds a finished run; pass --overwrite to replace it or choose another --output")
+    if has_state:
+        raise UserError(f"{out} holds an unfinished run; add --resume to continue it or --overwrite to start over")
+    return "fresh"
+
+
+def saved_args(out: Path) -> dict[str, Any]:
+    return json.loads((out / ARGS_FILE).read_text(encoding="utf-8"))
+
+
+def merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) -> argparse.Namespace:
+    """On resume, the saved configuration wins; a flag typed with another value than the saved one is an error.
+
+    ``parser.given`` tells a typed flag from an omitted one, so ``--lr 5e-4`` is refused against a run saved
+    with 1e-3 even though 5e-4 is the default (it would otherwise silently continue at 1e-3). The one exception
+    is a larger ``--epochs``: the run continues to the new count (:func:`record_extension`).
+    """
+    saved = saved_args(out)
+    for flag, used in (("--dropout-draws keyed", saved.get("dropout_draws") == "keyed"),
+                       ("--capture", saved.get("capture"))):  # removed; other removed keys of a record are ignored
+        if used:
+            raise UserError(f"{out} was trained with {flag}, which was removed, so it cannot continue exactly; "
+                            "start a new --output")
+    merged = vars(args).copy()
+    for key, value in vars(args).items():
+        if key in RESUME_FREE:
+            continue
+        if key not in saved:  # a flag newer than the run: the run trained with its default
+            if key in parser.given and value != parser.get_default(key):
+                flag = "--" + key.replace("_", "-")
+                raise UserError(f"{out} was trained before {flag} existed, as with {flag} "
+                                f"{as_typed(parser.get_default(key))}; drop {flag} to resume it, or start a new "
+                                "--output")
+            continue
+        if key == "epochs" and key in parser.given and value > saved[key]:
+            continue  # training goes on to the typed count, on a schedule rebuilt for it
+        if key in parser.given and json.loads(json.dumps(value)) != saved[key]:
+            flag = "--" + key.replace("_", "-")
+            raise UserError(f"{flag} {as_typed(value)} differs from the saved run's {as_typed(saved[key])}; drop it to "
+                            "resume with the saved value, or start a new --output")
+        merged[key] = saved[key]
+    return argparse.Namespace(**merged)
+
+
+def check_same_data(out: Path, args: argparse.Namespace, data: RunData) -> None:
+    """A resumed run reads the images it trained on: the same decoded pixels and labels (``content``, wherever the
+    files lie now; runs recorded without it: the same datasets fingerprint). A relative ``--dataset`` is read from
+    the current folder, and a folder may have been rewritten since. (The mean/std are the saved ones: the record's
+    ``mean``/``std`` are the ``--mean``/``--std`` a resume merges back, whatever the data set's statistics now.)"""
+    saved = saved_args(out)
+    for split, now in (("train", data.train), ("eval", data.eval)):
+        content = (saved.get("content") or {}).get(split)
+        fingerprint = (saved.get("fingerprints") or {}).get(split)
+        if content == now.content if content is not None else fingerprint in (None, now.fingerprint):
+            continue
+        was = f"content sha256 {content[:12]}" if content else f"datasets fingerprint {fingerprint}"
+        raise UserError(f"--dataset {args.dataset} ({now.dataset}) gives other {split} images ({now.split}) than "
+                        f"{out} trained on ({was}, from {saved.get('dataset_resolved')}); pass the --dataset it "
+                        "trained on, or start a new --output")
+
+
+def restore(t: Trainer, path: Path) -> None:
+    """Continue from the last saved epoch: states, update count (the schedule follows it) and log rows."""
+    meta = load_resume(path, model=t.model, optimizer=t.optimizer, ema=t.ema.module if t.ema else None,
+                       scaler=t.scaler)
+    t.epoch = t.saved_epoch = meta["epoch"]
+    t.num_updates, t.rows = meta["num_updates"], meta["rows"]
+    t.machines = meta.get("machines", {})  # resume states written before machines were recorded lack them
+    t.codes = meta.get("codes", {})  # and before code versions were
+    if t.scheduler is not None:
+        t.scheduler.step_update(t.num_updates)
+
+
+def trains_further(out: Path, epochs: int, saved_epochs: int, d: Dist) -> bool:
+    """``--resume`` on a finished run: True when ``epochs`` asks for more and the run kept the state to continue
+    exactly (model, optimizer, EMA, grad scaler); False, saying so, when it already holds that many epochs."""
+    if epochs == saved_epochs:
+        if d.main:
+            print(f"{out} holds a finished run of {saved_epochs} epochs; pass a larger --epochs to train it further")
+        return False
+    if not (out / RESUME_FILE).exists():
+        raise UserError(f"{out} holds a finished run of {saved_epochs} epochs without its {RESUME_FILE} (scripts/"
+                        f"study.py removes it), so it cannot continue exactly; train --epochs {epochs} into a new "
+                        "--output instead")
+    return True
+
+
+def record_extension(out: Path, at_epoch: int, epochs: int, warmup: float) -> None:
+    """A run resumed with a larger ``--epochs``: ``train_args.json`` takes the new count and warmup, keeping the
+    old ones under ``extended`` (the learning rates of epochs 1..at_epoch followed that schedule), and a finished
+    run becomes unfinished until it reaches the new count (its ``summary.json`` goes)."""
+    record = saved_args(out)
+    record["extended"] = [*record.get("extended", []), {"at_epoch": at_epoch, "epochs": record["epochs"],
+                                                        "warmup_epochs_used": record["warmup_epochs_used"]}]
+    write_json(out / ARGS_FILE, {**record, "epochs": epochs, "warmup_epochs_used": warmup})
+    (out / SUMMARY_FILE).unlink(missing_ok=True)
+
+
+def write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -> None:
+    """``train_args.json``: every argument and everything resolved from it, written once per run."""
+    amp = precision_name(data.amp_dtype)
+    write_json(out / ARGS_FILE, {
+        **vars(args), "dataset_resolved": portable_path(data.train.dataset, out), "train_split": data.train.split,
+        "eval_split": data.eval.split, "fingerprints": {"train": data.train.fingerprint,
+                                                        "eval": data.eval.fingerprint},
+        "content": {"train": data.train.content, "eval": data.eval.content},
+        "fp32_precision": fp32_precision(d.device),
+        "class_names": data.train.class_names, "num_classes": data.num_classes, "mean": list(data.mean),
+        "std": list(data.std), "train_images": len(data.train), "eval_images": len(data.eval),
+        "warmup_epochs_used": data.warmup, "hflip_used": data.hflip, "steps_per_epoch": data.steps,
+        "world_size": d.world, "device": str(d.device), "amp_dtype": amp, "versions": versions(),
+        "code": code_version()})
+
+
+def save_run(out: Path, t: Trainer, args: argparse.Namespace, data: RunData, d: Dist) -> None:
+    """Rank 0 writes the resume state, the model export, ``log.csv`` and ``curves.png``, all for one epoch."""
+    if d.main:
+        save_resume(out / RESUME_FILE, model=t.model, optimizer=t.optimizer, ema=t.ema.module if t.ema else None,
+                    scaler=t.scaler,
+                    meta={"epoch": t.epoch, "num_updates": t.num_updates, "rows": t.rows, "machines": t.machines,
+                          "codes": t.codes})
+        save_model(out, t.export, data.train.class_names, data.mean, data.std, data.train.images.shape[1:])
+        write_log(out / LOG_FILE, t.rows)
+        plot_curves(out / CURVES_FILE, t.rows, f"{args.model} on {Path(args.dataset).name}")
+    t.saved_epoch = t.epoch
+    if d.world > 1:
+        dist.barrier()
+
+
+def machine_label(d: Dist, data: RunData, args: argparse.Namespace) -> str:
+    """What trains this session's epochs, for ``summary.json``: a resumed run may continue on another machine,
+    precision or compilation."""
+    compiled = f", torch.compile mode {args.compile_mode}" if args.compile else ""
+    processes = f", {d.world} processes" if d.world > 1 else ""
+    return f"{device_name(d.device)}, {precision_name(data.amp_dtype)}{compiled}{processes}"
+
+
+def write_summary(out: Path, args: argparse.Namespace, data: RunData, t: Trainer) -> None:
+    rows, last = t.rows, t.rows[-1]
+    summary = {"epochs": args.epochs, **{k: last[k] for k in ("train_loss", "eval_loss", "eval_top1", "eval_top5")},
+               "best_eval_top1": max(r["eval_top1"] for r in rows), "wall_seconds": sum(r["seconds"] for r in rows),
+               "machines": t.machines, "code": t.codes, "train_images": len(data.train), "eval_images": len(data.eval)}
+    write_json(out / SUMMARY_FILE, summary)
+    print(f"{args.model} on {args.dataset}: eval top-1 {last['eval_top1']:.2f}%, top-5 {last['eval_top5']:.2f}% "
+          f"after {args.epochs} epochs ({summary['wall_seconds']:.0f} s; evaluated in "
+          f"{precision_name(data.amp_dtype)}, batches of {EVAL_BATCH}) -> {out}")

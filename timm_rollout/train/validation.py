@@ -1,0 +1,61 @@
+"""The evaluation after each training epoch: loss and top-1/top-5 accuracy on the eval split, split across ranks.
+
+(The full evaluation of a trained model, k-NN, probe and geometry included, is ``harness.eval``.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..accuracy import topk_hits
+from ..data import normalize
+from ..device import autocast
+from ..diagnostics import cosine_to_mean, effective_patches
+from .distributed import Dist, reduce_sum
+
+EVAL_BATCH = 500
+
+
+def _eval_pass(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits, and for a rollout-pooled model the batch sums of its pooling diagnostics (effective patches,
+    cosine to the mean) from the weights and tokens of that same pass."""
+    if getattr(model, "global_pool", None) != "rollout":
+        return model(x), None
+    tokens = model.forward_features(x)
+    weights = model.rollout_weights(tokens)
+    logits = model.forward_head(tokens)
+    patches = tokens[:, model.num_prefix_tokens:]
+    return logits, torch.stack([effective_patches(weights).sum(), cosine_to_mean(patches, weights).sum()])
+
+
+@torch.no_grad()
+def validate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean, std, d: Dist,
+             amp_dtype: torch.dtype | None) -> dict[str, float]:
+    """Eval loss and top-1/top-5 accuracy (%) of ``model``; each rank takes every ``world``-th image. A
+    rollout-pooled model adds the means of its pooling diagnostics (:mod:`timm_rollout.diagnostics`).
+
+    Sums stay on the device until the end: one all-reduce and one host sync per evaluation.
+    """
+    was_training = model.training
+    model.eval()
+    count, images, labels = len(labels), images[d.rank::d.world], labels[d.rank::d.world]  # count: all ranks
+    sums = torch.zeros(5, dtype=torch.float64, device=d.device)  # loss, top-1, top-5, effective patches, cosine
+    pooled = False
+    for start in range(0, len(labels), EVAL_BATCH):
+        x = normalize(images[start:start + EVAL_BATCH].to(d.device, non_blocking=True), mean, std)
+        y = labels[start:start + EVAL_BATCH].to(d.device, non_blocking=True)
+        with autocast(d.device, amp_dtype):
+            logits, diagnostics = _eval_pass(model, x)
+        logits = logits.float()
+        hits = [topk_hits(logits, y, k).sum().double() for k in (1, min(5, logits.shape[1]))]
+        sums[:3] += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(), *hits])
+        if diagnostics is not None:
+            sums[3:] += diagnostics.double()
+            pooled = True
+    sums = reduce_sum(sums, d).cpu()
+    model.train(was_training)
+    loss, top1, top5, patches, cosine = (sums / max(count, 1)).tolist()
+    out = {"eval_loss": loss, "eval_top1": 100 * top1, "eval_top5": 100 * top5}
+    return {**out, "rollout_effective_patches": patches, "rollout_cosine_to_mean": cosine} if pooled else out
