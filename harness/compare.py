@@ -33,6 +33,7 @@ from harness.predictions import read_predictions
 from timm_rollout.atomic import write_text
 from timm_rollout.cli import CliParser, output_dir, run_cli
 from timm_rollout.errors import UserError
+from timm_rollout.pooling import pool_name
 from timm_rollout.records import ARGS_FILE, COMPARISON_FILE, REPORT_FILE, RESULTS_FILE
 
 __all__ = [
@@ -125,7 +126,7 @@ def default_pool(name: str) -> str | None:
         return None
     try:
         with torch.device("meta"):
-            return str(timm.create_model(name).global_pool)
+            return pool_name(timm.create_model(name))
     except (RuntimeError, NotImplementedError, ValueError):  # a meta-device-only failure, or a required argument
         return None
 

@@ -163,10 +163,11 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     _locate(folder, args, runs)
     start, dev = time.perf_counter(), resolve_device(device or args.device)
     sel = harness_eval._select(args)
+    maps = not results.get("left_out")  # a model without attention has no localisation to add
     todo = [what for what, missing in (
         ("pooling diagnostics", not has_diagnostics(results)),
-        ("mask localisation", sel.data.masks is not None and lacks_mask_metrics(results["metrics"])),
-        ("position nulls", sel.data.boxes is not None and lacks_position_nulls(results["metrics"])),
+        ("mask localisation", maps and sel.data.masks is not None and lacks_mask_metrics(results["metrics"])),
+        ("position nulls", maps and sel.data.boxes is not None and lacks_position_nulls(results["metrics"])),
         ("content hashes", "content" not in results["data"])) if missing]
     if not todo:
         return []

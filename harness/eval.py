@@ -27,8 +27,16 @@ from safetensors.torch import save_file
 
 from harness import metrics
 from harness.faithfulness import evaluate_faithfulness, plot_faithfulness
-from harness.features import PoolingDiagnostics, box_localisation, extract, pooling_diagnostics, saliency_maps
+from harness.features import (
+    PoolingDiagnostics,
+    box_localisation,
+    context_hits,
+    extract,
+    pooling_diagnostics,
+    saliency_maps,
+)
 from harness.figures import plot_cosine_matrix, plot_heatmaps
+from harness.localisation import LOCALISATION
 from harness.predictions import write_predictions
 from timm_rollout.atomic import atomic_path, write_json
 from timm_rollout.cli import (
@@ -56,8 +64,8 @@ from timm_rollout.device import (
 )
 from timm_rollout.errors import UserError
 from timm_rollout.explain import MAP_LABELS, READOUTS
-from timm_rollout.loading import check_input_size, check_model, load_model
-from timm_rollout.pooling import set_pooling
+from timm_rollout.loading import build_meta, check_input_size, check_model, load_model
+from timm_rollout.pooling import attention_free, pool_name, set_pooling
 from timm_rollout.records import (
     COSINE_FILE,
     FAITHFULNESS_FILE,
@@ -73,6 +81,8 @@ from timm_rollout.records import (
 __all__ = ["build_parser", "diagnostic_metrics", "evaluate", "main", "posthoc_readout", "select_classes"]
 
 POST_HOC_POOLS = tuple(k for k in READOUTS if k != "map")  # a learned attention pool cannot be added post hoc
+# The flags that ask for parts reading attention (a model without it is refused them): dest -> flag.
+ATTENTION_FLAGS = {"pool": "--pool", "faithfulness": "--faithfulness", "heatmaps": "--heatmaps"}
 
 
 
@@ -139,6 +149,26 @@ def _check_args(args: argparse.Namespace, given: frozenset[str]) -> None:
     if args.bank_split is not None and args.bank_split == args.split:
         raise UserError(f"--bank-split {args.bank_split} is the evaluated split; use another split (e.g. train)")
     check_model(args.model)
+    if _attention_asked(args, given):
+        _refuse_attention(args, build_meta(args.model, args.checkpoint), given)
+
+
+def _attention_asked(args: argparse.Namespace, given: frozenset[str] | None) -> list[str]:
+    """The flags in ``args`` that ask for parts reading attention: those typed (``given``), else ``--pool`` and
+    ``--faithfulness`` (``--heatmaps`` has a default)."""
+    return [flag for dest, flag in ATTENTION_FLAGS.items()
+            if getattr(args, dest) and (dest in given if given is not None else dest != "heatmaps")]
+
+
+def _refuse_attention(args: argparse.Namespace, model: torch.nn.Module | None,
+                      given: frozenset[str] | None = None) -> None:
+    """A one-line error when ``args`` ask for a part reading attention that ``model`` does not have (nothing where
+    it is None: not known yet)."""
+    asked = _attention_asked(args, given)
+    reason = attention_free(model) if model is not None and asked else None
+    if reason is not None:
+        raise UserError(f"{' and '.join(asked)} need{'s' if len(asked) == 1 else ''} attention, and {reason}; "
+                        f"drop {' and '.join(asked)} (accuracy, k-NN, geometry, linear probe and silhouette need none)")
 
 
 class Stopwatch:
@@ -198,7 +228,7 @@ def posthoc_readout(model: torch.nn.Module, pool: str | None) -> str:
     """``--pool``: read a trained model out with ``pool`` (None: its own pooling) through
     :func:`timm_rollout.set_pooling`, on any timm ViT, refusing what a post-hoc readout cannot be (the model's
     learned attention pool, or a norm after pooling) with a one-line :class:`UserError`; returns the pooling."""
-    own = getattr(model, "global_pool", None)
+    own = pool_name(model)
     if pool is None or pool == own:
         return own
     if getattr(model, "attn_pool", None) is not None:
@@ -316,6 +346,7 @@ def _load(args: argparse.Namespace, full: ImageSet, device: torch.device) -> tup
     with torch.random.fork_rng(devices=[]):  # an untrained model's initial weights are reproducible too; the
         torch.manual_seed(args.seed)         # caller's random state is left as it was
         model, info = load_model(args.model, args.checkpoint, num_classes=default_classes, device=device)
+    _refuse_attention(args, model)  # where the meta device could not tell before
     _check_head(info, full)
     check_input_size(model, full.images, fix="evaluate it on a data set of its input size")
     info["pool"] = posthoc_readout(model, args.pool)
@@ -353,10 +384,39 @@ def _cosine(feats: torch.Tensor, labels: torch.Tensor, sel: Selection) -> tuple[
     return metrics.cosine_matrix(cents[[row[c] for c in ids]]), [sel.full.class_names[c] for c in ids]
 
 
-def _pooling(model, info: dict, data: ImageSet, batch_size: int, device, amp_dtype,
-             clock: Stopwatch) -> tuple[PoolingDiagnostics | None, dict[str, float | None]]:
-    """The pooling diagnostics, and where the split has object boxes harness.localisation's metrics (else none)."""
+def _left_out(model: torch.nn.Module, data: ImageSet, args: argparse.Namespace) -> dict[str, Any] | None:
+    """What the evaluation of a model without attention leaves out (results.json's ``left_out``: why, and the
+    parts), said in one note line; None for a ViT."""
+    reason = attention_free(model)
+    if reason is None:
+        return None
+    parts = ["rollout pooling diagnostics", *(["heatmaps of attention maps"] if args.heatmaps else []),
+             *(["localisation of pooling weights and attention maps"] if data.boxes is not None else [])]
+    print(f"note: {reason}; left out the parts that need attention ({', '.join(parts)}), their metrics null",
+          file=sys.stderr)
+    return {"reason": reason, "parts": parts}
+
+
+def _without_attention(model, info: dict, data: ImageSet, kwargs: dict[str, Any],
+                       clock: Stopwatch) -> dict[str, float | None]:
+    """The localisation metrics of a model without attention, where the split has boxes: None, but for
+    ``context_top1`` (a top-1, on the images with the objects taken out, where they have content masks)."""
+    if data.boxes is None:
+        return {}
+    hits = None
+    if data.masks is not None:
+        with clock.stage("localisation"):
+            hits = context_hits(model, data.images, data.labels, data.masks, info["mean"], info["std"], **kwargs)
+    return {**dict.fromkeys(LOCALISATION), "context_top1": None if hits is None else float(hits.mean())}
+
+
+def _pooling(model, info: dict, data: ImageSet, batch_size: int, device, amp_dtype, clock: Stopwatch,
+             attention: bool = True) -> tuple[PoolingDiagnostics | None, dict[str, float | None]]:
+    """The pooling diagnostics, and where the split has object boxes harness.localisation's metrics (else none);
+    without ``attention`` none of them (:func:`_without_attention`)."""
     kwargs = {"device": device, "amp_dtype": amp_dtype, "batch_size": batch_size}
+    if not attention:
+        return None, _without_attention(model, info, data, kwargs, clock)
     with clock.stage("pooling_diagnostics"):
         diagnostics = pooling_diagnostics(model, data.images, info["mean"], info["std"], **kwargs)
     if data.boxes is None:
@@ -379,11 +439,13 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     data, labels = sel.data, sel.data.labels
     with clock.stage("load_model"):
         model, info = _load(args, sel.full, device)
+    left_out = _left_out(model, data, args)
     features = partial(extract, model, mean=info["mean"], std=info["std"], device=device, amp_dtype=amp_dtype,
                        batch_size=args.batch_size)
     with clock.stage("extract"):
         feats, logits = features(data.images, desc=f"{data.split} features")
-    diagnostics, localisation = _pooling(model, info, data, args.batch_size, device, amp_dtype, clock)
+    diagnostics, localisation = _pooling(model, info, data, args.batch_size, device, amp_dtype, clock,
+                                         attention=left_out is None)
     bank = bank_feats = None
     if args.bank_split:
         with clock.stage("load_bank"):
@@ -400,7 +462,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if bank is not None:
         with clock.stage("linear_probe"):
             predicted["linear_probe"] = metrics.linear_probe_predictions(bank_feats, bank.labels, feats)
-    figures, faithfulness = _figures(model, info, data, (cos, cos_names), args, device, amp_dtype, clock)
+    figures, faithfulness = _figures(model, info, data, (cos, cos_names), args, device, amp_dtype, clock,
+                                     maps=left_out is None)
     if args.save_features:
         with clock.stage("save_features"):
             _save_features(out / FEATURES_FILE, info["name"], data, feats, bank, bank_feats)
@@ -411,6 +474,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "pooling_diagnostics": None if diagnostics is None else diagnostics.record(),
         "cosine_matrix": {"classes": cos_names, "matrix": cos.round(6).tolist()},
         "faithfulness": faithfulness,
+        "left_out": left_out,
         "model": {**info, "pretrained_cfg": {k: v for k, v in model.pretrained_cfg.items() if k != "state_dict"}},
         "data": _data_record(args, sel, bank, out),
         "config": _config_record(args, sample, int(feats.shape[1]), bank is not None),
@@ -440,14 +504,15 @@ def _save_features(path: Path, model: str, data: ImageSet, feats: torch.Tensor, 
 
 
 def _figures(model, info: dict, data: ImageSet, cosine: tuple[np.ndarray, list[str]], args, device, amp_dtype,
-             clock: Stopwatch) -> tuple[list[str], dict[str, Any] | None]:
-    """The cosine matrix, heatmaps and (``--faithfulness``) deletion/insertion figures; returns their names and
-    the faithfulness results, measured on the first ``--faithfulness-images`` evaluated images."""
+             clock: Stopwatch, maps: bool = True) -> tuple[list[str], dict[str, Any] | None]:
+    """The cosine matrix, heatmaps (with ``maps``: the model has attention) and (``--faithfulness``)
+    deletion/insertion figures; returns their names and the faithfulness results, measured on the first
+    ``--faithfulness-images`` evaluated images."""
     out = Path(args.output)
     with clock.stage("figures"):
         figures = [plot_cosine_matrix(*cosine, out / COSINE_FILE,
                                       f"{info['name']}: centroid cosine similarity ({data.split})").name]
-        if args.heatmaps:
+        if args.heatmaps and maps:
             figures.append(_heatmap_figure(model, data, info, args, device, amp_dtype, out).name)
     if not args.faithfulness:
         return figures, None

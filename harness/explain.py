@@ -39,7 +39,8 @@ from timm_rollout.data import BoxColumnError, dataset_arg, load_image_set
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import UserError
 from timm_rollout.explain import Explanation, explain
-from timm_rollout.loading import check_model, load_model
+from timm_rollout.loading import build_meta, check_model, load_model
+from timm_rollout.pooling import attention_free
 
 __all__ = ["build_parser", "denormalize", "main", "plot_explanation", "prepare_image"]
 
@@ -74,6 +75,15 @@ def _check_args(args: argparse.Namespace) -> None:
     if "num_classes" in args.model_kwargs and (args.dataset or args.checkpoint or prefixed):
         raise UserError("drop --model-kwargs num_classes: the class count comes from the checkpoint or the data set")
     check_model(args.model, None if prefixed or args.checkpoint else args.model_kwargs)
+    _refuse_attention_free(args.model, build_meta(args.model, args.checkpoint))
+
+
+def _refuse_attention_free(name: str, model: torch.nn.Module | None) -> None:
+    """A one-line error for a model without attention to draw (nothing where it is None: not known yet)."""
+    reason = attention_free(model) if model is not None else None
+    if reason is not None:
+        raise UserError(f"cannot explain {name}: every map of harness.explain is drawn from attention, and {reason}; "
+                        "evaluate it with python -m harness.eval (accuracy, k-NN, geometry, linear probe)")
 
 
 def prepare_image(image: Image.Image, model: torch.nn.Module) -> tuple[torch.Tensor, str, bool]:
@@ -181,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
     num_classes = len(class_names) if class_names and not args.checkpoint and not prefixed else None
     model, info = load_model(args.model, args.checkpoint, num_classes=num_classes, device=device, **args.model_kwargs)
+    _refuse_attention_free(args.model, model)  # where the meta device could not tell before
     names = info.get("label_names") or class_names
     if args.target_class is not None and not 0 <= args.target_class < info["num_classes"]:
         raise UserError(f"--target-class {args.target_class} is outside the model's {info['num_classes']} classes; "

@@ -32,8 +32,8 @@ from timm_rollout.rollout import (
     variant_name,
 )
 
-__all__ = ["PoolingDiagnostics", "SaliencyMaps", "box_localisation", "extract", "patch_pooling_weights",
-           "pooling_diagnostics", "saliency_maps"]
+__all__ = ["PoolingDiagnostics", "SaliencyMaps", "box_localisation", "context_hits", "extract",
+           "patch_pooling_weights", "pooling_diagnostics", "saliency_maps"]
 
 
 def _forward(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,13 +155,24 @@ def box_localisation(
     maps = {name: torch.cat([f.maps[name] for f in found]) for name in found[0].maps}
     hits = None
     if masks is not None and labels is not None:
-        context, whole = context_only(images, labels, masks)
-        if whole.all():  # else the metric is None: no pass over the images
-            _, logits = extract(model, context, mean, std, device=device, amp_dtype=amp_dtype,
-                                batch_size=batch_size, desc="objects taken out")
-            hits = (logits.argmax(dim=1) == labels.cpu()).double()
+        hits = context_hits(model, images, labels, masks, mean, std, device=device, amp_dtype=amp_dtype,
+                            batch_size=batch_size)
     return localisation_metrics(torch.cat([f.pooling for f in found]), maps, boxes, images.shape[-2:], found[0].grid,
                                 masks, hits)
+
+
+def context_hits(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, masks: torch.Tensor,
+                 mean: Sequence[float], std: Sequence[float], *, device: torch.device,
+                 amp_dtype: torch.dtype | None = None, batch_size: int = 128) -> torch.Tensor | None:
+    """(N,) float64 top-1 hits of ``model`` (any classifier) on uint8 ``images`` with their objects taken out
+    (:func:`~harness.localisation.context_only` with (N, H, W) ``masks``); None, with no pass over the images,
+    unless every object could be taken out."""
+    context, whole = context_only(images, labels, masks)
+    if not whole.all():
+        return None
+    _, logits = extract(model, context, mean, std, device=device, amp_dtype=amp_dtype, batch_size=batch_size,
+                        desc="objects taken out")
+    return (logits.argmax(dim=1) == labels.cpu()).double()
 
 
 @dataclass

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from huggingface_hub import HfApi, constants, get_token
+from timm.layers import to_2tuple
 from timm.models._hub import generate_readme
 
 from harness.metrics import METRIC_DEFAULTS, METRIC_DEFINITIONS
@@ -28,7 +29,7 @@ from timm_rollout.errors import UserError
 from timm_rollout.explain import MAP_LABELS
 from timm_rollout.loading import load_model
 from timm_rollout.models import RolloutVisionTransformer
-from timm_rollout.pooling import OPTIONS, POOLED_ARCHITECTURE, built_pool
+from timm_rollout.pooling import OPTIONS, POOLED_ARCHITECTURE, attention_free, built_pool, pool_name
 from timm_rollout.records import (
     ARGS_FILE,
     CARD_FILE,
@@ -160,10 +161,12 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
     sizes, norm, activation, parameter count, and the name timm must know to rebuild it (``registered_name``:
     a tiny model's, ``timm_rollout_pooled`` for a stock ViT pooled otherwise than it was built, None for a plain timm
     model). ``class``
-    is the timm class it is (or derives from)."""
-    block = model.blocks[0]
+    is the timm class it is (or derives from). A model that is no ViT (a CNN) gets :func:`_other_facts`."""
     stock = next(c for c in type(model).__mro__ if c.__module__.startswith("timm.") or c is torch.nn.Module)
     architecture = model.pretrained_cfg.get("architecture", stock.__name__)
+    if attention_free(model) is not None:
+        return _other_facts(model, architecture, stock.__name__)
+    block = model.blocks[0]
     study = isinstance(model, RolloutVisionTransformer)
     registered = architecture if study else POOLED_ARCHITECTURE if built_pool(model) != model.global_pool else None
     return {
@@ -174,8 +177,8 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
         "pooling": str(model.global_pool),
         **{attr: getattr(model, attr, default) for attr, default in OPTIONS.values()},
         "params": sum(p.numel() for p in model.parameters()),
-        "img_size": tuple(model.patch_embed.img_size),
-        "patch_size": tuple(model.patch_embed.patch_size),
+        "img_size": to_2tuple(model.patch_embed.img_size),  # an int on some (XCiT)
+        "patch_size": to_2tuple(model.patch_embed.patch_size),
         "embed_dim": model.embed_dim,
         "depth": len(model.blocks),
         "num_heads": block.attn.num_heads,
@@ -187,6 +190,14 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
         "fc_norm": not isinstance(getattr(model, "fc_norm", None), (torch.nn.Identity, type(None))),
         **_block_facts(block),
     }
+
+
+def _other_facts(model: torch.nn.Module, architecture: str, timm_class: str) -> dict[str, Any]:
+    """The card's facts of a timm model that is no ViT (a CNN): architecture, class, pooling, parameter count, the
+    image size its config names (the training images' for a run) and class count; ``vit`` False."""
+    return {"architecture": architecture, "class": timm_class, "vit": False, "study_model": False,
+            "registered_name": None, "pooling": pool_name(model), "params": sum(p.numel() for p in model.parameters()),
+            "img_size": tuple(model.pretrained_cfg["input_size"][1:]), "num_classes": model.num_classes}
 
 
 def _block_facts(block: torch.nn.Module) -> dict[str, Any]:
@@ -214,6 +225,8 @@ def _eps(value: float) -> str:
 
 def _architecture_text(facts: dict[str, Any]) -> str:
     """The card's architecture line: the model's class and sizes, block kind, norm, activation and qkv bias."""
+    if facts.get("vit") is False:
+        return f"{facts['architecture']}: timm {facts['class']}"
     parts = [f"{facts['architecture']}: timm {facts['class']}", f"patch {facts['patch_size'][0]}",
              f"dim {facts['embed_dim']}", f"depth {facts['depth']}", f"{facts['num_heads']} heads"]
     if facts.get("mlp_hidden"):
@@ -236,6 +249,8 @@ def _architecture_text(facts: dict[str, Any]) -> str:
 def _pooling_text(facts: dict[str, Any]) -> tuple[str, str]:
     """(full, short) description of the model's pooling, with the tokens it pools as this model has them."""
     pooling = facts["pooling"]
+    if facts.get("vit") is False:
+        return f"timm global pooling {pooling!r} of its final feature map", f"its globally pooled ({pooling}) features"
     if facts.get("norm_before_pool", True):
         tokens = "(normed) patch tokens"
     else:
@@ -398,10 +413,12 @@ def model_card(
         details["Training summary (summary.json)"] = results
     if isinstance(train_args.get("versions"), dict):
         details["Software"] = train_args["versions"]
-    details["Papers"] = ["Quantifying Attention Flow in Transformers (Abnar & Zuidema, ACL 2020): "
-                         "https://arxiv.org/abs/2005.00928"]
+    vit = facts.get("vit") is not False
+    if vit:
+        details["Papers"] = ["Quantifying Attention Flow in Transformers (Abnar & Zuidema, ACL 2020): "
+                             "https://arxiv.org/abs/2005.00928"]
     return {
-        "tags": ["image-classification", "timm", "vision-transformer", "attention-rollout"],
+        "tags": ["image-classification", "timm", *(["vision-transformer", "attention-rollout"] if vit else [])],
         "license": LICENSE,
         "description": _description(facts, short, details["Image size"], train_args),
         "details": details,
@@ -410,14 +427,16 @@ def model_card(
 
 
 def _description(facts: dict[str, Any], short: str, size: str, train_args: dict[str, Any]) -> str:
-    """What the model is: a study arm (the tiny models), or the stock timm ViT that was trained, and from what."""
+    """What the model is: a study arm (the tiny models), or the stock timm ViT (or other model) that was trained, and
+    from what."""
     if facts.get("study_model"):
         return (f"A tiny Vision Transformer for {size} images that classifies from {short}. It is one arm of the "
                 "timm-rollout study (does attention-rollout pooling help a tiny ViT?): [CLS] token, patch mean, "
                 "rollout-weighted patch tokens and learned attention pooling, differing only in pooling.")
     start = ("fine-tuned from pretrained weights" if train_args.get("pretrained_file") else
              "trained from random initialisation" if "pretrained_file" in train_args else "trained")
-    return (f"timm's {facts['architecture']} Vision Transformer ({facts['params'] / 1e6:.1f}M parameters), built for "
+    kind = "Vision Transformer" if facts.get("vit") is not False else facts["class"]
+    return (f"timm's {facts['architecture']} {kind} ({facts['params'] / 1e6:.1f}M parameters), built for "
             f"{size} images, {start} with timm-rollout to classify from {short}.")
 
 
@@ -492,7 +511,9 @@ def render_card(card: dict[str, Any], repo_id: str, results: dict[str, Any] | No
         f"\n## License\n\nThe weights are released under the {card['license']} licence. "
         "The training images keep their own terms.\n"
     )
-    text += "\n## Citation\n\nAttention rollout:\n```bibtex\n" + ABNAR_ZUIDEMA_2020 + "\n```\n"
+    text += "\n## Citation\n\n"
+    if "attention-rollout" in card["tags"]:
+        text += "Attention rollout:\n```bibtex\n" + ABNAR_ZUIDEMA_2020 + "\n```\n"
     text += "timm:\n```bibtex\n" + TIMM_CITATION + "\n```\n"
     return text
 

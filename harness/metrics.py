@@ -382,17 +382,18 @@ METRIC_DEFINITIONS = {
     # Localisation, on data sets with object boxes: c_p is the fraction of patch p inside the image's box.
     "pooling_object_mass": "mean over images of the share of the pooling weights on the object's box (sum of w_p c_p)",
     "object_area_fraction": "the box's share of the image (the same sum for uniform weights): the chance level",
-    "position_prior_mass": (
-        "object mass of one image-blind map, the mean object coverage per patch over the evaluated images: what "
-        "knowing only where objects usually are scores"
-    ),
-    "pooling_fixed_object_mass": (
-        "object mass of the pooling weights averaged over the evaluated images, used as one fixed map for every image"
-    ),
     "pooling_weight_inside": "mean over images of the pooling weight x number of patches over the box (1 = uniform)",
     "pooling_weight_outside": "mean over images of the pooling weight x number of patches off the box (1 = uniform)",
     "pooling_effective_patches": "mean over images of exp(entropy) of the weights the model pools the patches with",
     "pointing_chance": "fraction of patches whose centre lies in the box: the pointing game of a uniform map",
+    "position_prior_mass": (
+        "object mass of an image-blind map equal to the mean box coverage per patch over the evaluated images: what "
+        "knowing only where objects usually are scores"
+    ),
+    "pooling_fixed_object_mass": (
+        "object mass of the pooling weights averaged over the evaluated images, used as one fixed map: the part of "
+        "pooling_object_mass that does not depend on the image"
+    ),
     # Content masks (0 fill, 1 clutter, 2 object per pixel): f_p, k_p, o_p the shares of patch p's pixels.
     "pooling_fill_mass": "mean over images of the share of the pooling weights on flat fill (sum of w_p f_p)",
     "content_chance": (
@@ -408,7 +409,7 @@ METRIC_DEFINITIONS = {
         "off the context (chance if it reads the object)"
     ),
     "<map>_box_mass": "mean over images of the share of the {map} map's mass on the object's box",
-    "<map>_fixed_box_mass": "object mass of the {map} map averaged over the images, used as one fixed map",
+    "<map>_fixed_box_mass": "object mass of the {map} map's shares averaged over the images, used as one fixed map",
     "<map>_fill_mass": "mean over images of the share of the {map} map's mass on flat fill (content masks)",
     "<map>_object_share": (
         "mean over images of the {map} map's mass on the object over its mass on object and clutter (content masks)"

@@ -74,6 +74,13 @@ CASES = [
     (TRAIN, ["--pool", "rollout", "--pool-kwargs", "head_fusion=median"], "unknown head_fusion 'median'"),
     (TRAIN, ["--model", "vit_small_patch16_224", "--model-kwargs", "class_token=False", "global_pool=avg", "--pool",
              "rollout"], "rollout pooling needs a class token"),
+    (TRAIN, ["--model", "resnet10t", "--pool", "avg"], "resnet10t (ResNet) is not a timm VisionTransformer-family "
+                                                       "model: it has no attention over patch tokens; set_pooling"),
+    (EVAL, ["--model", "resnet10t", "--pool", "rollout", "--faithfulness"],
+     "--pool and --faithfulness need attention, and resnet10t (ResNet) is not a timm VisionTransformer"),
+    (EVAL, ["--model", "convnext_atto", "--heatmaps", "4"], "--heatmaps needs attention, and convnext_atto (ConvNeXt)"),
+    (EXPLAIN, ["--model", "efficientnet_b0", "--dataset", "cifar10-sample"],
+     "cannot explain efficientnet_b0: every map of harness.explain is drawn from attention"),
     (TRAIN, ["--pretrained-file", "{missing}"], "argument --pretrained-file: "),
     (TRAIN, ["--pretrained-file", "{file}"], "file.txt is not a weights file; pass a .safetensors file, a training"),
     (TRAIN, ["--sched", "cosin"], "argument --sched: invalid choice: 'cosin'"),

@@ -1,5 +1,6 @@
-"""The dose analysis (harness.dose): its rules against the notes' conditions on a grid, its statistics against scipy
-and plain loops, and scripts/study.py with several --also-eval data sets, checked against the evaluations' files."""
+"""The dose analysis (harness.study.dose): its rules against the notes' conditions on a grid, its statistics against
+scipy and plain loops, and scripts/study.py with several --also-eval data sets, checked against the evaluations'
+files."""
 
 from __future__ import annotations
 

@@ -34,22 +34,25 @@ TRAINED_INPUT = {"crop_pct": 1.0, "crop_mode": "center"}  # the pixels as they a
 
 def save_model(
     out: str | os.PathLike, model: nn.Module, class_names: Sequence[str], mean: Sequence[float],
-    std: Sequence[float],
+    std: Sequence[float], input_size: Sequence[int] | None = None,
 ) -> None:
     """Export ``model`` to ``out`` as timm's HF layout, recording class names and the input training saw: its
-    mean/std, the pixels as they are (``crop_pct`` 1.0 at the model's input size: training neither resizes nor crops
-    for evaluation) and no source checkpoint ``tag`` (e.g. a stock model's ImageNet one)."""
+    mean/std, the pixels as they are (``crop_pct`` 1.0 at ``input_size``, the (C, H, W) of the training images, else
+    the model's input size: training neither resizes nor crops for evaluation) and no source checkpoint ``tag``
+    (e.g. a stock model's ImageNet one)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model_config = {"label_names": list(class_names)} if len(class_names) == model.num_classes else None
+    data_config = {"mean": tuple(mean), "std": tuple(std), **TRAINED_INPUT,
+                   **({"input_size": tuple(int(s) for s in input_size)} if input_size is not None else {})}
     tmp = Path(tempfile.mkdtemp(dir=out, prefix=".export-"))
     try:
         save_for_hf(model, tmp, model_config=model_config, model_args=option_model_args(model) or None,
-                    safe_serialization=True, data_config={"mean": tuple(mean), "std": tuple(std), **TRAINED_INPUT})
+                    safe_serialization=True, data_config=data_config)
         config = json.loads((tmp / CONFIG_FILE).read_text(encoding="utf-8"))
-        exported = export_config(config, model)
+        exported = dict(export_config(config, model))
         exported["pretrained_cfg"] = {k: v for k, v in exported["pretrained_cfg"].items() if k != "tag"}
-        if exported != config:  # a stock ViT: no source tag; pooled by set_pooling: named so that timm rebuilds it so
+        if exported != config:  # no source tag; a stock ViT pooled by set_pooling: named so that timm rebuilds it so
             write_json(tmp / CONFIG_FILE, exported)
         for name in MODEL_FILES:
             publish(tmp / name, out / name)

@@ -28,10 +28,11 @@ from torch import nn
 from .errors import UserError
 from .models import record_input_size
 from .online import hub_or_cache
-from .pooling import CONFIG_KEY, POOLED_ARCHITECTURE, ROLLOUT, STOCK_ARCHITECTURE, set_pooling
+from .pooling import CONFIG_KEY, POOLED_ARCHITECTURE, ROLLOUT, STOCK_ARCHITECTURE, pool_name, set_pooling
 from .records import CONFIG_FILE, RESUME_FILE, WEIGHTS_FILE, sha256_file
 
-__all__ = ["check_input_size", "check_model", "create_model", "load_model", "pretrained_config", "pretrained_overlay"]
+__all__ = ["build_meta", "check_input_size", "check_model", "create_model", "load_model", "pretrained_config",
+           "pretrained_overlay"]
 
 PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".tar", ".ckpt", ".pkl")
 CONVERT_HINT = "convert it with scripts/convert_checkpoint.py (pickled checkpoints are never loaded)"
@@ -327,12 +328,12 @@ def _model_args(config: dict[str, Any] | None, arch: str) -> dict[str, Any]:
 
 
 def _cfg_overlay(config: dict[str, Any] | None, num_classes: int) -> dict[str, Any]:
-    """pretrained_cfg entries carried by the checkpoint (mean/std/label names) for the built model."""
+    """pretrained_cfg entries carried by the checkpoint (mean/std, input, label names) for the built model."""
     overlay: dict[str, Any] = {"num_classes": num_classes}
     if not config:
         return overlay
     saved = config.get("pretrained_cfg") or {}
-    for key in ("mean", "std", "interpolation", "crop_pct", "crop_mode"):
+    for key in ("mean", "std", "interpolation", "crop_pct", "crop_mode", "input_size"):
         if key in saved:
             overlay[key] = tuple(saved[key]) if isinstance(saved[key], list) else saved[key]
     labels = config.get("label_names") or saved.get("label_names")
@@ -420,6 +421,18 @@ def _config_fix(arch: str, config: dict[str, Any] | None, weights: Path | None, 
     return f"{fix}; re-export the model with timm.models.save_for_hf"
 
 
+def build_meta(model: str, checkpoint: str | Path | None = None) -> nn.Module | None:
+    """The model :func:`load_model` builds for ``model`` and ``checkpoint``, on the meta device and without weights:
+    what it is, known before any work; None where timm cannot build it there (:func:`load_model` then says why)."""
+    arch, config, _ = _resolve_source(model, checkpoint)
+    arch = _as_trained(arch, config)
+    try:
+        with torch.device("meta"):
+            return timm.create_model(arch, **_model_args(config, arch))
+    except (TypeError, ValueError, AssertionError, RuntimeError, NotImplementedError):
+        return None
+
+
 def load_model(
     model: str,
     checkpoint: str | Path | None = None,
@@ -471,7 +484,7 @@ def load_model(
         "sha256": sha256_file(weights) if weights is not None else None,
         "checkpoint_architecture": (config or {}).get("architecture"),
         "num_classes": int(net.num_classes),
-        "global_pool": str(getattr(net, "global_pool", "")),
+        "global_pool": pool_name(net),
         "model_args": {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()},
         "label_names": cfg.get("label_names"),
         "mean": list(cfg["mean"]),

@@ -43,10 +43,13 @@ __all__ = [
     "STOCK_ARCHITECTURE",
     "TIMM_POOLS",
     "RolloutPooling",
+    "attention_free",
     "built_pool",
     "check_rollout_options",
     "export_config",
     "option_model_args",
+    "pool_name",
+    "pools_tokens",
     "register_pooled_class",
     "rollout_pooled_class",
     "set_pooling",
@@ -341,9 +344,41 @@ def _check_attention(model: nn.Module) -> None:
                          f"{len(found)} attention modules in {len(blocks)} blocks")
 
 
+def pools_tokens(model: nn.Module) -> bool:
+    """Whether ``model`` pools tokens as timm's ViT family does (a string ``global_pool``, ``num_prefix_tokens``):
+    the models :func:`set_pooling` and rollout may take; a CNN (its pooling a module, or in its head) is not one."""
+    return isinstance(getattr(model, "global_pool", None), str) and hasattr(model, "num_prefix_tokens")
+
+
+def pool_name(model: nn.Module) -> str:
+    """How ``model`` pools its features, as timm names it: its ``global_pool`` (``'token'``, ``'avg'``,
+    ``'rollout'``, ...), or the ``pool_type`` of a CNN's pooling module (in the model or its head); '' for none."""
+    for owner in (model, getattr(model, "head", None)):
+        pool = getattr(owner, "global_pool", None)
+        if isinstance(pool, str):
+            return pool
+        if pool is not None:
+            return str(getattr(pool, "pool_type", type(pool).__name__))
+    return ""
+
+
+def attention_free(model: nn.Module) -> str | None:
+    """Why ``model`` has nothing for rollout, attention maps and :func:`set_pooling` to read, as a clause naming it:
+    it pools no tokens (a CNN) or has no timm attention blocks; None for a timm ViT-family model."""
+    arch = (getattr(model, "pretrained_cfg", None) or {}).get("architecture")
+    name = f"{arch} ({type(model).__name__})" if arch else type(model).__name__
+    if not pools_tokens(model):
+        return f"{name} is not a timm VisionTransformer-family model: it has no attention over patch tokens"
+    try:
+        attention_modules(model)
+    except ValueError:
+        return f"{name} has no timm attention blocks"
+    return None
+
+
 def _check_pool(model: nn.Module, pool: str) -> None:
-    if not hasattr(model, "global_pool") or not hasattr(model, "num_prefix_tokens"):
-        raise ValueError(f"{type(model).__name__} is not a timm VisionTransformer-family model (no global_pool)")
+    if not pools_tokens(model):
+        raise ValueError(f"{attention_free(model)}; set_pooling (--pool) takes timm ViT-family models only")
     attention_modules(model)  # raises for models without timm attention blocks
     if pool not in (*TIMM_POOLS, ROLLOUT):
         raise ValueError(f"unknown pooling {pool!r}; use one of {', '.join(map(repr, (*TIMM_POOLS, ROLLOUT)))}")
@@ -425,8 +460,8 @@ def export_config(config: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     as built keeps (or gets back) its stock architecture, without those arguments. The tiny models' config is
     timm's own: their layout does not depend on their pooling, and their rollout options are model arguments.
     """
-    if getattr(model, "rollout_options_are_model_args", False):
-        return config
+    if getattr(model, "rollout_options_are_model_args", False) or not pools_tokens(model):
+        return config  # the tiny models' and non-ViT models' (CNNs) configs are timm's own
     saved = dict(config.get("model_args") or {})
     pooled_before = config.get("architecture") == POOLED_ARCHITECTURE  # built by timm_rollout_pooled
     stock = saved.get(STOCK_ARCHITECTURE) if pooled_before else config.get("architecture")

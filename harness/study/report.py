@@ -220,7 +220,7 @@ def primary_metric(args: argparse.Namespace) -> str:
 
 
 def dose_report(args: argparse.Namespace, seeds: Sequence[int]) -> list[str]:
-    """The dose section (:mod:`.dose`) over the seeds whose primary arms were evaluated on every
+    """The dose section (:mod:`harness.study.dose`) over the seeds whose primary arms were evaluated on every
     ``--also-eval`` data set; nothing with fewer than two data sets or without ``--primary``."""
     names = [Path(d).name for d in args.also_eval or ()]
     if len(names) < 2 or not args.primary:
@@ -258,7 +258,7 @@ def data_section(args: argparse.Namespace, out: Path) -> list[str]:
 def also_metrics(args: argparse.Namespace, arm: str, seed: int, result: dict[str, Any]) -> dict[str, float]:
     """``--also-eval``: the run's top-1 on each other data set's test split and its paired change from the study's
     (e.g. the top-1 a model loses to clutter, when the other set holds the same objects without it); with several,
-    also the last minus the first (:func:`.dose.contrast_metric`: its paired comparison is the dose
+    also the last minus the first (:func:`harness.study.dose.contrast_metric`: its paired comparison is the dose
     interaction)."""
     top1 = {folder.parent.name.removeprefix("eval-"): r["metrics"]["top1"]
             for folder, r in zip(*also_results(args, arm, seed), strict=True)}

@@ -168,7 +168,7 @@ def save_run(out: Path, t: Trainer, args: argparse.Namespace, data: RunData, d: 
                     scaler=t.scaler,
                     meta={"epoch": t.epoch, "num_updates": t.num_updates, "rows": t.rows, "machines": t.machines,
                           "codes": t.codes})
-        save_model(out, t.export, data.train.class_names, data.mean, data.std)
+        save_model(out, t.export, data.train.class_names, data.mean, data.std, data.train.images.shape[1:])
         write_log(out / LOG_FILE, t.rows)
         plot_curves(out / CURVES_FILE, t.rows, f"{args.model} on {Path(args.dataset).name}")
     t.saved_epoch = t.epoch
