@@ -29,7 +29,7 @@ def build_parser() -> CliParser:
                         "them uniformly and records it in a column 'fragments' (default: 16)")
     p.add_argument("--fragment-size", type=positive_int, default=8, help="side of each clutter crop, pixels")
     p.add_argument("--canvas", type=number(int, 1, 1024), default=64, help="side of the square canvas, pixels")
-    p.add_argument("--seed", type=seed_arg, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the placements and fragments")
     p.add_argument("--per-class", type=positive_int, help="a seeded class-balanced subset of N images per class")
     p.add_argument("--splits", nargs="+", metavar="SPLIT",
                    help="write only these splits (default: every split); the fill colour stays the train split's")

@@ -31,10 +31,10 @@ drawn with seed {seed} from {source} by `scripts/make_sample.py`; columns `img` 
 def main(argv: list[str] | None = None) -> None:
     parser = CliParser(prog="python scripts/make_sample.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", type=existing_path, default="../shared/data/cifar10", help="CIFAR-10 in Hub layout")
-    parser.add_argument("--output", type=output_dir, default=str(SAMPLE_DIR))
-    parser.add_argument("--train-per-class", type=positive_int, default=200)
-    parser.add_argument("--test-per-class", type=positive_int, default=100)
-    parser.add_argument("--seed", type=seed_arg, default=0)
+    parser.add_argument("--output", type=output_dir, default=str(SAMPLE_DIR), help="folder of the sample")
+    parser.add_argument("--train-per-class", type=positive_int, default=200, help="training images per class")
+    parser.add_argument("--test-per-class", type=positive_int, default=100, help="test images per class")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the class-balanced draw")
     args = parser.parse_args(argv)
     out = Path(args.output)
 

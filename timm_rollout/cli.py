@@ -56,8 +56,20 @@ def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None =
         raise SystemExit(130) from None
 
 
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Help that ends every flag's text with its default, unless the text already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if any(action.default is unset for unset in (None, False, argparse.SUPPRESS)) or action.default in ([], {}) \
+                or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 class CliParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors are :class:`UserError`\\ s (one line under :func:`run_cli`).
+    """An ``ArgumentParser`` whose usage errors are :class:`UserError`\\ s (one line under :func:`run_cli`) and
+    whose ``--help`` gives every flag's default (:class:`HelpWithDefaults`).
 
     ``checks`` run on the parsed namespace and raise :class:`UserError` for mistakes that involve several
     flags. After each parse, ``given`` holds the destinations of the flags the user actually typed, so a
@@ -67,7 +79,7 @@ class CliParser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, checks: Sequence[Callable[[argparse.Namespace], None]] = (),
                  removed: dict[str, str] | None = None, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **{"formatter_class": HelpWithDefaults, **kwargs})
         # argparse reads -1e-3 or -.5e-1 as a flag: read them as numbers, for the validators to judge
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
         self.checks = list(checks)

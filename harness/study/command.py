@@ -37,11 +37,12 @@ def build_parser() -> CliParser:
                            "--capture": "for CUDA graphs pass --train-args '--compile --compile-mode reduce-overhead'"})
     p.add_argument("--dataset", required=True, type=as_type(dataset_arg),
                    help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or folder")
-    p.add_argument("--epochs", type=positive_int, required=True)
+    p.add_argument("--epochs", type=positive_int, required=True, help="training epochs of every run")
     p.add_argument("--model", default=None,
                    help="base timm ViT every arm pools (default: the tiny CIFAR ViT, vit_tiny_cifar_<pooling>); size "
                         "and depth via --train-args '--model-kwargs img_size=32 ...'")
-    p.add_argument("--seeds", type=seed_arg, nargs="+", default=[0])
+    p.add_argument("--seeds", type=seed_arg, nargs="+", default=[0],
+                   help="training seeds; each arm trains once per seed, paired by seed")
     p.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(DEFAULT_ARMS),
                    help=f"trained arms (default: {' '.join(DEFAULT_ARMS)}); cls brings its post-hoc rollout and "
                    "patch-mean readouts")

@@ -63,7 +63,7 @@ def _data_args(g: argparse._ArgumentGroup) -> None:
     """Data set, subsets and augmentation."""
     g.add_argument("--dataset", type=as_type(dataset_arg),
                    help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or local folder")
-    g.add_argument("--train-split", default="train")
+    g.add_argument("--train-split", default="train", help="split to train on")
     g.add_argument("--eval-split", default=None, help="default: test, else validation")
     g.add_argument("--image-column", default=None, help="default: img or image")
     g.add_argument("--label-column", default=None, help="default: label or fine_label")
@@ -98,22 +98,24 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
                    help="start from these weights (safetensors or a timm checkpoint, never unpickled); the head is "
                         "new when the class count differs, the data are normalised with the model's mean/std")
     g.add_argument("--model-ema", action="store_true", help="keep a timm ModelEmaV3; evaluate and export it")
-    g.add_argument("--model-ema-decay", type=number(float, 0, 1, low_open=True, high_open=True), default=0.9998)
+    g.add_argument("--model-ema-decay", type=number(float, 0, 1, low_open=True, high_open=True), default=0.9998,
+                   help="EMA decay per update, in (0, 1)")
 
 
 def _optimisation_args(g: argparse._ArgumentGroup) -> None:
     """Optimizer and schedule (timm factories)."""
-    g.add_argument("--epochs", type=positive_int, default=200)
+    g.add_argument("--epochs", type=positive_int, default=200, help="passes over the training split")
     g.add_argument("--batch-size", type=positive_int, default=128, help="per process")
     g.add_argument("--opt", default="adamw", type=as_type(_optimizer_arg), help="any timm optimizer name")
-    g.add_argument("--lr", type=positive, default=5e-4)
-    g.add_argument("--weight-decay", type=non_negative, default=1e-4)
+    g.add_argument("--lr", type=positive, default=5e-4, help="peak learning rate, after warmup")
+    g.add_argument("--weight-decay", type=non_negative, default=1e-4,
+                   help="none on norms, biases, position embedding and [CLS] (timm)")
     g.add_argument("--momentum", type=fraction, default=0.9, help="for SGD-family optimizers")
     g.add_argument("--clip-grad", type=positive, default=None, help="gradient norm clipping, off by default")
     g.add_argument("--sched", default="cosine", choices=SCHEDULERS, help="timm scheduler, stepped every update")
     g.add_argument("--warmup-epochs", type=non_negative, default=5, help="linear warmup, clipped to the run length")
-    g.add_argument("--warmup-lr", type=non_negative, default=1e-5)
-    g.add_argument("--min-lr", type=non_negative, default=5e-6)
+    g.add_argument("--warmup-lr", type=non_negative, default=1e-5, help="learning rate the warmup starts from")
+    g.add_argument("--min-lr", type=non_negative, default=5e-6, help="learning rate the schedule ends at")
 
 
 def _run_args(g: argparse._ArgumentGroup) -> None:
