@@ -158,12 +158,12 @@ def _panel(fig: Figure, ax, size: tuple[int, int], values: torch.Tensor, grid: t
 def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: str, path: str | Path,
                      box: torch.Tensor | None = None) -> Path:
     """One figure: the input, every map of ``ex`` (image 0) and its rollout build-up, each with a colour bar; all
-    maps on the scale of :func:`~harness.figures.relative_to_uniform` with one colour range; ``box`` (the object's
+    maps on the scale of :func:`~harness.figures.relative_to_uniform`, each with its own colour range (0 to its
+    largest value, at least 2: :func:`~harness.figures.shared_range`); ``box`` (the object's
     ``[x, y, w, h]`` in the input's pixels) outlined on every panel."""
     panels = [(name, values[0]) for name, values in ex.maps.items()]
     panels += [(f"rollout through layer {i + 1}", ex.buildup[0, i]) for i in range(ex.buildup.shape[1])]
     panels = [(name, relative_to_uniform(values.float().cpu())) for name, values in panels]
-    vrange = shared_range([values for _, values in panels])
     rows = -(-(len(panels) + 1) // COLUMNS)
     fig = Figure(figsize=(3.2 * COLUMNS, 3.0 * rows))
     axes = fig.subplots(rows, COLUMNS, squeeze=False).ravel()
@@ -172,7 +172,7 @@ def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: 
     axes[0].set_xlabel("x (pixels)", fontsize=7)
     axes[0].set_ylabel("y (pixels)", fontsize=7)
     for ax, (name, values) in zip(axes[1:], panels, strict=False):
-        _panel(fig, ax, rgb.shape[:2], values, ex.grid, name, vrange)
+        _panel(fig, ax, rgb.shape[:2], values, ex.grid, name, shared_range([values]))
     for ax in axes[len(panels) + 1:]:
         ax.axis("off")
     if box is not None:

@@ -49,14 +49,15 @@ def plot_cosine_matrix(matrix: np.ndarray, class_names: Sequence[str], path: str
 def relative_to_uniform(maps: torch.Tensor) -> torch.Tensor:
     """(..., P) patch maps as each patch's share of its map's total times P: 1 is the uniform share, 2 twice it.
 
-    For pooling weights (which sum to 1) this is weight x P; the same scale for every map lets a figure use one
-    colour range, so near-uniform weights look near-uniform (a map stretched to its own range would not)."""
+    For pooling weights (which sum to 1) this is weight x P; on this scale near-uniform weights look near-uniform
+    (a map stretched to its own range would not)."""
     m = maps.float()
     return m / m.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) * m.shape[-1]
 
 
 def shared_range(maps: Sequence[torch.Tensor]) -> tuple[float, float]:
-    """One colour range for maps on the :func:`relative_to_uniform` scale: 0 to their largest value (at least 2)."""
+    """One colour range for maps on the :func:`relative_to_uniform` scale: 0 to their largest value (at least 2, so
+    near-uniform maps stay near one colour)."""
     return 0.0, max(2.0, *(float(m.max()) for m in maps))
 
 
@@ -124,33 +125,33 @@ def plot_heatmaps(
     order of ``maps``, named on top).
 
     ``images`` are uint8 (B, 3, H, W) (the de-normalised inputs); maps are (B, P) over the (rows, cols) patch
-    ``grid`` (:func:`upsample_patch_map`), drawn on the :func:`relative_to_uniform` scale with one colour range and
-    one colour bar for the whole figure.
+    ``grid`` (:func:`upsample_patch_map`), on the :func:`relative_to_uniform` scale. Each column has its own colour
+    range (:func:`shared_range` of its maps, so one peaked map does not flatten the others, while a near-uniform
+    map still looks near-uniform) and its own colour bar below it.
     ``pred_names``: one prediction per image, or per map name when the columns come from different models.
     ``boxes``: (B, 4) object boxes ``[x, y, w, h]``, outlined on every panel of their row.
     The layout is fixed in inches (no tight_layout pass over dozens of axes), so a large grid renders quickly.
     """
     per_column = isinstance(pred_names, Mapping)
     maps = {name: relative_to_uniform(values) for name, values in maps.items()}
-    vmin, vmax = shared_range(list(maps.values()))
     b, _, h, w = images.shape
     cols = len(maps) + 1
-    heads = {name: "\n".join(textwrap.fill(line, 32) for line in name.split("\n")) for name in maps}  # fit a panel
-    header = 0.15 * (max(head.count("\n") for head in heads.values()) + 3)  # column names + the first row's titles
-    panel, gap_w, gap_h, left, right, bottom, top = 2.2, 0.25, 0.5, 0.6, 1.2, 0.55, 0.45 + header  # inches
+    heads = {name: "\n".join(textwrap.fill(line, 26) for line in name.split("\n")) for name in maps}  # fit a panel
+    header = 0.16 * (max(head.count("\n") for head in heads.values()) + 3)  # column names + the first row's titles
+    panel, gap_w, gap_h, left, right, bottom, top = 1.9, 0.25, 0.45, 0.6, 0.2, 1.05, 0.45 + header  # inches
     fig_w, fig_h = left + cols * panel + (cols - 1) * gap_w + right, bottom + b * panel + (b - 1) * gap_h + top
     fig = Figure(figsize=(fig_w, fig_h))
     axes = fig.subplots(b, cols, squeeze=False, sharex=True, sharey=True)
     fig.subplots_adjust(left=left / fig_w, right=1 - right / fig_w, bottom=bottom / fig_h, top=1 - top / fig_h,
                         wspace=gap_w / panel, hspace=gap_h / panel)
+    drawn = {}
     for i in range(b):
-        rgb = images[i].permute(1, 2, 0).numpy()
-        axes[i, 0].imshow(rgb, interpolation="nearest")
-        axes[i, 0].set_title(f"true: {true_names[i]}" + ("" if per_column else f"\npred: {pred_names[i]}"), fontsize=8)
+        axes[i, 0].imshow(images[i].permute(1, 2, 0).numpy(), interpolation="nearest")
+        axes[i, 0].set_title(f"true: {true_names[i]}" + ("" if per_column else f"\npred: {pred_names[i]}"), fontsize=9)
         for ax, (name, values) in zip(axes[i, 1:], maps.items(), strict=True):
-            im = draw_map(ax, upsample_patch_map(values[i], grid, (h, w)), (vmin, vmax))
+            drawn[name] = draw_map(ax, upsample_patch_map(values[i], grid, (h, w)), shared_range([values]))
             pred = f"pred: {pred_names[name][i]}" if per_column else ""
-            ax.set_title(f"{heads[name]}\n{pred}" if i == 0 else pred, fontsize=8)
+            ax.set_title(f"{heads[name]}\n{pred}" if i == 0 else pred, fontsize=9)
         if boxes is not None:
             for ax in axes[i]:
                 draw_box(ax, boxes[i])
@@ -160,9 +161,11 @@ def plot_heatmaps(
         ax.set_ylabel("y (pixels)", fontsize=7)
     for ax in axes.flat:
         ax.tick_params(labelsize=6)
-    grid_h = fig_h - top - bottom  # the colour bar: half the grid's height, centred beside it
-    bar = fig.add_axes((1 - (right - 0.25) / fig_w, (bottom + grid_h / 4) / fig_h, 0.18 / fig_w, grid_h / 2 / fig_h))
-    fig.colorbar(im, cax=bar).set_label(UNIFORM_SCALE_LABEL, fontsize=8)
+    for ax, im in zip(axes[-1, 1:], drawn.values(), strict=True):  # each column's colour bar, below it
+        at = ax.get_position()
+        bar = fig.add_axes((at.x0, 0.3 / fig_h, at.width, 0.1 / fig_h))
+        fig.colorbar(im, cax=bar, orientation="horizontal").set_label(UNIFORM_SCALE_LABEL, fontsize=7)
+        bar.tick_params(labelsize=6)
     fig.suptitle(title + (f" ({BOX_NOTE})" if boxes is not None else ""), y=1 - 0.2 / fig_h, va="top")
     return save_figure(fig, path)
 

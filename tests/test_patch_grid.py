@@ -151,3 +151,21 @@ def test_eval_draws_a_4x16_grid_and_writes_its_results(tmp_path, monkeypatch):
     assert len(drawn) == len(want)
     for got, ref in zip(drawn, want, strict=True):
         assert got.shape == (16, 64) and np.allclose(got, ref, atol=1e-5)
+
+
+def test_heatmap_columns_each_have_their_own_colour_range_and_bar(tmp_path, monkeypatch):
+    """One peaked column must not flatten the others: each column's range is 0 to its own largest share x P (at
+    least 2, so a near-uniform map stays near one colour), computed here by hand, with one colour bar per column."""
+    drawn = []
+    monkeypatch.setattr(figures, "save_figure", lambda fig, path: drawn.append(fig))
+    peaked = torch.tensor([[9.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])  # largest share 0.9 of 4 patches: 3.6
+    mild = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 2.0]])  # largest share 0.4: 1.6 -> the floor 2
+    images = torch.zeros(2, 3, 4, 4, dtype=torch.uint8)
+    figures.plot_heatmaps(images, {"peaked": peaked, "mild": mild}, ["a", "b"], ["a", "b"], tmp_path / "h.png", "t",
+                          grid=(2, 2))
+    (fig,) = drawn
+    limits = {ax.get_title().split("\n")[0]: ax.get_images()[0].get_clim() for ax in fig.axes
+              if ax.get_images() and ax.get_title().split("\n")[0] in ("peaked", "mild")}
+    assert limits["peaked"] == pytest.approx((0.0, 9 / 10 * 4)) and limits["mild"] == pytest.approx((0.0, 2.0))
+    bars = [ax for ax in fig.axes if ax.get_xlabel() == figures.UNIFORM_SCALE_LABEL]
+    assert len(bars) == 2

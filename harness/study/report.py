@@ -87,8 +87,8 @@ def report_scope(named: Sequence[str], arms: Sequence[str], seeds: Sequence[int]
 def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Path, str | None]], seed: int,
                       path: Path) -> Path:
     """The same test images under every arm (``arm -> (model, run folder, pooling or None for its own)``): the
-    attention rollout and gradient-weighted rollout of the readout the arm classifies from, as weight x number of
-    patches (1 = uniform) with one colour range for the whole grid."""
+    attention rollout of the readout the arm classifies from, as weight x number of patches (1 = uniform), one
+    column and colour range per arm (each evaluation's own heatmaps.png adds its other maps)."""
     data = load_image_set(args.dataset, "test", boxes=True)
     gen = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(data.labels), generator=gen)[: args.heatmaps].sort().values
@@ -100,12 +100,13 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
         found[short] = saliency_maps(model, normalize(images, info["mean"], info["std"]), device=torch.device("cpu"))
     names = data.class_names
     maps, preds = {}, {}
-    for short, key in ((short, key) for short in panels for key in ("rollout", "gradient_rollout")):
-        column = f"{short}: {MAP_LABELS[key]} (readout {found[short].readout})"
-        maps[column] = found[short].maps[key]
-        preds[column] = [names[int(j)] for j in found[short].logits.argmax(dim=1)]
+    for short, got in found.items():
+        column = f"{short}\n(readout: {got.readout})"
+        maps[column] = got.maps["rollout"]
+        preds[column] = [names[int(j)] for j in got.logits.argmax(dim=1)]
     return plot_heatmaps(images, maps, [names[int(y)] for y in labels], preds, path,
-                         f"Same test images under every arm, maps of each arm's own readout (seed {seed})",
+                         f"Same test images under every arm: {MAP_LABELS['rollout']} of each arm's readout "
+                         f"(seed {seed})",
                          data.boxes[pick] if data.boxes is not None else None, grid=next(iter(found.values())).grid)
 
 
