@@ -22,7 +22,6 @@ import torch
 from matplotlib.figure import Figure
 from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
-from timm.utils import ParseKwargs
 
 from harness.figures import (
     BOX_NOTE,
@@ -34,7 +33,16 @@ from harness.figures import (
     upsample_patch_map,
 )
 from timm_rollout.atomic import save_figure
-from timm_rollout.cli import CliParser, as_type, existing_path, key_value, non_negative_int, output_dir, run_cli
+from timm_rollout.cli import (
+    CliParser,
+    ParseKwargs,
+    as_type,
+    existing_path,
+    key_value,
+    non_negative_int,
+    output_dir,
+    run_cli,
+)
 from timm_rollout.data import BoxColumnError, dataset_arg, load_image_set
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import UserError

@@ -76,6 +76,6 @@ def test_a_command_and_a_library_import_name_it_in_one_line(broken_torchvision):
                          cwd=ROOT, timeout=300)
     assert cli.returncode == 2 and cli.stdout == "" and cli.stderr.count("\n") == 1, cli.stderr
     assert cli.stderr.startswith("error: torchvision ") and BROKEN in cli.stderr and "pip install torch==" in cli.stderr
-    library = subprocess.run([sys.executable, "-c", "import timm_rollout"], capture_output=True, text=True, env=env,
-                             cwd=ROOT, timeout=300)
+    library = subprocess.run([sys.executable, "-c", "import timm_rollout, timm"], capture_output=True, text=True,
+                             env=env, cwd=ROOT, timeout=300)  # the package registers its models as timm loads
     assert library.returncode == 1 and library.stderr.splitlines()[-1].startswith("ImportError: torchvision ")

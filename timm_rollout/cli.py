@@ -6,6 +6,7 @@ types that reject bad values while parsing, before any data or model is loaded.
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import math
 import os
@@ -19,6 +20,7 @@ from .errors import UserError, fail, install_error
 
 __all__ = [
     "CliParser",
+    "ParseKwargs",
     "PerChannel",
     "as_type",
     "existing_path",
@@ -190,6 +192,22 @@ fraction = number(float, 0, 1, high_open=True)  # rates and probabilities in [0,
 seed_arg = number(int, 0, 2**32 - 1)
 
 
+class ParseKwargs(argparse.Action):
+    """``KEY=VALUE ...`` into a dict, each value a Python literal where it is one, else the string: timm's
+    ``timm.utils.ParseKwargs``, here so that building a parser imports no timm."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        kwargs = {}
+        for item in values:
+            key, value = item.split("=", 1)
+            try:
+                kwargs[key] = ast.literal_eval(value)
+            except (ValueError, SyntaxError):
+                kwargs[key] = value
+        setattr(namespace, self.dest, kwargs)
+
+
 class PerChannel(argparse.Action):
     """``nargs="+"`` values for the three RGB channels, or one for all three (as timm's ``--mean``/``--std``)."""
 
@@ -201,7 +219,7 @@ class PerChannel(argparse.Action):
 
 
 def key_value(text: str) -> str:
-    """An argparse ``type`` for ``KEY=VALUE`` items (timm's ``ParseKwargs`` splits them)."""
+    """An argparse ``type`` for ``KEY=VALUE`` items (:class:`ParseKwargs` splits them)."""
     key = text.split("=", 1)[0]
     if "=" not in text or not key.isidentifier():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. depth=2), got {text!r}")

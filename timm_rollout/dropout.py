@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from timm.layers import register_notrace_module
 from torch import nn
 
 __all__ = ["FastDropout", "use_fast_dropout"]
@@ -43,12 +42,11 @@ def _keep_mask(x: torch.Tensor, keep: int) -> torch.Tensor:
     return bits.view(torch.int16)[:n].view(x.shape) < keep - 32768
 
 
-@register_notrace_module  # an FX leaf (as timm's tracing helpers treat it): masks stay this module's own
 class FastDropout(nn.Dropout):
     """``nn.Dropout`` with a cheap CPU keep-mask (see the module docstring for the exact ``p`` realised).
 
-    Its ``forward`` is TorchScript-compatible and timm's FX tools keep it as a leaf module, so scripted and
-    traced models draw the same masks as eager ones.
+    Its ``forward`` is TorchScript-compatible and timm's FX tools keep it as a leaf module (registered as one by
+    :mod:`timm_rollout.models`), so scripted and traced models draw the same masks as eager ones.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

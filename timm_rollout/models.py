@@ -16,12 +16,12 @@ from functools import partial
 from typing import Any
 
 import timm
-from timm.layers import LayerNorm, PatchEmbed
+from timm.layers import LayerNorm, PatchEmbed, register_notrace_module
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch import nn
 
-from .dropout import use_fast_dropout
+from .dropout import FastDropout, use_fast_dropout
 from .pooling import (
     OPTION_ARGS,
     POOL_ARG,
@@ -31,12 +31,16 @@ from .pooling import (
     RolloutPooling,
     check_rollout_options,
     register_pooled_class,
+    route_timm_classes,
     set_pooling,
     switch_pooling_class,
 )
 
 __all__ = ["CIFAR100_MEAN", "CIFAR100_STD", "RolloutPooledVisionTransformer", "RolloutVisionTransformer",
            "record_input_size"]
+
+register_notrace_module(FastDropout)  # an FX leaf (as timm's tracing helpers treat it): masks stay its own
+route_timm_classes()  # global_pool = 'rollout' on a stock timm ViT runs set_pooling
 
 CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
 CIFAR100_STD = (0.2673, 0.2564, 0.2762)

@@ -18,8 +18,9 @@ tokens with another pass's attention. ``set_pooling(model, <timm pooling>)`` (or
 ``reset_classifier(n, global_pool=...)``) gives the stock model back: its class, its fused-attention setting, no
 hooks, no state; methods bound or compiled while it was rollout-pooled then run the stock ones.
 
-Importing the module makes ``model.global_pool = 'rollout'`` on those timm classes run ``set_pooling`` (timm would
-take the string and fail on the next forward pass), as it does on the tiny models.
+:func:`route_timm_classes` (run by :mod:`timm_rollout.models`, which the package imports as soon as timm is
+imported) makes ``model.global_pool = 'rollout'`` on those timm classes run ``set_pooling`` (timm would take the
+string and fail on the next forward pass), as it does on the tiny models.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ __all__ = [
     "pools_tokens",
     "register_pooled_class",
     "rollout_pooled_class",
+    "route_timm_classes",
     "set_pooling",
     "switch_pooling_class",
 ]
@@ -502,13 +504,10 @@ def _route_rollout_assignment(cls: type[nn.Module]) -> None:
     cls.__setattr__ = __setattr__
 
 
-def _route_timm_classes() -> None:
+def route_timm_classes() -> None:
     """:func:`_route_rollout_assignment` for each timm class :func:`set_pooling` accepts."""
     import importlib
 
     for name in (*_POOL_HEADS, *_INLINE_HEADS):
         module, cls = name.rsplit(".", 1)
         _route_rollout_assignment(getattr(importlib.import_module(module), cls))
-
-
-_route_timm_classes()

@@ -18,7 +18,15 @@ update), :mod:`.validation` (the evaluation after each epoch) and :mod:`.log` (`
 Several ``--seed`` runs train one after another in one process.
 """
 
-from .flags import build_parser
-from .loop import main, train
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["build_parser", "main", "train"]
+
+
+def __getattr__(name: str) -> Any:  # loaded on first use, so the command's --help loads neither torch nor timm
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{'flags' if name == 'build_parser' else 'loop'}"), name)

@@ -1,7 +1,16 @@
-"""``python -m timm_rollout.train`` and ``torchrun -m timm_rollout.train``: one-line errors, exit code 2."""
+"""``python -m timm_rollout.train`` and ``torchrun -m timm_rollout.train``: one-line errors, exit code 2; ``--help``
+and argument errors come before the training modules (and timm) load."""
 
 from ..cli import run_cli
-from .loop import main
+from .flags import build_parser
+
+
+def _main(argv: list[str] | None = None) -> None:
+    build_parser().parse_args(argv)
+    from .loop import main
+
+    main(argv)
+
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_cli(_main)

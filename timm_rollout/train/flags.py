@@ -9,12 +9,9 @@ from __future__ import annotations
 import argparse
 import difflib
 
-import timm
-import torch
-from timm.utils import ParseKwargs
-
 from ..cli import (
     CliParser,
+    ParseKwargs,
     PerChannel,
     as_type,
     existing_path,
@@ -31,7 +28,6 @@ from ..cli import (
 from ..data import dataset_arg
 from ..device import AMP_CHOICES, device_arg
 from ..errors import UserError
-from ..loading import check_model
 from ..pooling import ROLLOUT, TIMM_POOLS, set_pooling
 
 DESCRIPTION = "Train any timm model (the tiny CIFAR ViTs by default) on a Hugging Face image data set."
@@ -156,6 +152,11 @@ def _optimizer_arg(name: str) -> str:
 
 def _check_model_args(args: argparse.Namespace) -> None:
     """The model name and --model-kwargs, checked on the meta device before any data is loaded."""
+    import timm
+    import torch
+
+    from ..loading import check_model
+
     kwargs = dict(args.model_kwargs)
     if "num_classes" in kwargs:
         raise UserError("pass --num-classes N instead of --model-kwargs num_classes=N")
