@@ -1,35 +1,9 @@
 """Saliency maps of timm ViT-family models, batched over images: attention, rollout variants, gradient rollout.
 
-Every map is a (B, P) tensor over the patch grid (prefix tokens such as [CLS] and registers dropped) that
-explains the model's own *readout* ``r`` (B, N): the weights with which its classifier reads the final tokens.
-
-- ``global_pool='token'``: ``r`` is one-hot on [CLS].
-- ``global_pool='rollout'``: ``r = [0, w]`` with ``w`` the model's rollout pooling weights over the patches,
-  computed from the attention of the same pass (:func:`timm_rollout.rollout.rollout_cls_row` +
-  :func:`~timm_rollout.rollout.patch_weights`, exactly what the model pools with).
-- ``global_pool='avg'``: ``r`` is uniform over the patch tokens (the patch mean).
-- ``global_pool='map'`` (timm's learned attention pooling, ``AttentionPoolLatent`` with one latent query):
-  ``r`` is the attention of that query over the tokens the pool reads (the patches, or every token with
-  ``pool_include_prefix``), softmax(q k^T / sqrt(d)) of the pool's own layers on the tokens of the same pass,
-  mean over its heads: the weights with which it mixes the tokens before its projection and MLP.
-
-Maps (``A_l``: block *l*'s attention before dropout):
-
-- ``readout_attention``: one layer's attention of the readout, ``r · mean_heads(A_l)`` (raw, not
-  renormalised).
-- ``rollout_map``: attention rollout (Abnar & Zuidema 2020) ``r R`` with ``R = Â_L ... Â_1`` from
-  :func:`timm_rollout.rollout.rollout_layers` (``mean``/``max``/``min`` head fusion, optional discard ratio,
-  identity added, rows renormalised), patch columns renormalised to sum 1.
-- ``rollout_buildup``: ``r Â_l ... Â_1`` for l = 1..L (how the rollout builds up), renormalised likewise.
-- ``gradient_rollout``: Chefer et al. 2021 ("Generic Attention-model Explainability", the rule of their ViT
-  code): ``Ā_l = mean_heads((∂y_t/∂A_l ⊙ A_l)⁺)`` for the target-class *logit* ``y_t`` (predicted class by
-  default), ``R = I; R ← R + Ā_l R`` for l = 1..L, i.e. ``R = (I + Ā_L) ... (I + Ā_1)`` (no row
-  normalisation); the map is ``r R`` over the patch columns, unnormalised. The gradient is that of the
-  model's forward function: for rollout pooling it includes the path through the pooling weights
-  (``rollout_grad`` is switched on for the pass).
-- ``attention_flow``: the max-flow variant of Abnar & Zuidema for one image, from the readout tokens
-  (capacities ``r``) through the layered graph of the mean-fused, residual-augmented, row-normalised
-  attention (``scipy.sparse.csgraph.maximum_flow``, capacities quantised to integers as scipy requires).
+Every map is a (B, P) tensor over the patch grid (prefix tokens dropped) that explains the model's own *readout*
+``r`` (B, N), the weights with which its classifier reads the final tokens (:func:`readout_row`): one-hot [CLS]
+for ``'token'``, ``[0, w]`` with the model's rollout pooling weights for ``'rollout'``, uniform over the patches
+for ``'avg'``, and the attention of the pool's one latent query for ``'map'`` (:func:`latent_attention`).
 """
 
 from __future__ import annotations
@@ -49,7 +23,7 @@ from .rollout import (
     HEAD_FUSIONS,
     fuse_heads,
     patch_weights,
-    rollout_cls_row,
+    pooling_weights,
     rollout_layers,
     rollout_options,
     rollout_row,
@@ -76,7 +50,7 @@ __all__ = [
     "rollout_map",
 ]
 
-DISCARD_RATIOS = (0.0, 0.5, 0.9)
+DISCARD_RATIOS = (0.5, 0.9)  # besides rollout without discarding
 FLOW_SCALE = 1 << 20  # integer capacity of a weight of 1.0 in the max-flow graph
 READOUTS = {  # global_pool -> readout name
     "token": "[CLS]", "rollout": "rollout-weights", "avg": "patch-mean", "map": "attention-pool query",
@@ -164,11 +138,9 @@ def readout_row(kind: str, attentions: Sequence[torch.Tensor], num_prefix_tokens
     if kind == "token":
         row[:, 0] = 1.0
     elif kind == "rollout":
-        weights = rollout_cls_row([a.detach() for a in attentions], head_fusion, discard_ratio, num_prefix_tokens)
-        row[:, num_prefix_tokens:] = patch_weights(weights, num_prefix_tokens)
+        detached = [a.detach() for a in attentions]
+        row[:, num_prefix_tokens:] = pooling_weights(detached, num_prefix_tokens, head_fusion, discard_ratio)
     elif kind == "map":
-        if pool_attention is None:
-            raise ValueError("the 'map' readout needs the attention of the pool's query (latent_attention)")
         row[:, n - pool_attention.shape[1]:] = pool_attention.detach().float()
     else:
         row[:, num_prefix_tokens:] = 1.0 / (n - num_prefix_tokens)
@@ -222,7 +194,7 @@ def readout_attention(p: AttentionPass, layer: int = -1) -> torch.Tensor:
 
 
 def rollout_map(p: AttentionPass, head_fusion: str = "mean", discard_ratio: float = 0.0) -> torch.Tensor:
-    """Readout row of the attention rollout over the patch columns, renormalised to sum 1: (B, P)."""
+    """Readout row of the attention rollout (Abnar & Zuidema 2020) over the patch columns, renormalised: (B, P)."""
     row = rollout_row(p.attentions, p.readout, head_fusion, discard_ratio, p.num_prefix_tokens)
     return patch_weights(row, p.num_prefix_tokens)
 
@@ -279,7 +251,8 @@ def gradient_pass(model: nn.Module, x: torch.Tensor, target_class: int | torch.T
 
 
 def gradient_rollout(p: GradientPass) -> torch.Tensor:
-    """Chefer's gradient-weighted rollout ``r R`` over the patch columns, unnormalised: (B, P)."""
+    """Chefer et al. 2021's gradient-weighted rollout ``r R`` for the target-class logit over the patch columns,
+    unnormalised: (B, P). With rollout pooling the gradient includes the path through the pooling weights."""
     return chefer_row(p.gradient_layers, p.readout)[:, p.num_prefix_tokens:]
 
 
@@ -343,8 +316,6 @@ def explain(
     x: torch.Tensor,
     *,
     target_class: int | torch.Tensor | None = None,
-    head_fusions: Sequence[str] = HEAD_FUSIONS,
-    discard_ratios: Sequence[float] = DISCARD_RATIOS,
     flow: bool = False,
 ) -> Explanation:
     """Every map for normalised images ``x`` (B, 3, H, W) in one forward + backward pass.
@@ -360,11 +331,10 @@ def explain(
     maps: dict[str, torch.Tensor] = {f"last-layer {name} attention (layer {depth})": readout_attention(p, -1)}
     for layer in _layer_indices(depth)[:-1]:
         maps[f"{name} attention, layer {layer + 1}"] = readout_attention(p, layer)
-    for fusion in head_fusions:
+    for fusion in HEAD_FUSIONS:
         maps[f"rollout, {fusion} of heads"] = rollout_map(p, fusion)
-    for ratio in discard_ratios:
-        if ratio > 0:
-            maps[f"rollout, mean of heads, discard {ratio:g}"] = rollout_map(p, "mean", ratio)
+    for ratio in DISCARD_RATIOS:
+        maps[f"rollout, mean of heads, discard {ratio:g}"] = rollout_map(p, "mean", ratio)
     maps["gradient-weighted rollout (Chefer)"] = gradient_rollout(p)
     if flow:
         maps["attention flow (max-flow)"] = torch.stack([attention_flow(p, i) for i in range(x.shape[0])])

@@ -28,7 +28,7 @@ from torch import nn
 from .errors import UserError
 from .models import record_input_size
 from .online import hub_or_cache
-from .pooling import CONFIG_KEY, POOLED_ARCHITECTURE, ROLLOUT, STOCK_ARCHITECTURE, pool_name, set_pooling
+from .pooling import POOLED_ARCHITECTURE, STOCK_ARCHITECTURE, pool_name
 from .records import CONFIG_FILE, RESUME_FILE, WEIGHTS_FILE, sha256_file
 
 __all__ = ["build_meta", "check_input_size", "check_model", "create_model", "load_model", "pretrained_config",
@@ -392,11 +392,10 @@ def _config_beside(weights: Path) -> dict[str, Any] | None:
     return _read_config(weights.parent) if (weights.parent / CONFIG_FILE).is_file() else None
 
 
-def _built_as(config: dict[str, Any]) -> tuple[str, dict[str, Any], Any, Any]:
-    """What a timm config builds: architecture, model arguments other than the class count, pooling, and the
-    rollout pooling a stock ViT was trained with."""
+def _built_as(config: dict[str, Any]) -> tuple[str, dict[str, Any], Any]:
+    """What a timm config builds: architecture, model arguments other than the class count, and pooling."""
     args = {k: v for k, v in (config.get("model_args") or {}).items() if k != "num_classes"}
-    return str(config.get("architecture")), args, config.get("global_pool"), config.get(CONFIG_KEY)
+    return str(config.get("architecture")), args, config.get("global_pool")
 
 
 def _classifier(arch: str, config: dict[str, Any] | None) -> str:
@@ -471,8 +470,6 @@ def load_model(
     if weights is not None:
         _check_match(net, shapes, arch, weights, config)
         load_checkpoint(net, str(weights), strict=True)
-    if config and CONFIG_KEY in config:  # a stock timm ViT trained with set_pooling(model, "rollout", ...)
-        set_pooling(net, ROLLOUT, **config[CONFIG_KEY])
     net = net.to(device).eval()
 
     cfg = net.pretrained_cfg
