@@ -1,14 +1,9 @@
 """Record attention probabilities of timm ViT-family models with forward hooks.
 
-timm's attention modules (``timm.layers.Attention`` and its relatives) compute
-``softmax(q k^T)`` explicitly when ``fused_attn`` is off and pass it to ``attn_drop``. A forward
-hook on ``attn_drop`` therefore sees the attention probabilities *before* dropout. Hooks store what
-they see into the sinks open on the ``attn_drop`` module they are attached to (never in a closure over a
-model), so a deep copy of a model (e.g. ``timm.utils.ModelEmaV3``) records its own attention. One hook and
-one sink mechanism serve both users, and each *holds* the model on the explicit path with the hooks installed
-(:func:`hold_explicit`) for as long as it needs them: :func:`capture_attention` (public) for the duration of a
-``with`` block, rollout pooling while the model is rollout-pooled; :func:`record_attention` opens a sink on those
-hooks for one forward pass and hands that pass's attention over on exit. A hook with no sink open records nothing.
+With ``fused_attn`` off, timm's attention modules pass ``softmax(q k^T)`` to ``attn_drop``, so a forward hook there
+sees the attention before dropout. The hook writes into the sinks open on its ``attn_drop`` (never a closure over
+a model, so a deep copy records its own). :func:`capture_attention` and rollout pooling each *hold* the model on
+the explicit path with the hooks (:func:`hold_explicit`); :func:`record_attention` opens a sink for one pass.
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ __all__ = [
     "hold_explicit",
     "record_attention",
     "release_explicit",
-    "restore_fused_attention",
     "set_fused_attention",
 ]
 
@@ -70,18 +64,8 @@ def _swap_own(module: nn.Module, fused: bool) -> bool:
 
 def set_fused_attention(model: nn.Module, fused: bool) -> list[bool]:
     """Switch every timm attention module of ``model`` to the fused (SDPA) or explicit path; returns each module's
-    previous setting, for :func:`restore_fused_attention`.
-
-    A module held on the explicit path (an open :func:`capture_attention`, rollout pooling) stays on it: the
-    setting asked is the one it takes when the last hold is released.
-    """
+    previous setting. A held module (:func:`hold_explicit`) takes the setting when its last hold is released."""
     return [_swap_own(m, fused) for m in _fused_modules(model)]
-
-
-def restore_fused_attention(model: nn.Module, before: list[bool]) -> None:
-    """Give each timm attention module of ``model`` back the setting :func:`set_fused_attention` returned."""
-    for m, was in zip(_fused_modules(model), before, strict=True):
-        _swap_own(m, was)
 
 
 @contextmanager
@@ -91,7 +75,8 @@ def fused_attention(model: nn.Module, fused: bool) -> Iterator[None]:
     try:
         yield
     finally:
-        restore_fused_attention(model, before)
+        for m, was in zip(_fused_modules(model), before, strict=True):
+            _swap_own(m, was)
 
 
 class _Sink(dict):
@@ -121,12 +106,8 @@ def _has_recorder(drop: nn.Module) -> bool:
 
 def hold_explicit(model: nn.Module, holder: str) -> None:
     """Hold ``model`` on the explicit attention path, with the recorder hook on every ``attn_drop``, for ``holder``
-    (an open :func:`capture_attention`, rollout pooling) until :func:`release_explicit`.
-
-    Holds of several holders nest in any order: the model stays explicit and recording while any holds it, and the
-    last release gives back each module's own fused setting and removes the hooks. The hook stays installed while
-    held so that compiled models (``torch.compile``) do not break their graph on hook registration in every pass.
-    """
+    until :func:`release_explicit`. Holds nest in any order; the hook stays while held, so compiled models do not
+    break their graph on hook registration in every pass."""
     for m in _fused_modules(model):
         holds = m.__dict__.setdefault(HOLDS, [])
         if not holds:
@@ -182,12 +163,8 @@ def _open_sink(drops: list[nn.Module]) -> Iterator[dict[nn.Module, torch.Tensor]
 
 @contextmanager
 def record_attention(model: nn.Module) -> Iterator[list[torch.Tensor | None]]:
-    """Open a sink on the recorder of :func:`hold_explicit` for the ``with`` body of one forward pass.
-
-    Yields a list that is filled on exit with each block's pre-dropout attention (block order; None for a block
-    that did not run) and closes the sink, so nothing stays on the model. Blocks re-run by gradient checkpointing
-    in backward find no sink open and record nothing.
-    """
+    """Open a sink on the recorder of :func:`hold_explicit` for the ``with`` body of one forward pass; the yielded
+    list is filled on exit with each block's pre-dropout attention (None for a block that did not run)."""
     drops = [m.attn_drop for m in attention_modules(model)]
     found: list[torch.Tensor | None] = []
     with _open_sink(drops) as sink:
@@ -199,11 +176,8 @@ def record_attention(model: nn.Module) -> Iterator[list[torch.Tensor | None]]:
 
 @dataclass
 class AttentionCapture:
-    """Attention recorded by :func:`capture_attention`: one (B, heads, N, N) tensor per block.
-
-    Holds the most recent forward pass. Tensors keep their autograd graph when recorded with
-    gradients enabled, so gradient-weighted maps can differentiate through them.
-    """
+    """Attention of the most recent pass in :func:`capture_attention`: one (B, heads, N, N) tensor per block, with
+    its autograd graph when recorded with gradients enabled."""
 
     modules: list[nn.Module]
     num_prefix_tokens: int
@@ -222,12 +196,8 @@ class AttentionCapture:
 
 @contextmanager
 def capture_attention(model: nn.Module) -> Iterator[AttentionCapture]:
-    """Record every block's attention probabilities (B, heads, N, N), before attention dropout.
-
-    Fused attention is switched off while recording (a hold, :func:`hold_explicit`) and hooks are added; on exit
-    the capture releases its hold, restoring only what it changed: a model made rollout-pooled inside the ``with``
-    block stays on its explicit path, one switched back to a timm pooling inside it gets the fused setting it had
-    before rollout pooling. The model's outputs are unchanged up to float rounding::
+    """Record every block's attention probabilities (B, heads, N, N), before attention dropout, holding the model
+    on the explicit path (:func:`hold_explicit`) for the ``with`` body::
 
         with timm_rollout.capture_attention(model) as cap:
             logits = model(x)

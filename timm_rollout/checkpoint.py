@@ -1,10 +1,5 @@
-"""Crash-safe training checkpoints with no pickle: timm's HF export and a one-file resume state.
-
-``save_model`` writes ``model.safetensors`` + ``config.json`` with timm's ``save_for_hf`` into a temporary
-folder and renames each file into place, so ``timm.create_model("local-dir:<out>", pretrained=True)``
-always finds a complete model. ``save_resume`` writes model, EMA and optimizer tensors into one
-``resume.safetensors`` whose metadata holds the JSON part (epoch, step, optimizer hyper-parameters, grad
-scaler, log history): one atomic rename, so tensors and bookkeeping can never disagree.
+"""Crash-safe training checkpoints with no pickle: timm's HF export (``save_model``) and a one-file resume state
+(``save_resume``: tensors in ``resume.safetensors``, the JSON part in its metadata, one atomic rename).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Cluttered canvases: each source image at a random position on a larger canvas, among fragments of others.
 
-The construction of cluttered translated MNIST (Mnih et al. 2014, "Recurrent Models of Visual Attention";
-google-deepmind/mnist-cluttered) for any image classification set: a canvas filled with one colour, ``fragments``
-square crops of images of *other* classes of the same split pasted at random positions, then the whole source
-image (the object) pasted last at a random position, so it is never occluded and its pixels equal the source's.
-The object's box is known, and a per-pixel content mask (as segmentation data sets have) says where every pixel
-comes from: flat fill, a visible piece of clutter, or the object; so "does the pooling find the object, and not just
-the non-empty canvas" becomes a number (``harness.eval``).
-
-Randomness comes from streams keyed by the seed and the split name: one places the objects, one draws the clutter
-and, for a mixture of doses (several ``fragments``), one draws each canvas's dose. So the same seed gives the same
-objects in the same places at any number of fragments or mixture of them, and test clutter never comes from
-training images.
+The construction of cluttered translated MNIST (Mnih et al. 2014) for any image classification set: a canvas of
+one colour, ``fragments`` square crops of images of *other* classes of the same split pasted at random, then the
+whole source image (the object) pasted last, never occluded; with its box and a per-pixel content mask. Random
+streams are keyed by seed and split, so one seed places the same objects at any number (or mixture) of fragments.
 """
 
 from __future__ import annotations

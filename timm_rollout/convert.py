@@ -1,19 +1,10 @@
 """Import the original study's checkpoints into timm format (``model.safetensors`` + ``config.json``).
 
-The original code was a plain PyTorch ViT: a conv patch embedding, a [CLS] token, a learned position
-embedding, pre-norm blocks built on ``torch.nn.MultiheadAttention`` (batch_first, packed q/k/v
-in-projection), an MLP ``Sequential(Linear, GELU, Dropout, Linear, Dropout)``, a final LayerNorm and a
-linear head. Its two files (the [CLS] baseline and the rollout-pooled model) have the same keys, in
-one of two layouts:
-
-- ``new``: ``patch.*``, ``cls``, ``pos``, ``blocks.{i}.n1.*``, ``blocks.{i}.n2.*``;
-- ``old``: ``patch_embed.*``, ``cls_token``, ``pos_embed``, ``blocks.{i}.norm1.*``, ``blocks.{i}.norm2.*``;
-
-both with ``blocks.{i}.attn.in_proj_{weight,bias}``, ``blocks.{i}.attn.out_proj.*``,
-``blocks.{i}.mlp.{0,3}.*``, ``norm.*`` and ``head.*``. ``MultiheadAttention`` packs its in-projection
-as rows ``[q; k; v]``, each split into heads in order, which is exactly the row layout of timm's
-``attn.qkv`` Linear, so the packed weight is renamed, not reordered. The number of heads is not stored
-in a state dict and must be given (the study used 4).
+The original plain PyTorch ViT (conv patch embedding, [CLS], learned position embedding, pre-norm blocks on
+``nn.MultiheadAttention``, MLP ``Sequential(Linear, GELU, Dropout, Linear, Dropout)``, final LayerNorm, linear
+head) saved its two files in one of two key layouts (``_LAYOUT_NAMES``). ``MultiheadAttention``'s packed
+in-projection rows ``[q; k; v]`` are exactly timm's ``attn.qkv`` rows, so the weight is renamed, not reordered.
+The number of heads is not stored in a state dict and must be given (the study used 4).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Dropout that is cheap on CPU: the keep-mask comes from random bytes instead of one RNG draw per element.
 
-PyTorch's CPU dropout draws a Bernoulli sample per element, and that random number generation is most of
-its cost: with the study's dropout 0.1 it halves the training speed of the tiny ViT. ``FastDropout`` draws
-64 random bits per four elements and compares each 16-bit slice with a threshold, then masks and scales.
-The keep-probability is quantised to 1/65536 steps: it realises
-``p_eff = 1 - round((1 - p) * 65536) / 65536`` (p=0.1 -> 0.1000061) and scales kept values by
-``1 / (1 - p_eff)``, so the output's expectation equals the input exactly, as with ``nn.Dropout``. In eval
-mode, on CUDA, and for in-place dropout it is ``nn.Dropout`` itself.
+Each 64-bit draw gives four 16-bit thresholds, so the drop probability realised is
+``p_eff = 1 - round((1 - p) * 65536) / 65536`` (p=0.1 -> 0.1000061), kept values scaled by ``1 / (1 - p_eff)``.
+In eval mode, on CUDA, and for in-place dropout it is ``nn.Dropout`` itself.
 """
 
 from __future__ import annotations

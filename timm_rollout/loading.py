@@ -1,12 +1,8 @@
 """Build a timm model and load its weights, with one-line errors for every user mistake.
 
 ``model`` is a registered timm name, ``hf-hub:org/name`` or ``local-dir:PATH``; ``checkpoint`` is a
-``.safetensors`` file or a folder written by ``timm.models.save_for_hf`` (``model.safetensors`` +
-``config.json``, e.g. a training output folder). Weights are loaded with ``timm.models.load_checkpoint``
-after their parameter names and shapes are checked against the model, so a mismatch is reported by name
-rather than as a torch traceback. The two CIFAR models share every parameter name, so weights trained with
-one pooling load into the other (the rollout model then gives a post-hoc rollout readout of a CLS model).
-Only safetensors are read: pickled checkpoints are refused, never unpickled.
+``.safetensors`` file or a ``save_for_hf`` folder (e.g. a training output folder). Parameter names and shapes are
+checked before ``timm.models.load_checkpoint``, so a mismatch is named. Pickled checkpoints are never unpickled.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The three tiny CIFAR ViTs, registered with timm: [CLS]-token, patch-mean and attention-rollout pooling; and
 ``timm_rollout_pooled``, any stock timm ViT pooled otherwise than it was built (what a saved run of one names).
 
-All three are :class:`RolloutVisionTransformer`, a timm ``VisionTransformer`` with the same parameter
-names, so a checkpoint trained with one pooling loads into the others. Pooling is switchable at run time
-by assigning ``model.global_pool`` (or with :func:`timm_rollout.set_pooling`, which does the same for any timm
-ViT). Any timm pooling (``'token'``, ``'avg'``, ...) runs stock timm code: fused attention, TorchScript, FX.
-Assigning ``'rollout'`` swaps the model's class to :class:`RolloutPooledVisionTransformer`
-(:mod:`timm_rollout.pooling`): timm's explicit attention path with a recorder hook on each ``attn_drop``,
-pooling weights tied to the tokens of the pass that computed them. Assigning another pooling swaps back.
+All three are :class:`RolloutVisionTransformer` with the same parameter names, so a checkpoint of one loads into
+the others; assigning ``model.global_pool`` switches the pooling (``'rollout'``: :mod:`timm_rollout.pooling`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Hub access that fails fast without network: one short probe of the endpoint per process, and when it gets no
-answer a Hub download uses only the local cache instead of retrying for half a minute.
-
-``hub_or_cache`` sets huggingface_hub's (and datasets') offline flag only for the duration of its ``with`` block
-and only when the probe failed: those libraries read no per-call setting for it. Nothing else changes process
-state.
+"""Hub access that fails fast without network: one short probe per process; without an answer a Hub download
+uses only the local cache, the offline flags set only for its duration.
 """
 
 from __future__ import annotations
