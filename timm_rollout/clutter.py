@@ -21,8 +21,8 @@ from .data import CLUTTER, FILL, MASK_COLUMN, OBJECT
 from .errors import UserError
 from .progress import progress
 
-__all__ = ["CLUTTER", "DOSE_COLUMN", "FILL", "MASK_COLUMN", "OBJECT", "ClutterRecipe", "check_split", "clutter_split",
-           "fill_colour", "fragment_counts", "make_cluttered", "object_positions", "split_file"]
+__all__ = ["CLUTTER", "DOSE_COLUMN", "FILL", "MASK_COLUMN", "OBJECT", "ClutterRecipe", "clutter_split",
+           "fragment_counts", "make_cluttered", "object_positions", "split_file"]
 
 _OBJECTS, _CLUTTER, _DOSE = 0, 1, 2  # the random streams of a split
 DOSE_COLUMN = "fragments"  # a mixture's per-canvas fragment count

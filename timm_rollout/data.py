@@ -459,8 +459,6 @@ def balanced_indices(
 ) -> torch.Tensor:
     """Sorted int64 indices of a seeded, class-balanced random subset: ``per_class`` images of each class, or
     ``total`` split evenly (the first ``total % k`` classes get one more); with neither, every image of ``classes``."""
-    if per_class is not None and total is not None:
-        raise ValueError("give per_class or total, not both")
     labels = torch.as_tensor(labels).cpu()
     classes = sorted(int(c) for c in (labels.unique().tolist() if classes is None else classes))
     if not classes:

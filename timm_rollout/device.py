@@ -20,7 +20,6 @@ __all__ = [
     "exact_fp32",
     "fp32_precision",
     "inference_batch_size",
-    "parse_device",
     "precision_name",
     "resolve_amp",
     "resolve_device",

@@ -43,9 +43,7 @@ __all__ = [
     "latent_attention",
     "patch_grid",
     "readout_attention",
-    "readout_kind",
     "readout_maps",
-    "readout_row",
     "rollout_buildup",
     "rollout_map",
 ]

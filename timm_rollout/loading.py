@@ -24,7 +24,7 @@ from torch import nn
 from .errors import UserError
 from .models import record_input_size
 from .online import hub_or_cache
-from .pooling import POOLED_ARCHITECTURE, STOCK_ARCHITECTURE, pool_name
+from .pooling import POOLED_ARCHITECTURE, STOCK_ARCHITECTURE, pool_name, stock_architecture
 from .records import CONFIG_FILE, RESUME_FILE, WEIGHTS_FILE, sha256_file
 
 __all__ = ["build_meta", "check_input_size", "check_model", "create_model", "load_model", "pretrained_config",
@@ -255,10 +255,7 @@ def pretrained_config(path: str | Path, arch: str) -> dict[str, Any]:
         stats = {"mean": tuple(saved["mean"]), "std": tuple(saved["std"])}
     elif registered is not None:
         stats = {"mean": tuple(registered.mean), "std": tuple(registered.std)}
-    args = dict(config.get("model_args") or {})
-    architecture = args.get(STOCK_ARCHITECTURE) if config.get("architecture") == POOLED_ARCHITECTURE \
-        else config.get("architecture")
-    return {"model_args": args, "architecture": architecture, **stats}
+    return {"model_args": dict(config.get("model_args") or {}), "architecture": stock_architecture(config), **stats}
 
 
 def _checkpoint_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
@@ -408,9 +405,7 @@ def _config_fix(arch: str, config: dict[str, Any] | None, weights: Path | None, 
         return "fix or drop the model arguments"
     folder = weights.parent if weights is not None else Path("RUN")
     fix = f"the model arguments {from_config} come from the checkpoint's config, {folder / CONFIG_FILE}"
-    trained = str((config or {}).get("architecture") or "")
-    if trained == POOLED_ARCHITECTURE:  # named as its stock architecture (load_model builds that rollout-pooled)
-        trained = str((config.get("model_args") or {}).get(STOCK_ARCHITECTURE) or trained)
+    trained = stock_architecture(config or {})
     if trained and trained != arch:
         return f"{fix}, saved with {trained}: evaluate it as local-dir:{folder} (or --model {trained})"
     return f"{fix}; re-export the model with timm.models.save_for_hf"

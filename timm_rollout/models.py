@@ -16,11 +16,11 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch import nn
 
+from .data import KNOWN_STATS
 from .dropout import use_fast_dropout
 from .pooling import (
-    OPTION_ARGS,
-    POOL_ARG,
     POOLED_ARCHITECTURE,
+    POOLED_ARGS,
     ROLLOUT,
     STOCK_ARCHITECTURE,
     RolloutPooling,
@@ -33,8 +33,7 @@ from .pooling import (
 __all__ = ["CIFAR100_MEAN", "CIFAR100_STD", "RolloutPooledVisionTransformer", "RolloutVisionTransformer",
            "record_input_size"]
 
-CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
-CIFAR100_STD = (0.2673, 0.2564, 0.2762)
+CIFAR100_MEAN, CIFAR100_STD = KNOWN_STATS["cifar100"]  # the registered default: 100 classes
 
 
 class RolloutVisionTransformer(VisionTransformer):
@@ -200,7 +199,7 @@ def timm_rollout_pooled(pretrained: bool = False, stock_architecture: str | None
     source = kwargs.pop("pretrained_model_args", None)  # timm's record of the saved arguments: the stock model's
     if source:
         kwargs["pretrained_model_args"] = {k: v for k, v in source.items()
-                                           if k not in (STOCK_ARCHITECTURE, POOL_ARG, *OPTION_ARGS)}
+                                           if k not in POOLED_ARGS}
     options = {key: value for key, value in (("head_fusion", rollout_head_fusion),
                                              ("discard_ratio", rollout_discard_ratio), ("grad", rollout_grad))
                if value is not None}

@@ -22,6 +22,7 @@ from .rollout import check_options, pooling_weights
 __all__ = [
     "OPTION_ARGS",
     "POOLED_ARCHITECTURE",
+    "POOLED_ARGS",
     "POOL_ARG",
     "ROLLOUT",
     "STOCK_ARCHITECTURE",
@@ -33,10 +34,9 @@ __all__ = [
     "export_config",
     "option_model_args",
     "pool_name",
-    "pools_tokens",
     "register_pooled_class",
-    "rollout_pooled_class",
     "set_pooling",
+    "stock_architecture",
     "switch_pooling_class",
 ]
 
@@ -52,6 +52,14 @@ _BUILT_POOL = "_built_global_pool"  # the pooling the model was built with (fixe
 POOLED_ARCHITECTURE = "timm_rollout_pooled"
 STOCK_ARCHITECTURE = "stock_architecture"
 POOL_ARG = "pool"
+POOLED_ARGS = (STOCK_ARCHITECTURE, POOL_ARG, *OPTION_ARGS)  # the model arguments timm_rollout_pooled adds
+
+
+def stock_architecture(config: dict[str, Any]) -> str | None:
+    """The timm architecture a ``config.json`` builds, that of the stock ViT for :data:`POOLED_ARCHITECTURE`."""
+    if config.get("architecture") == POOLED_ARCHITECTURE:
+        return (config.get("model_args") or {}).get(STOCK_ARCHITECTURE)
+    return config.get("architecture")
 
 
 class _Pass(NamedTuple):
@@ -429,10 +437,8 @@ def export_config(config: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     """
     if getattr(model, "rollout_options_are_model_args", False) or not pools_tokens(model):
         return config  # the tiny models' and non-ViT models' (CNNs) configs are timm's own
-    saved = dict(config.get("model_args") or {})
-    pooled_before = config.get("architecture") == POOLED_ARCHITECTURE  # built by timm_rollout_pooled
-    stock = saved.get(STOCK_ARCHITECTURE) if pooled_before else config.get("architecture")
-    args = {k: v for k, v in saved.items() if k not in (STOCK_ARCHITECTURE, POOL_ARG, *OPTION_ARGS)}
+    stock = stock_architecture(config)
+    args = {k: v for k, v in (config.get("model_args") or {}).items() if k not in POOLED_ARGS}
     built, pool = built_pool(model), model.global_pool
     args["global_pool"] = built
     if pool != built:

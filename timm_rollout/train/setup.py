@@ -27,7 +27,7 @@ from ..device import resolve_amp
 from ..dropout import use_fast_dropout
 from ..errors import UserError
 from ..loading import check_input_size, create_model, pretrained_config, pretrained_overlay
-from ..pooling import OPTION_ARGS, set_pooling
+from ..pooling import POOLED_ARGS, set_pooling
 from .distributed import Dist
 from .step import Batches
 
@@ -173,7 +173,7 @@ def _weights_fix(args: argparse.Namespace) -> str:
         return (v[0] if len(set(v)) == 1 else ",".join(map(str, v))) if isinstance(v, list) else v
 
     shown = " ".join(f"{k}={value(v)}" for k, v in saved.items()
-                     if k not in ("num_classes", "global_pool", "pool", "stock_architecture", *OPTION_ARGS))
+                     if k not in ("num_classes", "global_pool", *POOLED_ARGS))
     if arch and arch != args.model:
         return f"they were trained as {arch}: pass --model {arch}" + (f" --model-kwargs {shown}" if shown else "")
     return f"pass the --model and --model-kwargs they were trained with, or weights of {args.model}"
