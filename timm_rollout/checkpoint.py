@@ -31,10 +31,8 @@ def save_model(
     out: str | os.PathLike, model: nn.Module, class_names: Sequence[str], mean: Sequence[float],
     std: Sequence[float], input_size: Sequence[int] | None = None,
 ) -> None:
-    """Export ``model`` to ``out`` as timm's HF layout, recording class names and the input training saw: its
-    mean/std, the pixels as they are (``crop_pct`` 1.0 at ``input_size``, the (C, H, W) of the training images, else
-    the model's input size: training neither resizes nor crops for evaluation) and no source checkpoint ``tag``
-    (e.g. a stock model's ImageNet one)."""
+    """Export ``model`` to ``out`` as timm's HF layout, with class names and the input training saw: mean/std,
+    ``crop_pct`` 1.0 at ``input_size`` (the training images' (C, H, W)), and no source checkpoint ``tag``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model_config = {"label_names": list(class_names)} if len(class_names) == model.num_classes else None

@@ -105,11 +105,9 @@ def fragment_counts(count: int, recipe: ClutterRecipe, split: str) -> np.ndarray
 
 def clutter_split(images: torch.Tensor, labels: torch.Tensor, fill: tuple[int, int, int], recipe: ClutterRecipe,
                   split: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """uint8 (N, 3, H, W) ``images`` of one split -> uint8 (N, 3, canvas, canvas) canvases, int64 (N, 4) object
-    boxes ``[x, y, w, h]`` (COCO order) and uint8 (N, canvas, canvas) content masks (:data:`FILL`,
-    :data:`CLUTTER`, :data:`OBJECT`: what each pixel was last painted with). Fragments are cut from images of
-    another class of this split. In a mixture every canvas draws the fragments of the largest dose and shows its
-    first :func:`fragment_counts` of them."""
+    """uint8 (N, 3, H, W) ``images`` of one split -> uint8 canvases, int64 (N, 4) object boxes ``[x, y, w, h]`` and
+    uint8 content masks (what each pixel was last painted with). In a mixture every canvas draws the fragments of
+    the largest dose and shows its first :func:`fragment_counts` of them."""
     n, _, h, w = images.shape
     check_split(images, labels, recipe, split)
     lab = labels.numpy()
@@ -254,10 +252,8 @@ def _check_memory(images: int, canvas: int) -> None:
 
 def make_cluttered(source: str, output: str | Path, recipe: ClutterRecipe, *, per_class: int | None = None,
                    splits: list[str] | None = None, command: str = "") -> dict[str, int]:
-    """Write a cluttered copy of every split of ``source`` (alias, Hub id or folder; ``splits``: only those) into
-    ``output``: one parquet file per split and a README data card that ``datasets.load_dataset(output)`` reads
-    offline. ``per_class``: a seeded class-balanced subset of each split (tests, quick looks). Returns the image
-    count per split."""
+    """Write a cluttered copy of the ``splits`` (default: all) of ``source`` into ``output`` (a parquet file per split
+    and a data card), of ``per_class`` images per class if given; returns the image count per split."""
     from .atomic import write_text
     from .data import balanced_indices, content_hash, load_image_set, split_names
 

@@ -81,11 +81,8 @@ def guess_pooling(path: str | os.PathLike) -> str:
 
 
 def load_original(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Read a state dict with ``torch.load(weights_only=True)``: tensors and plain containers only.
-
-    A dict wrapping the state dict under ``'model'`` or ``'state_dict'`` is unwrapped. Anything that
-    would need arbitrary unpickling (custom classes, optimizers, argparse namespaces...) is refused.
-    """
+    """Read a state dict (unwrapped from ``'model'`` or ``'state_dict'``) with ``torch.load(weights_only=True)``:
+    anything that would need arbitrary unpickling is refused."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} not found; give the path of the original .pth file")
@@ -170,13 +167,8 @@ def convert_checkpoint(
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
 ) -> torch.nn.Module:
-    """Convert the original study's ``src`` state dict into a timm folder ``output``; returns the model.
-
-    ``output`` gets ``model.safetensors`` and ``config.json`` through training's atomic export
-    (:func:`timm_rollout.checkpoint.save_model`), so ``timm.create_model("local-dir:<output>", pretrained=True)``
-    loads it (after ``import timm_rollout``). ``mean``/``std`` set the normalisation the weights were trained
-    with (default: the model's).
-    """
+    """Convert the original study's ``src`` state dict into a timm folder ``output`` (training's export,
+    :func:`timm_rollout.checkpoint.save_model`) with its ``mean``/``std`` (default: the model's); returns the model."""
     if pooling not in POOLING_MODELS:
         raise UserError(f"unknown pooling {pooling!r}; use one of {', '.join(POOLING_MODELS)}")
     state = map_keys(load_original(src))

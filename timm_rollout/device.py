@@ -35,10 +35,8 @@ CPUINFO = Path("/proc/cpuinfo")
 
 @lru_cache(maxsize=4)
 def cpu_supports_bf16(cpuinfo: Path = CPUINFO) -> bool:
-    """True when this CPU has native bf16 arithmetic (a flag of ``NATIVE_BF16_FLAGS`` in ``cpuinfo``). oneDNN's
-    own check (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) also says yes for plain AVX512, where bf16 runs
-    emulated at about half fp32's speed (``scripts/bench_models.py``: 41 vs 89 training img/s), so it is not
-    used. False where the flags cannot be read (fp32, which is never emulated)."""
+    """True when this CPU has native bf16 arithmetic (a flag of ``NATIVE_BF16_FLAGS`` in ``cpuinfo``); oneDNN's own
+    check also says yes for plain AVX512, where emulated bf16 trains at half fp32's speed. False if unreadable."""
     try:
         lines = cpuinfo.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
@@ -122,12 +120,9 @@ def fp32_precision(device: torch.device) -> str | None:
 
 
 def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
-    """Autocast dtype for ``amp`` on ``device``; ``None`` means full fp32.
-
-    ``auto`` uses bf16 where it pays (a CUDA GPU of compute capability 8.0+, or a CPU with native bf16),
-    fp16 (with a GradScaler in training) on older GPUs, and fp32 otherwise. The capability is checked rather
-    than ``torch.cuda.is_bf16_supported()``, which is also true on GPUs that only emulate bf16 (T4, V100).
-    """
+    """Autocast dtype for ``amp`` on ``device``; ``None`` means full fp32. ``auto``: bf16 on GPUs of compute
+    capability 8.0+ (``is_bf16_supported`` also says yes where it is emulated) and CPUs with native bf16, fp16 on
+    older GPUs, else fp32."""
     if amp not in AMP_CHOICES:
         raise ValueError(f"unknown amp mode {amp!r}; use one of {', '.join(AMP_CHOICES)}")
     if amp == "none":

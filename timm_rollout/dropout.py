@@ -24,12 +24,8 @@ def _keep_threshold(p: float) -> int:
 
 
 def _keep_mask(x: torch.Tensor, keep: int) -> torch.Tensor:
-    """Boolean keep-mask shaped like ``x``, True for ``keep`` of 65536 values, from the default generator.
-
-    Each int64 draw is read as four int16 slices ``s`` (uniform over [-32768, 32767]); an element is kept
-    when ``s + 32768 < keep``. TorchScript has no dtype view, so there the slices come from shifts: the
-    same bits, the same mask.
-    """
+    """Boolean keep-mask shaped like ``x``: each int64 draw read as four int16 slices ``s``, kept when
+    ``s + 32768 < keep`` (under TorchScript, which has no dtype view, the same slices come from shifts)."""
     n = x.numel()
     bits = torch.empty([(n + 3) // 4], dtype=torch.int64, device=x.device).random_(-9223372036854775807 - 1, None)
     if torch.jit.is_scripting():
@@ -41,11 +37,7 @@ def _keep_mask(x: torch.Tensor, keep: int) -> torch.Tensor:
 
 @register_notrace_module  # an FX leaf (as timm's tracing helpers treat it): masks stay this module's own
 class FastDropout(nn.Dropout):
-    """``nn.Dropout`` with a cheap CPU keep-mask (see the module docstring for the exact ``p`` realised).
-
-    Its ``forward`` is TorchScript-compatible and timm's FX tools keep it as a leaf module, so scripted and
-    traced models draw the same masks as eager ones.
-    """
+    """``nn.Dropout`` with a cheap CPU keep-mask; scripted and traced (an FX leaf) models draw the eager masks."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p <= 0.0 or self.p >= 1.0 or self.inplace or x.device.type != "cpu":
@@ -58,11 +50,8 @@ class FastDropout(nn.Dropout):
 
 
 def use_fast_dropout(model: nn.Module) -> int:
-    """Turn every ``nn.Dropout`` with ``p > 0`` in ``model`` into a :class:`FastDropout`, in place.
-
-    The modules keep their identity (only their class changes), so forward hooks and pre-hooks (such as
-    the attention recorder on ``attn_drop``), attributes and state dicts are untouched. Returns the count.
-    """
+    """Turn every ``nn.Dropout`` with ``p > 0`` in ``model`` into a :class:`FastDropout` by swapping its class
+    (hooks, attributes and state dicts untouched); returns the count."""
     count = 0
     for module in model.modules():
         if type(module) is nn.Dropout and module.p > 0:

@@ -16,10 +16,7 @@ __all__ = ["UserError", "fail", "install_error", "install_guard"]
 
 
 class UserError(ValueError):
-    """A mistake in the user's input (bad flag, missing column, mismatched checkpoint...).
-
-    The message is one line that names the fix; CLIs print it without a traceback and exit 2.
-    """
+    """A mistake in the user's input: one line naming the fix, printed by the commands without a traceback."""
 
 
 def _version(package: str) -> str | None:

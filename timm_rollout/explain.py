@@ -106,11 +106,8 @@ def readout_kind(model: nn.Module) -> str:
 
 
 def latent_attention(pool: AttentionPoolLatent, tokens: torch.Tensor) -> torch.Tensor:
-    """Attention of ``pool``'s latent query over the (B, T, D) ``tokens`` it pools, mean over heads: (B, T).
-
-    softmax(q k^T / sqrt(d)) from the pool's own ``latent``, ``q``, ``kv``, norms and position embedding, in
-    float32 with autocast off (timm's fused path never forms the matrix, and the pool has no ``attn_drop``).
-    """
+    """Attention of ``pool``'s latent query over the (B, T, D) ``tokens`` it pools, mean over heads: (B, T),
+    recomputed in float32 from the pool's own layers (its fused path never forms the matrix)."""
     with torch.autocast(tokens.device.type, enabled=False):
         b, t, _ = tokens.shape
         x = tokens.float()
@@ -226,10 +223,8 @@ class GradientPass(AttentionPass):
 
 
 def gradient_pass(model: nn.Module, x: torch.Tensor, target_class: int | torch.Tensor | None = None) -> GradientPass:
-    """Forward + one backward of the summed target logits (images are independent, so one batched pass).
-
-    ``target_class``: None for each image's predicted class, an int for all images, or a (B,) tensor.
-    """
+    """Forward + one backward of the summed target logits; ``target_class``: None for each image's predicted
+    class, an int for all images, or a (B,) tensor."""
     readout_kind(model)  # fail before the pass
     x = x.detach().clone().requires_grad_(True)  # a graph exists even when the parameters are frozen
     with torch.enable_grad(), _rollout_grad(model), capture_attention(model) as cap, \
@@ -261,13 +256,9 @@ def readout_maps(p: GradientPass) -> dict[str, torch.Tensor]:
 
 
 def attention_flow(p: AttentionPass, index: int = 0) -> torch.Tensor:
-    """Attention flow (max-flow, Abnar & Zuidema 2020) from the readout to each input patch of image ``index``.
-
-    Nodes are the N tokens at layer 0 (input) to L; an edge from token i at layer l to token j at layer l-1
-    has capacity ``Â_l[i, j]`` (mean heads, identity added, rows renormalised). A super source feeds the
-    readout tokens of layer L with capacities ``r`` (1 for [CLS]); the flow value into each input patch,
-    over all patches, is renormalised to sum 1. Returns (P,). One scipy max-flow per patch.
-    """
+    """Attention flow (max-flow, Abnar & Zuidema 2020) from the readout to each input patch of image ``index``:
+    edges token i (layer l) -> token j (layer l-1) of capacity ``Â_l[i, j]``, a source feeding the readout with
+    capacities ``r``; (P,) flows renormalised to sum 1, one scipy max-flow per patch."""
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import maximum_flow
 
@@ -316,12 +307,8 @@ def explain(
     target_class: int | torch.Tensor | None = None,
     flow: bool = False,
 ) -> Explanation:
-    """Every map for normalised images ``x`` (B, 3, H, W) in one forward + backward pass.
-
-    Keys name the maps as figure titles: readout attention at the last, first and middle layers, rollout per
-    head fusion (no discard) and per discard ratio (mean fusion), gradient-weighted rollout, and with
-    ``flow`` the attention flow of each image (slow: one max-flow per patch per image).
-    """
+    """Every map for normalised images ``x`` (B, 3, H, W) in one forward + backward pass, keyed by figure title;
+    ``flow`` adds the (slow) attention flow of each image."""
     model.eval()
     p = gradient_pass(model, x, target_class)
     name = p.readout_name

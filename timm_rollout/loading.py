@@ -107,12 +107,8 @@ def check_input_size(model: nn.Module, images: torch.Tensor, fix: str) -> None:
 
 
 def check_model(name: str, kwargs: dict[str, Any] | None = None) -> None:
-    """Fail fast on a model name or model arguments that timm rejects, without allocating weights.
-
-    A registered name is built on the meta device; ``local-dir:`` must be a folder with a ``config.json``;
-    ``hf-hub:`` names are checked when they are loaded. A failure that only the meta device can cause
-    (``RuntimeError``, e.g. ``.item()`` on a meta tensor) is left to the real build.
-    """
+    """Fail fast on a model name or model arguments that timm rejects, built on the meta device (failures only
+    the meta device causes are left to the real build); ``hf-hub:`` names are checked when they are loaded."""
     try:
         source, model_id = parse_model_name(name)
     except ValueError as e:
@@ -212,10 +208,8 @@ def _resolve_checkpoint(checkpoint: str | Path) -> tuple[Path, dict[str, Any] | 
 
 
 def pretrained_overlay(path: str | Path) -> dict[str, Any]:
-    """``pretrained_cfg_overlay`` that makes ``timm.create_model(..., pretrained=True)`` start from a local weights
-    file: a safetensors file or folder, or a timm checkpoint (``.pth``/``.pt``) read with ``weights_only=True``
-    (never unpickled), its EMA weights when it has them. timm then drops the head when the class count differs
-    and resamples the position embedding to the model's image size, as for Hub weights."""
+    """``pretrained_cfg_overlay`` that makes ``timm.create_model(..., pretrained=True)`` start from local weights (a
+    safetensors file or folder, or a timm checkpoint read weights-only), adapted by timm as Hub weights are."""
     path = Path(path)
     if path.is_dir() or path.suffix == ".safetensors":
         file = _resolve_checkpoint(path)[0]
@@ -363,10 +357,8 @@ def _resolve_source(model: str, checkpoint: str | Path | None) -> tuple[str, dic
 
 def _checkpoint_for(model: str, arch: str, own: dict[str, Any] | None,
                     checkpoint: str | Path) -> tuple[Path, dict[str, Any] | None]:
-    """(weights file, config to build with) for ``checkpoint`` loaded into ``model`` (``own``: its config, for
-    ``hf-hub:``/``local-dir:`` names). A folder's config is used, and so is the one beside a weights file (its run
-    folder's: model arguments, mean/std, label names); ``own`` only for a file without one. With ``own``, the
-    checkpoint's config must build the same model: architecture, model arguments and pooling."""
+    """(weights file, config to build with) for ``checkpoint`` loaded into ``model``: the checkpoint's (or its run
+    folder's) config, else ``own`` (the config of an ``hf-hub:``/``local-dir:`` name), which it must match."""
     weights, config = _resolve_checkpoint(checkpoint)
     folder = Path(checkpoint) if config is not None else weights.parent
     trained = config if config is not None else _config_beside(weights)
@@ -431,14 +423,8 @@ def load_model(
     device: str | torch.device = "cpu",
     **model_kwargs: Any,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Build ``model`` in eval mode on ``device``, with ``checkpoint``'s weights if given.
-
-    ``hf-hub:`` and ``local-dir:`` names build the architecture named in their ``config.json`` and load
-    their weights unless ``checkpoint`` overrides them (a weights file is loaded into the model that config
-    builds; a checkpoint folder, or a file's run folder, must have been built alike). The class count comes
-    from the checkpoint's head; ``num_classes`` must agree with it (or may be omitted). Returns the model and
-    provenance: resolved name, checkpoint and weights paths, sha256, class count, label names, mean and std.
-    """
+    """Build ``model`` in eval mode on ``device``, with ``checkpoint``'s weights if given (the class count from
+    its head); returns the model and its provenance (paths, sha256, class count, label names, mean and std)."""
     arch, config, weights = _resolve_source(model, checkpoint)
     saved = _model_args(config, arch := _as_trained(arch, config))
     kwargs = {**saved, **model_kwargs}

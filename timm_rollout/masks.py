@@ -118,10 +118,8 @@ def _convention(values: set[float], name: str) -> str:
 
 
 def read_masks(split_ds, name: str, size: tuple[int, int]) -> tuple[torch.Tensor, str] | None:
-    """uint8 (N, H, W) masks of a split with a ``mask`` column in the harness's encoding (:data:`FILL`,
-    :data:`CLUTTER`, :data:`OBJECT`, :data:`BACKGROUND`) and the convention they were read in (a key of
-    :data:`CONVENTIONS`); None without the column. A mask that is not one channel of its ``size`` = (H, W) image,
-    or whose values fit no convention, is refused (module docstring)."""
+    """uint8 (N, H, W) masks of a split's ``mask`` column in the harness's encoding and their convention (a key of
+    :data:`CONVENTIONS`); None without the column."""
     if MASK_COLUMN not in split_ds.features:
         return None
     arrays = _mask_arrays(split_ds, name)

@@ -28,11 +28,8 @@ def hub_reachable() -> bool:
 
 @contextmanager
 def hub_or_cache() -> Iterator[bool]:
-    """Yield True when the Hub is used; without network, switch to offline mode (local cache only) meanwhile.
-
-    ``HF_HUB_OFFLINE`` set by the user is honoured as is (yields False). Without network, ``datasets`` and
-    ``huggingface_hub`` would otherwise retry for 25-45 s before failing.
-    """
+    """Yield True when the Hub is used; without network, offline mode (local cache only) meanwhile instead of
+    25-45 s of retries. A user's ``HF_HUB_OFFLINE`` is honoured (yields False)."""
     if constants.HF_HUB_OFFLINE:
         yield False
         return

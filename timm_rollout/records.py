@@ -111,10 +111,8 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 @functools.cache
 def code_version() -> dict[str, str | bool | None]:
-    """The code this process runs: the package version, and when it runs from a git checkout, the commit and
-    whether the package's sources (``timm_rollout``, ``harness``, ``scripts``, ``pyproject.toml``) differ from it
-    (``dirty``); ``commit`` and ``dirty`` are None outside a checkout or without git. Read once per process, when
-    first asked: the code a process imported is the code it runs."""
+    """The code this process runs (read once): package version, git commit and whether the sources differ from it
+    (``dirty``); ``commit`` and ``dirty`` are None outside a checkout."""
     try:
         package = version("timm-rollout")
     except PackageNotFoundError:

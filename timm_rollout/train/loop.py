@@ -175,10 +175,7 @@ def _epoch_order(args: argparse.Namespace, data: RunData, d: Dist, epoch: int) -
 
 
 def _train_epoch(run: Run, d: Dist, epoch: int) -> tuple[float, float]:
-    """One epoch of updates; returns the mean training loss (over ranks and steps) and the last learning rate.
-
-    Per-step losses stay on the device and are fetched once at the end (no host sync per step).
-    """
+    """One epoch of updates (no host sync per step); returns the mean training loss and the last learning rate."""
     t, args, data = run.t, run.args, run.data
     seed_everything(derive_seed(args.seed, epoch, d.rank))
     order, aug_gen = _epoch_order(args, data, d, epoch)

@@ -136,13 +136,9 @@ def prepare_data(args: argparse.Namespace, d: Dist, loaded: dict[tuple, tuple]) 
 
 
 def build_model(args: argparse.Namespace, data: RunData, device: torch.device) -> nn.Module:
-    """The timm model named by ``--model`` (seeded), with FastDropout, checked against the image size.
-
-    On CPU its attention runs timm's explicit path: the fused (flash) kernel's backward is the slowest op of a
-    training step there (``scripts/bench_train.py``). So it does on a GPU when attention dropout is on (the
-    masks then come from the model's own dropout module, as they have for every run trained so far); without
-    attention dropout, fused attention stays on GPUs.
-    """
+    """The timm model named by ``--model`` (seeded), with FastDropout, checked against the image size. Attention
+    runs timm's explicit path on CPU (the fused kernel's backward is slower there) and wherever attention dropout
+    is on (its masks then come from the model's dropout module)."""
     seed_everything(args.seed)
     kwargs = dict(args.model_kwargs)
     if args.drop_path is not None:
