@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["topk_hits"]
-
 
 def topk_hits(logits: torch.Tensor, labels: torch.Tensor, k: int = 1) -> torch.Tensor | None:
     """(N,) bool: whether each row's label is among its ``k`` highest logits; None if there are fewer than k

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["FIGURE_DPI", "atomic_path", "new_file_mode", "publish", "save_figure", "write_json", "write_text"]
 
 def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
     """Flush ``tmp`` to disk, give it the permissions a new file gets there (``mkstemp`` and safetensors make 0600

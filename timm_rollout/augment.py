@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["crop_flip", "crop_flip_draws", "random_crop_flip"]
-
 
 def crop_flip_draws(b: int, padding: int, hflip: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """The random numbers of one batch's crop and flip, (3, B) int64 on the CPU: row offset, column offset, flip.

@@ -17,17 +17,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = [
-    "AttentionCapture",
-    "attention_modules",
-    "capture_attention",
-    "fused_attention",
-    "hold_explicit",
-    "record_attention",
-    "release_explicit",
-    "set_fused_attention",
-]
-
 SINKS = "_attention_sinks"  # on each attn_drop: the dicts (attn_drop -> attention) open on it
 HOLDS = "_explicit_holds"  # on each fused-attention module: who holds it on the explicit path (hold_explicit)
 FUSED_BEFORE = "_fused_before_hold"  # its own fused setting meanwhile, given back by the last release

@@ -22,8 +22,6 @@ from .atomic import atomic_path, publish, write_json
 from .pooling import export_config, option_model_args
 from .records import CONFIG_FILE, MODEL_FILES
 
-__all__ = ["TRAINED_INPUT", "load_resume", "save_model", "save_resume"]
-
 TRAINED_INPUT = {"crop_pct": 1.0, "crop_mode": "center"}  # the pixels as they are, as the tiny models' configs say
 
 

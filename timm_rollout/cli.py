@@ -17,23 +17,6 @@ from typing import Any
 
 from .errors import UserError, fail, install_error
 
-__all__ = [
-    "CliParser",
-    "PerChannel",
-    "as_type",
-    "existing_path",
-    "fraction",
-    "key_value",
-    "non_negative",
-    "non_negative_int",
-    "number",
-    "output_dir",
-    "positive",
-    "positive_int",
-    "run_cli",
-    "seed_arg",
-]
-
 
 def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
     """Run ``main(argv)``; a :class:`UserError`, a broken torch/torchvision pair met while importing

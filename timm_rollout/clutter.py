@@ -17,12 +17,9 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
 
-from .data import CLUTTER, FILL, MASK_COLUMN, OBJECT
 from .errors import UserError
+from .masks import CLUTTER, FILL, MASK_COLUMN, OBJECT
 from .progress import progress
-
-__all__ = ["CLUTTER", "DOSE_COLUMN", "FILL", "MASK_COLUMN", "OBJECT", "ClutterRecipe", "clutter_split",
-           "fragment_counts", "make_cluttered", "object_positions", "split_file"]
 
 _OBJECTS, _CLUTTER, _DOSE = 0, 1, 2  # the random streams of a split
 DOSE_COLUMN = "fragments"  # a mixture's per-canvas fragment count

@@ -22,14 +22,6 @@ from .checkpoint import save_model
 from .errors import UserError
 from .loading import create_model
 
-__all__ = [
-    "POOLING_MODELS",
-    "convert_checkpoint",
-    "guess_pooling",
-    "load_original",
-    "map_keys",
-]
-
 POOLING_MODELS = {"cls": "vit_tiny_cifar_cls", "rollout": "vit_tiny_cifar_rollout"}
 
 # Words in a file name that give away the pooling of the original study's two checkpoints.

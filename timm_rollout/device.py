@@ -12,19 +12,6 @@ import torch
 
 from .errors import UserError
 
-__all__ = [
-    "autocast",
-    "cpu_supports_bf16",
-    "device_arg",
-    "device_name",
-    "exact_fp32",
-    "fp32_precision",
-    "inference_batch_size",
-    "precision_name",
-    "resolve_amp",
-    "resolve_device",
-]
-
 AMP_CHOICES = ("auto", "bf16", "fp16", "none")
 
 

@@ -12,8 +12,6 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_module
 from torch import nn
 
-__all__ = ["FastDropout", "use_fast_dropout"]
-
 # Literals below, not module constants, because TorchScript compiles these functions: 65536 = 2**16
 # thresholds per 16-bit slice, -9223372036854775807 - 1 = the lowest int64 (full 64-bit draws).
 

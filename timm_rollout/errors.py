@@ -12,8 +12,6 @@ from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["UserError", "fail", "install_error", "install_guard"]
-
 
 class UserError(ValueError):
     """A mistake in the user's input: one line naming the fix, printed by the commands without a traceback."""

@@ -29,25 +29,6 @@ from .rollout import (
     rollout_row,
 )
 
-__all__ = [
-    "MAP_LABELS",
-    "READOUTS",
-    "AttentionPass",
-    "Explanation",
-    "attention_flow",
-    "chefer_row",
-    "explain",
-    "gradient_layers",
-    "gradient_pass",
-    "gradient_rollout",
-    "latent_attention",
-    "patch_grid",
-    "readout_attention",
-    "readout_maps",
-    "rollout_buildup",
-    "rollout_map",
-]
-
 DISCARD_RATIOS = (0.5, 0.9)  # besides rollout without discarding
 FLOW_SCALE = 1 << 20  # integer capacity of a weight of 1.0 in the max-flow graph
 READOUTS = {  # global_pool -> readout name

@@ -27,9 +27,6 @@ from .online import hub_or_cache
 from .pooling import POOLED_ARCHITECTURE, STOCK_ARCHITECTURE, pool_name, stock_architecture
 from .records import CONFIG_FILE, RESUME_FILE, WEIGHTS_FILE, sha256_file
 
-__all__ = ["build_meta", "check_input_size", "check_model", "create_model", "load_model", "pretrained_config",
-           "pretrained_overlay"]
-
 PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".tar", ".ckpt", ".pkl")
 CONVERT_HINT = "convert it with scripts/convert_checkpoint.py (pickled checkpoints are never loaded)"
 # Reconstruction arguments that describe the head/pooling rather than the architecture.

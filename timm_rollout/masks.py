@@ -17,9 +17,6 @@ import torch
 
 from .errors import UserError
 
-__all__ = ["BACKGROUND", "BOX_COLUMN", "CLUTTER", "CONVENTIONS", "FILL", "MASK_COLUMN", "OBJECT", "TOLERANCE",
-           "BoxColumnError", "check_boxes", "object_boxes", "read_localisation", "read_masks"]
-
 BOX_COLUMN = "bbox"  # one object box per image, [x, y, w, h] in pixels (COCO order)
 MASK_COLUMN = "mask"  # a per-pixel mask per image, in one of CONVENTIONS
 FILL, CLUTTER, OBJECT = 0, 1, 2  # the clutter convention's values: flat fill, visible clutter, the object

@@ -30,9 +30,6 @@ from .pooling import (
     switch_pooling_class,
 )
 
-__all__ = ["CIFAR100_MEAN", "CIFAR100_STD", "RolloutPooledVisionTransformer", "RolloutVisionTransformer",
-           "record_input_size"]
-
 CIFAR100_MEAN, CIFAR100_STD = KNOWN_STATS["cifar100"]  # the registered default: 100 classes
 
 

@@ -11,8 +11,6 @@ from functools import lru_cache
 
 from huggingface_hub import constants, get_session
 
-__all__ = ["PROBE_TIMEOUT_S", "hub_or_cache", "hub_reachable"]
-
 PROBE_TIMEOUT_S = 3.0
 
 

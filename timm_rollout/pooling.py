@@ -19,27 +19,6 @@ from torch import nn
 from .capture import attention_modules, hold_explicit, record_attention, release_explicit
 from .rollout import check_options, pooling_weights
 
-__all__ = [
-    "OPTION_ARGS",
-    "POOLED_ARCHITECTURE",
-    "POOLED_ARGS",
-    "POOL_ARG",
-    "ROLLOUT",
-    "STOCK_ARCHITECTURE",
-    "TIMM_POOLS",
-    "RolloutPooling",
-    "attention_free",
-    "built_pool",
-    "check_rollout_options",
-    "export_config",
-    "option_model_args",
-    "pool_name",
-    "register_pooled_class",
-    "set_pooling",
-    "stock_architecture",
-    "switch_pooling_class",
-]
-
 ROLLOUT = "rollout"
 TIMM_POOLS = ("", "avg", "avgmax", "max", "token", "map")  # timm VisionTransformer poolings (global_pool)
 OPTIONS = {"head_fusion": ("rollout_head_fusion", "mean"), "discard_ratio": ("rollout_discard_ratio", 0.0),

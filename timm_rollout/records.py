@@ -14,39 +14,6 @@ import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-__all__ = [
-    "ARGS_FILE",
-    "CARD_FILE",
-    "COMPARISON_FILE",
-    "CONFIG_FILE",
-    "COSINE_FILE",
-    "CURVES_FILE",
-    "DATA_DIR",
-    "FAITHFULNESS_FILE",
-    "FEATURES_FILE",
-    "HEATMAPS_FILE",
-    "HUB_DIR",
-    "LEGACY_PREDICTIONS_FILE",
-    "LOCALISATION_FILE",
-    "LOG_FILE",
-    "MODEL_FILES",
-    "POOLING_FILE",
-    "PREDICTIONS_FILE",
-    "REPORT_FILE",
-    "RESULTS_FILE",
-    "RESUME_FILE",
-    "STUDY_FILE",
-    "SUMMARY_FILE",
-    "WEIGHTS_FILE",
-    "code_label",
-    "code_version",
-    "data_card_title",
-    "portable_path",
-    "resolve_recorded",
-    "sha256_file",
-    "versions",
-]
-
 # A model export (timm's save_for_hf layout): what `timm.create_model("local-dir:...")` and the Hub read.
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

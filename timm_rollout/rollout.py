@@ -16,24 +16,6 @@ from torch import nn
 
 HEAD_FUSIONS = ("mean", "max", "min")
 
-__all__ = [
-    "HEAD_FUSIONS",
-    "ROLLOUT_VARIANTS",
-    "attention_rollout",
-    "check_options",
-    "cosine_to_mean",
-    "effective_patches",
-    "fuse_heads",
-    "layer_effective_patches",
-    "patch_weights",
-    "pooling_weights",
-    "rollout_cls_row",
-    "rollout_layers",
-    "rollout_options",
-    "rollout_row",
-    "variant_name",
-]
-
 
 def _fp32(fn: Callable) -> Callable:
     """Run ``fn(attentions, ...)`` with autocast off on the device of its attention (float32 maths)."""
