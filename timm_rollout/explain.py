@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,7 +43,8 @@ MAP_LABELS = {  # the maps the harness draws and scores (readout_maps), in displ
 
 @dataclass
 class AttentionPass:
-    """One forward pass: logits, every block's attention (float32, detached), the readout and token layout."""
+    """One forward and backward pass (:func:`gradient_pass`): logits, every block's attention (float32, detached),
+    the readout and token layout, the explained class and Chefer's gradient-weighted layers."""
 
     logits: torch.Tensor  # (B, C)
     attentions: list[torch.Tensor]  # L x (B, heads, N, N)
@@ -51,6 +52,8 @@ class AttentionPass:
     readout: torch.Tensor  # (B, N): weights of the final tokens the classifier reads
     readout_name: str
     grid: tuple[int, int]
+    target: torch.Tensor  # (B,) int64
+    gradient_layers: list[torch.Tensor]  # L x (B, N, N)
 
 
 def patch_grid(model: nn.Module, image_size: Sequence[int], num_patches: int) -> tuple[int, int]:
@@ -151,8 +154,8 @@ def _rollout_grad(model: nn.Module) -> Iterator[None]:
             model.rollout_grad = had
 
 
-def _pass(model: nn.Module, x: torch.Tensor, cap, logits: torch.Tensor,
-          pool_tokens: list[torch.Tensor]) -> AttentionPass:
+def _pass(model: nn.Module, x: torch.Tensor, cap, logits: torch.Tensor, pool_tokens: list[torch.Tensor],
+          target: torch.Tensor, grads: Sequence[torch.Tensor]) -> AttentionPass:
     attentions = [a.detach().float() for a in cap.attentions]
     n = attentions[0].shape[-1]
     prefix = cap.num_prefix_tokens
@@ -160,7 +163,8 @@ def _pass(model: nn.Module, x: torch.Tensor, cap, logits: torch.Tensor,
     kind = readout_kind(model)
     pool_attention = latent_attention(model.attn_pool, pool_tokens[-1]) if kind == "map" else None
     readout = readout_row(kind, attentions, prefix, pool_attention, *rollout_options(model))
-    return AttentionPass(logits.detach().float(), attentions, prefix, readout, READOUTS[kind], grid)
+    return AttentionPass(logits.detach().float(), attentions, prefix, readout, READOUTS[kind], grid, target.detach(),
+                         gradient_layers(attentions, grads))
 
 
 def readout_attention(p: AttentionPass, layer: int = -1) -> torch.Tensor:
@@ -195,15 +199,7 @@ def chefer_row(layers: Sequence[torch.Tensor], row: torch.Tensor) -> torch.Tenso
     return out.squeeze(1)
 
 
-@dataclass
-class GradientPass(AttentionPass):
-    """An :class:`AttentionPass` with Chefer's gradient-weighted layers and the class they explain."""
-
-    target: torch.Tensor = field(default=None)  # (B,) int64
-    gradient_layers: list[torch.Tensor] = field(default_factory=list)  # L x (B, N, N)
-
-
-def gradient_pass(model: nn.Module, x: torch.Tensor, target_class: int | torch.Tensor | None = None) -> GradientPass:
+def gradient_pass(model: nn.Module, x: torch.Tensor, target_class: int | torch.Tensor | None = None) -> AttentionPass:
     """Forward + one backward of the summed target logits; ``target_class``: None for each image's predicted
     class, an int for all images, or a (B,) tensor."""
     readout_kind(model)  # fail before the pass
@@ -219,18 +215,16 @@ def gradient_pass(model: nn.Module, x: torch.Tensor, target_class: int | torch.T
             raise ValueError(f"target class {target_class} is outside the model's {logits.shape[1]} classes")
     score = logits.gather(1, target[:, None]).sum()
     grads = torch.autograd.grad(score, cap.attentions)
-    base = _pass(model, x, cap, logits, pool_tokens)
-    cams = gradient_layers(base.attentions, grads)
-    return GradientPass(**vars(base), target=target.detach(), gradient_layers=cams)
+    return _pass(model, x, cap, logits, pool_tokens, target, grads)
 
 
-def gradient_rollout(p: GradientPass) -> torch.Tensor:
+def gradient_rollout(p: AttentionPass) -> torch.Tensor:
     """Chefer et al. 2021's gradient-weighted rollout ``r R`` for the target-class logit over the patch columns,
     unnormalised: (B, P). With rollout pooling the gradient includes the path through the pooling weights."""
     return chefer_row(p.gradient_layers, p.readout)[:, p.num_prefix_tokens:]
 
 
-def readout_maps(p: GradientPass) -> dict[str, torch.Tensor]:
+def readout_maps(p: AttentionPass) -> dict[str, torch.Tensor]:
     """The maps the harness draws and scores (keys of :data:`MAP_LABELS`), each (B, P): one implementation each."""
     return {"rollout": rollout_map(p, "mean"), "gradient_rollout": gradient_rollout(p),
             "last_layer_attention": readout_attention(p, -1)}
