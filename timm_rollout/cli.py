@@ -19,9 +19,8 @@ from .errors import UserError, fail, install_error
 
 
 def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
-    """Run ``main(argv)``; a :class:`UserError`, a broken torch/torchvision pair met while importing
-    (:func:`install_error`), or the file system refusing a path (permissions, a full disk, a read-only or special
-    folder), prints one line and exits 2."""
+    """Run ``main(argv)``; a :class:`UserError`, a broken torch/torchvision pair (:func:`install_error`) or the file
+    system refusing a path prints one line and exits 2."""
     try:
         main(argv)
     except UserError as e:

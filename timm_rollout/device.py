@@ -90,9 +90,8 @@ def resolve_device(device: str | None = None) -> torch.device:
 
 
 def exact_fp32() -> None:
-    """Float32 on CUDA as IEEE float32: TF32 off for matrix products and cuDNN convolutions (PyTorch leaves it on
-    for convolutions by default), so a run or evaluation said to be in fp32 is, and under bf16 autocast the parts
-    kept in float32 (rollout, softmax, norms) are too. Process-wide, as PyTorch's flags are."""
+    """Float32 on CUDA as IEEE float32 (TF32 off for matrix products and cuDNN convolutions), so what is said to run
+    in fp32 does, the float32 parts under autocast included. Process-wide, as PyTorch's flags are."""
     torch.backends.cuda.matmul.fp32_precision = "ieee"
     torch.backends.cudnn.conv.fp32_precision = "ieee"
 
@@ -124,16 +123,14 @@ def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` for ``dtype`` on ``device``, or a no-op when ``dtype`` is None. Without autocast's cache
-    of cast weights, which a CUDA graph must not record (PyTorch's rule); each weight is cast once per pass anyway,
-    so the values are the same."""
+    """``torch.autocast`` for ``dtype`` on ``device`` (a no-op for None), without its cache of cast weights, which a
+    CUDA graph must not record (each weight is cast once per pass anyway)."""
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)
 
 
 def inference_batch_size(device: torch.device) -> int:
-    """Default batch of the evaluation passes: 512 on a GPU; 128 on a CPU, where a batch's (B, heads, N, N)
-    attention then stays in the cores' caches (on a 2-core Xeon with bf16, 1.25x (CLS) and 1.33x (rollout)
-    the images/s of batch 512: ``python scripts/bench_models.py --infer-batches 128 256 512``)."""
+    """Default batch of the evaluation passes: 512 on a GPU; 128 on a CPU, where the attention then stays in the
+    caches (1.25-1.33x the images/s of 512: ``scripts/bench_models.py --infer-batches 128 256 512``)."""
     return 512 if device.type == "cuda" else 128

@@ -156,9 +156,8 @@ class RolloutPooling:
         passes[key] = _Pass(weakref.ref(tokens, forget), tokens.detach().clone(), self._options(), weights)
 
     def rollout_weights(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Pooling weights (B, num_patches) of the pass that returned ``tokens`` (``forward_features`` or
-        ``forward_intermediates``); ``model(x)`` keeps none. A one-line RuntimeError for any other tensor, for
-        these tokens changed since, and when the rollout options changed since."""
+        """Pooling weights (B, num_patches) of the pass that returned ``tokens``; a one-line RuntimeError for any
+        other tensor, for these tokens changed since, and when the rollout options changed since."""
         found = self.__dict__.get(_PASSES, {}).get(id(tokens))
         if found is None or found.ref() is not tokens:
             raise RuntimeError(

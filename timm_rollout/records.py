@@ -108,9 +108,8 @@ def code_label(code: dict | None = None) -> str:
 
 
 def portable_path(path: str | Path | None, base: str | Path) -> str | None:
-    """``path`` as a record may hold it: relative to ``base`` (the folder the record is written in) when it is a
-    local absolute path, so a committed record names no folder of the machine it ran on; anything else (a relative
-    path, a Hub id, None) unchanged. :func:`resolve_recorded` reads it back."""
+    """``path`` as a record written in ``base`` holds it: a local absolute path relative to ``base`` (a committed
+    record names no folder of its machine), anything else unchanged; :func:`resolve_recorded` reads it back."""
     if path is None or not os.path.isabs(str(path)):
         return None if path is None else str(path)
     return os.path.relpath(str(path), os.path.abspath(str(base)))

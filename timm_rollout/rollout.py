@@ -126,9 +126,8 @@ def rollout_row(
     discard_ratio: float = 0.0,
     num_prefix_tokens: int = 1,
 ) -> torch.Tensor:
-    """``row @ Â_L @ ... @ Â_1`` (B, N) for a readout ``row`` (B, N) or (N,), by vector-matrix products:
-    O(L * N^2) per image, no N x N product formed. The one rollout product of the package: pooling weights,
-    diagnostics and the maps of :mod:`timm_rollout.explain` all go through it."""
+    """``row @ Â_L @ ... @ Â_1`` (B, N) for a readout ``row`` (B, N) or (N,) by vector-matrix products, O(L * N^2)
+    per image: the one rollout product of the package (pooling weights, diagnostics, maps)."""
     check_options(head_fusion, discard_ratio)
     if len(attentions) == 0:
         raise ValueError("attention rollout needs at least one layer of attention")
@@ -205,9 +204,8 @@ def effective_patches(weights: torch.Tensor) -> torch.Tensor:
 
 
 def cosine_to_mean(tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Cosine between the ``weights``-pooled and the mean-pooled (B, P, D) ``tokens``, in float32: (B,).
-
-    A product and a sum, not a matmul, so that autocast (the training log's evaluation pass) keeps it in float32."""
+    """Cosine between the ``weights``-pooled and the mean-pooled (B, P, D) ``tokens``, in float32: (B,) (a product
+    and a sum, not a matmul, so that autocast keeps it in float32)."""
     t = tokens.float()
     pooled = (weights.float().unsqueeze(-1) * t).sum(dim=1)
     return torch.nn.functional.cosine_similarity(pooled, t.mean(dim=1), dim=-1)

@@ -129,9 +129,8 @@ def trains_further(out: Path, epochs: int, saved_epochs: int, d: Dist) -> bool:
 
 
 def record_extension(out: Path, at_epoch: int, epochs: int, warmup: float) -> None:
-    """A run resumed with a larger ``--epochs``: ``train_args.json`` takes the new count and warmup, keeping the
-    old ones under ``extended`` (the learning rates of epochs 1..at_epoch followed that schedule), and a finished
-    run becomes unfinished until it reaches the new count (its ``summary.json`` goes)."""
+    """A run resumed with a larger ``--epochs``: ``train_args.json`` takes the new count and warmup (the old ones
+    under ``extended``), and ``summary.json`` goes until the run reaches the new count."""
     record = saved_args(out)
     record["extended"] = [*record.get("extended", []), {"at_epoch": at_epoch, "epochs": record["epochs"],
                                                         "warmup_epochs_used": record["warmup_epochs_used"]}]
