@@ -89,10 +89,6 @@ def _record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
             sink[module] = args[0]
 
 
-def _has_recorder(drop: nn.Module) -> bool:
-    return any(hook is _record for hook in drop._forward_hooks.values())
-
-
 def hold_explicit(model: nn.Module, holder: str) -> None:
     """Hold ``model`` on the explicit attention path, with the recorder hook on every ``attn_drop``, for ``holder``
     until :func:`release_explicit`. Holds nest in any order; the hook stays while held, so compiled models do not
@@ -103,7 +99,7 @@ def hold_explicit(model: nn.Module, holder: str) -> None:
             m.__dict__[FUSED_BEFORE] = bool(m.fused_attn)
         m.fused_attn = False
         drop = getattr(m, "attn_drop", None)
-        if isinstance(drop, nn.Module) and not _has_recorder(drop):
+        if isinstance(drop, nn.Module) and _record not in drop._forward_hooks.values():
             drop.register_forward_hook(_record)
         if holder not in holds:
             holds.append(holder)
@@ -127,13 +123,8 @@ def release_explicit(model: nn.Module, holder: str) -> None:
             hooks = drop._forward_hooks
             for key in [k for k, hook in hooks.items() if hook is _record]:
                 del hooks[key]
-            _drop_empty_sinks(drop)
-
-
-def _drop_empty_sinks(drop: nn.Module) -> None:
-    """Remove the (empty) sink list of an ``attn_drop`` whose recorder is gone: the stock module, no leftovers."""
-    if not drop.__dict__.get(SINKS, True):
-        del drop.__dict__[SINKS]
+            if not drop.__dict__.get(SINKS, True):  # an empty sink list: no leftovers on the stock module
+                del drop.__dict__[SINKS]
 
 
 @contextmanager

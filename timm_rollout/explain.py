@@ -271,10 +271,6 @@ class Explanation:
     readout: str
 
 
-def _layer_indices(depth: int) -> list[int]:
-    return list(dict.fromkeys((0, (depth - 1) // 2, depth - 1)))
-
-
 def explain(
     model: nn.Module,
     x: torch.Tensor,
@@ -289,7 +285,7 @@ def explain(
     name = p.readout_name
     depth = len(p.attentions)
     maps: dict[str, torch.Tensor] = {f"last-layer {name} attention (layer {depth})": readout_attention(p, -1)}
-    for layer in _layer_indices(depth)[:-1]:
+    for layer in sorted({0, (depth - 1) // 2} - {depth - 1}):  # the first and middle layers
         maps[f"{name} attention, layer {layer + 1}"] = readout_attention(p, layer)
     for fusion in HEAD_FUSIONS:
         maps[f"rollout, {fusion} of heads"] = rollout_map(p, fusion)

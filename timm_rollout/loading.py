@@ -33,11 +33,6 @@ CONVERT_HINT = "convert it with scripts/convert_checkpoint.py (pickled checkpoin
 _HEAD_ARGS = ("num_classes", "global_pool")
 
 
-def _refuse_pickle(path: Path) -> None:
-    if path.name.lower().endswith(PICKLE_SUFFIXES):
-        raise UserError(f"{path} is a pickled checkpoint; {CONVERT_HINT}")
-
-
 def _check_registered(name: str) -> None:
     if timm.is_model(name):
         return
@@ -198,7 +193,8 @@ def _resolve_checkpoint(checkpoint: str | Path) -> tuple[Path, dict[str, Any] | 
         return _weights_in(path), _read_config(path)
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist; pass a .safetensors file or a training output folder")
-    _refuse_pickle(path)
+    if path.name.lower().endswith(PICKLE_SUFFIXES):
+        raise UserError(f"{path} is a pickled checkpoint; {CONVERT_HINT}")
     if path.suffix != ".safetensors":
         raise UserError(f"checkpoint {path} is not a .safetensors file; pass a .safetensors file or a folder")
     return path, None
@@ -256,11 +252,6 @@ def _checkpoint_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except SafetensorError as e:
         raise UserError(f"{weights} is not a readable safetensors file ({e}); re-save or re-download it") from None
-
-
-def _head_classes(shapes: dict[str, tuple[int, ...]], classifier: str) -> int | None:
-    shape = shapes.get(f"{classifier}.weight")
-    return shape[0] if shape else None
 
 
 def _check_match(model: nn.Module, shapes: dict[str, tuple[int, ...]], name: str, weights: Path,
@@ -428,7 +419,7 @@ def load_model(
     shapes = None
     if weights is not None:
         shapes = _checkpoint_shapes(weights)
-        found = _head_classes(shapes, _classifier(arch, config))
+        found = shapes.get(f"{_classifier(arch, config)}.weight", (None,))[0]
         if num_classes is not None and found is not None and found != num_classes:
             raise UserError(
                 f"checkpoint has {found} classes, model built with {num_classes}; "

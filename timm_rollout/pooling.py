@@ -270,15 +270,9 @@ def _qualname(obj: Any) -> str:
     return f"{obj.__module__}.{obj.__qualname__}"
 
 
-def _head_owner(model: nn.Module) -> str:
-    """The class whose ``forward_head`` the stock model runs, e.g. ``timm.models.deit.VisionTransformerDistilled``."""
-    head = getattr(model, "_stock_class", type(model)).forward_head
-    return _qualname(head).rsplit(".", 1)[0]
-
-
 def _check_head(model: nn.Module, pool: str) -> None:
     """Refuse a pooling the model's own ``forward_head`` would not apply (it reads its tokens itself)."""
-    owner = _head_owner(model)
+    owner = _qualname(getattr(model, "_stock_class", type(model)).forward_head).rsplit(".", 1)[0]  # its class
     inline = owner in _INLINE_HEADS
     if owner in _POOL_HEADS or (inline and pool in (*_INLINE_POOLS, ROLLOUT)):
         return
