@@ -9,7 +9,7 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,15 +54,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def _write(path: str | os.PathLike, writer: Callable[[Path], None]) -> Path:
-    with atomic_path(path) as tmp:
-        writer(tmp)
-    return Path(path)
-
-
 def write_text(path: str | os.PathLike, text: str) -> Path:
     """Atomically write ``text`` (UTF-8) to ``path``."""
-    return _write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> Path:

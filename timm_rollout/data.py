@@ -344,13 +344,6 @@ def _decode_rgb(cells: list[dict], where: str = "data set") -> torch.Tensor:
     return torch.stack(decoded).contiguous()
 
 
-def _cache_file(key: str, image_column: str, label_column: str) -> Path:
-    import datasets
-
-    name = f"v{CACHE_VERSION}-{key}-{image_column}-{label_column}.safetensors"
-    return Path(datasets.config.HF_DATASETS_CACHE) / "timm_rollout_decoded" / name
-
-
 def _decoded_tensors(
     split_ds, key: str, image_column: str, label_column: str, where: str = "data set"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -359,7 +352,8 @@ def _decoded_tensors(
     import datasets
     from safetensors.torch import load_file, save_file
 
-    cache = _cache_file(key, image_column, label_column)
+    name = f"v{CACHE_VERSION}-{key}-{image_column}-{label_column}.safetensors"
+    cache = Path(datasets.config.HF_DATASETS_CACHE) / "timm_rollout_decoded" / name
     if cache.exists():
         tensors = load_file(str(cache))
         return tensors["images"], tensors["labels"]
