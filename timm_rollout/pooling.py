@@ -60,11 +60,7 @@ def _while_pooled(method: Any) -> Any:
     def run(self: nn.Module, *args, **kwargs) -> Any:
         if isinstance(self, RolloutPooling):
             return method(self, *args, **kwargs)
-        stock = getattr(type(self), method.__name__, None)
-        if stock is None:  # e.g. Beit's pool: its head pools inline
-            raise RuntimeError(f"{type(self).__name__} has no {method.__name__} now that it is pooled with "
-                               f"{self.global_pool!r}; this one was taken while it was rollout-pooled")
-        return stock(self, *args, **kwargs)
+        return getattr(type(self), method.__name__)(self, *args, **kwargs)
 
     return run
 
@@ -225,8 +221,6 @@ def register_pooled_class(pooled: type[RolloutPooling]) -> type[RolloutPooling]:
 
 def rollout_pooled_class(cls: type[nn.Module]) -> type[nn.Module]:
     """The rollout-pooled subclass of a timm ViT class (made once per class)."""
-    if issubclass(cls, RolloutPooling):
-        return cls
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"RolloutPooled{cls.__name__}", (RolloutPooling, cls),
                              {"_stock_class": cls, "__module__": __name__})
