@@ -60,7 +60,12 @@ def saved_args(out: Path) -> dict[str, Any]:
 def merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) -> argparse.Namespace:
     """On resume, the saved configuration wins; a flag typed (``parser.given``, even at its default) with another
     value than the saved one is an error, except a larger ``--epochs`` (:func:`record_extension`)."""
-    saved = saved_args(out)  # keys of removed flags (stack, capture, dropout_draws) are not flags: ignored
+    saved = saved_args(out)
+    for flag, used in (("--dropout-draws keyed", saved.get("dropout_draws") == "keyed"),
+                       ("--capture", saved.get("capture"))):  # removed; other removed keys of a record are ignored
+        if used:
+            raise UserError(f"{out} was trained with {flag}, which was removed, so it cannot continue exactly; "
+                            "start a new --output")
     merged = vars(args).copy()
     for key, value in vars(args).items():
         if key in RESUME_FREE:
