@@ -80,8 +80,7 @@ class _Sink(dict):
 
 
 def _record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-    """The one attention hook: hand the pre-dropout attention to every sink this thread has open on this
-    ``attn_drop``."""
+    """The one attention hook: the pre-dropout attention to every sink this thread has open on ``attn_drop``."""
     # torch.compile cannot trace the thread check (a graph break per block): a compiled model runs one pass at a time
     thread = None if torch.compiler.is_compiling() else threading.get_ident()
     for sink in tuple(module.__dict__.get(SINKS, ())):  # a snapshot: other threads open and close theirs
@@ -106,8 +105,7 @@ def hold_explicit(model: nn.Module, holder: str) -> None:
 
 
 def release_explicit(model: nn.Module, holder: str) -> None:
-    """Release ``holder``'s hold (:func:`hold_explicit`); the last one leaves each module as it was before the
-    first: its own fused setting, no recorder hook, no sink list."""
+    """Release ``holder``'s hold (:func:`hold_explicit`); the last release leaves each module as it was before."""
     for m in _fused_modules(model):
         holds = m.__dict__.get(HOLDS)
         if holds is None:
@@ -129,8 +127,7 @@ def release_explicit(model: nn.Module, holder: str) -> None:
 
 @contextmanager
 def _open_sink(drops: list[nn.Module]) -> Iterator[dict[nn.Module, torch.Tensor]]:
-    """A sink open on every module of ``drops`` for the ``with`` body, closed (removed) on exit; one list
-    operation each, so passes of other threads opening and closing theirs meanwhile keep them."""
+    """A sink open on every module of ``drops`` for the ``with`` body (one list operation each: thread-safe)."""
     sink = _Sink()
     for drop in drops:
         drop.__dict__.setdefault(SINKS, []).append(sink)

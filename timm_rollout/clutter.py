@@ -27,8 +27,7 @@ DOSE_COLUMN = "fragments"  # a mixture's per-canvas fragment count
 
 @dataclass(frozen=True)
 class ClutterRecipe:
-    """What a cluttered set is made of: canvas side, fragment count and side (pixels), and the seed. Several
-    fragment counts make a mixture: each canvas draws its count uniformly from them."""
+    """Canvas side, fragment count (several: a mixture, each canvas draws one) and side (pixels), and the seed."""
 
     canvas: int = 64
     fragments: int | tuple[int, ...] = 16
@@ -81,8 +80,7 @@ def _fragment_sources(labels: np.ndarray, draws: np.ndarray) -> np.ndarray:
 
 
 def check_split(images: torch.Tensor, labels: torch.Tensor, recipe: ClutterRecipe, split: str) -> None:
-    """Refuse a split the recipe cannot be built from: images too large, unlabelled images (label < 0), or a single
-    class when clutter must come from another class."""
+    """Refuse a split the recipe cannot be built from: images too large, unlabelled, or of a single class."""
     recipe.check(tuple(images.shape[2:]))
     if len(labels) and int(labels.min()) < 0:
         raise UserError(f"split {split!r} has unlabelled images (label {int(labels.min())}); every object needs its "
@@ -135,8 +133,7 @@ def clutter_split(images: torch.Tensor, labels: torch.Tensor, fill: tuple[int, i
 
 
 def _windows(a: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """(N, C, H - h + 1, W - w + 1, h, w) view of every ``size`` patch of ``a`` (N, C, H, W), by top-left corner;
-    writing a window writes ``a``."""
+    """Writable (N, C, H - h + 1, W - w + 1, h, w) view of every ``size`` patch of ``a``, by top-left corner."""
     n, ch, height, width = a.shape
     s = a.strides
     return as_strided(a, (n, ch, height - size[0] + 1, width - size[1] + 1, *size), (*s, *s[2:]), writeable=True)
@@ -217,8 +214,7 @@ def _write_parquet(path, canvases: torch.Tensor, labels: torch.Tensor, boxes: to
 
 
 def split_file(split: str) -> str:
-    """Where a split's parquet file goes in an output folder: the Hub's sharded name, which datasets reads as that
-    split for any split name, without a ``configs:`` block in the card."""
+    """A split's parquet file in an output folder: the Hub's sharded name, which datasets reads as that split."""
     return f"data/{split}-00000-of-00001.parquet"
 
 

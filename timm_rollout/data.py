@@ -242,8 +242,7 @@ def _load_files(path: str, config: str | None, cache: Path):
 
 
 def _load_local(spec: DatasetSpec, name: str, key: str):
-    """Splits of a local folder, ``datasets``' cache of it kept under ``key`` (:func:`_local_key`), splits without
-    rows as empty ones; anything ``datasets`` cannot make of it is a :class:`UserError`."""
+    """Splits of a local folder (its ``datasets`` cache under ``key``); what ``datasets`` cannot read is a UserError."""
     import datasets
 
     local = Path(spec.path)
@@ -347,8 +346,7 @@ def _decode_rgb(cells: list[dict], where: str = "data set") -> torch.Tensor:
 def _decoded_tensors(
     split_ds, key: str, image_column: str, label_column: str, where: str = "data set"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images and labels of a split, from the decoded-tensor cache when it holds them under ``key``; ``where``
-    names the split in errors."""
+    """Images and labels of a split, from the decoded-tensor cache when it holds them under ``key``."""
     import datasets
     from safetensors.torch import load_file, save_file
 

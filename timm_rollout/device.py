@@ -97,8 +97,7 @@ def exact_fp32() -> None:
 
 
 def fp32_precision(device: torch.device) -> str | None:
-    """What float32 matrix products and convolutions run in on ``device`` ("ieee", or "tf32" for either part
-    that uses it), for the run records; None on a CPU."""
+    """What float32 matrix products and convolutions run in on ``device``: "ieee", "tf32", or None on a CPU."""
     if device.type != "cuda":
         return None
     parts = {torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision}

@@ -50,8 +50,7 @@ def _importing_torchvision(error: BaseException) -> bool:
 
 
 def install_error(error: BaseException) -> UserError | None:
-    """The one-line error for a torchvision that is missing or does not match the installed torch, from the
-    exception importing it raised; None for any other exception."""
+    """The one-line error for a missing or mismatched torchvision's import exception; None for any other."""
     if isinstance(error, ModuleNotFoundError) and error.name == "torchvision":
         return UserError(f"torchvision is not installed; install it with the torch it matches: {_matching_pair()}")
     if not isinstance(error, (ImportError, RuntimeError, AttributeError, OSError)) or not _importing_torchvision(error):

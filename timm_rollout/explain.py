@@ -108,8 +108,7 @@ def latent_attention(pool: AttentionPoolLatent, tokens: torch.Tensor) -> torch.T
 def readout_row(kind: str, attentions: Sequence[torch.Tensor], num_prefix_tokens: int,
                 pool_attention: torch.Tensor | None = None, head_fusion: str = "mean",
                 discard_ratio: float = 0.0) -> torch.Tensor:
-    """(B, N) readout weights: one-hot [CLS], ``[0, w]`` (rollout pooling weights of these attentions with the
-    model's own ``head_fusion`` and ``discard_ratio``), patch mean, or (``'map'``) ``pool_attention`` (B, T) from
+    """(B, N) readout weights of pooling ``kind`` (module docstring); for ``'map'``, ``pool_attention`` (B, T) from
     :func:`latent_attention` on the last T tokens."""
     first = attentions[0]
     b, n = first.shape[0], first.shape[-1]

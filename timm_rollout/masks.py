@@ -191,8 +191,7 @@ def check_boxes(boxes: torch.Tensor, masks: torch.Tensor, convention: str, name:
 
 def read_localisation(split_ds, name: str, size: tuple[int, int]
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, str | None]:
-    """A split's object boxes (float32 (N, 4)), masks (uint8 (N, H, W), the harness's encoding) and their
-    convention, each None where the split has none; every check of the module docstring applied."""
+    """A split's checked object boxes (float32 (N, 4)), masks (uint8 (N, H, W)) and convention, or Nones."""
     column, read = _box_column(split_ds, name), read_masks(split_ds, name, size)
     boxes = None if column is None else column[0]
     if read is None:

@@ -85,8 +85,7 @@ class RolloutPooling:
 
     @_while_pooled
     def forward_intermediates(self, x: torch.Tensor, *args, **kwargs) -> Any:
-        """timm's ``forward_intermediates``; the final tokens it returns (unless ``intermediates_only``) carry
-        this pass's pooling weights for ``forward_head``."""
+        """timm's ``forward_intermediates``; the final tokens it returns carry this pass's pooling weights."""
         out, weights = self._rollout_pass(super().forward_intermediates, x, *args, **kwargs)
         if isinstance(out, tuple) and isinstance(out[0], torch.Tensor):
             self._keep(out[0], weights)
@@ -94,8 +93,7 @@ class RolloutPooling:
 
     @_while_pooled
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Rollout pooling of ``x`` (the output of this model's ``forward_features``), then timm's ``fc_norm``,
-        ``head_drop`` and ``head``, as every accepted class's own head does after its pooling."""
+        """Rollout pooling of ``x`` (this model's ``forward_features``), then ``fc_norm``, ``head_drop``, ``head``."""
         return self._head(x, self.rollout_weights(x), pre_logits)
 
     @_while_pooled
@@ -198,8 +196,7 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _same_bits(tokens: torch.Tensor, snapshot: torch.Tensor) -> bool:
-    """Bit-for-bit equality (NaN equals itself): catches in-place changes that autograd's version counter misses
-    (inference tensors, ``.data``)."""
+    """Bit-for-bit equality (NaN equals itself): catches in-place changes autograd's version counter misses."""
     as_int = _INT_OF_SIZE[tokens.element_size()]
     return torch.equal(tokens.detach().view(as_int), snapshot.view(as_int))
 
@@ -348,8 +345,7 @@ def _check_pool(model: nn.Module, pool: str) -> None:
 
 
 def check_rollout_options(head_fusion: Any, discard_ratio: Any, grad: Any) -> tuple[str, float, bool]:
-    """The rollout options (``head_fusion``, ``discard_ratio`` as a float, ``grad``), or a one-line ValueError naming
-    the one that is not one of :data:`~timm_rollout.rollout.HEAD_FUSIONS`, a real number in [0, 1), a bool."""
+    """The rollout options (``discard_ratio`` as a float), or a one-line ValueError naming the one that is wrong."""
     check_options(head_fusion, discard_ratio)
     if not isinstance(grad, bool):
         raise ValueError(f"grad (rollout_grad) must be True or False, got {grad!r}")
@@ -385,8 +381,7 @@ def built_pool(model: nn.Module) -> str:
 
 
 def option_model_args(model: nn.Module) -> dict[str, Any]:
-    """The rollout options of a model that takes them as model arguments, at their current values (``set_pooling``
-    may have changed them since the model was built), for ``config.json``'s ``model_args``; empty otherwise."""
+    """The current rollout options of a model that takes them as model arguments, for ``config.json``."""
     if not getattr(model, "rollout_options_are_model_args", False):
         return {}
     return {attr: getattr(model, attr) for attr, _ in OPTIONS.values()}

@@ -116,8 +116,7 @@ def portable_path(path: str | Path | None, base: str | Path) -> str | None:
 
 
 def resolve_recorded(path: str | None, base: str | Path) -> str | None:
-    """A path read from a record written in ``base``: an absolute one (older records) as it is, a relative one
-    that names something under ``base``'s parents resolved against ``base``, else as recorded (a Hub id)."""
+    """A path read from a record written in ``base``: resolved against ``base`` where that names something."""
     if path is None or os.path.isabs(path):
         return path
     joined = os.path.realpath(os.path.join(os.path.abspath(str(base)), path))

@@ -200,8 +200,7 @@ def _train_epoch(run: Run, d: Dist, epoch: int) -> tuple[float, float]:
 
 
 def _epoch_loss(losses: torch.Tensor, run: Run, d: Dist, epoch: int) -> float:
-    """The epoch's mean training loss over ranks and steps; a non-finite step loss stops the run, naming its
-    step, before anything of this epoch is saved."""
+    """The epoch's mean training loss; a non-finite step loss stops the run before this epoch is saved."""
     values = [v / d.world for v in reduce_sum(losses, d).tolist()]
     bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
     if bad is not None:

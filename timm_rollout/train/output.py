@@ -170,8 +170,7 @@ def save_run(out: Path, t: Trainer, args: argparse.Namespace, data: RunData, d: 
 
 
 def machine_label(d: Dist, data: RunData, args: argparse.Namespace) -> str:
-    """What trains this session's epochs, for ``summary.json``: a resumed run may continue on another machine,
-    precision or compilation."""
+    """What trains this session's epochs (machine, precision, compilation), for ``summary.json``."""
     compiled = f", torch.compile mode {args.compile_mode}" if args.compile else ""
     processes = f", {d.world} processes" if d.world > 1 else ""
     return f"{device_name(d.device)}, {precision_name(data.amp_dtype)}{compiled}{processes}"

@@ -215,8 +215,7 @@ def build_trainer(args: argparse.Namespace, data: RunData, d: Dist) -> Trainer:
 
 
 def build_batches(args: argparse.Namespace, data: RunData, d: Dist, loaded: dict[tuple, tuple]) -> Batches:
-    """Training batches from the uint8 train images moved once to the device (once for the runs of one command
-    that share them: ``loaded`` keeps the copy): crop, flip, mixup/CutMix."""
+    """Training batches (crop, flip, mixup/CutMix) from the train images moved once to the device (``loaded``)."""
     mixup = (Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, label_smoothing=args.smoothing,
                    num_classes=data.num_classes) if args.mixup > 0 or args.cutmix > 0 else None)
     key = ("on device", id(data.train), str(d.device))

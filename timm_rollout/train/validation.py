@@ -19,8 +19,7 @@ EVAL_BATCH = 500
 
 
 def _eval_pass(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits, and for a rollout-pooled model the batch sums of its pooling diagnostics (effective patches,
-    cosine to the mean) from the weights and tokens of that same pass."""
+    """Logits, and for a rollout-pooled model the batch sums of its pooling diagnostics from that same pass."""
     if getattr(model, "global_pool", None) != "rollout":
         return model(x), None
     tokens = model.forward_features(x)
