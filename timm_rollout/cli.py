@@ -26,6 +26,7 @@ __all__ = [
     "existing_path",
     "fraction",
     "key_value",
+    "kwarg",
     "non_negative",
     "non_negative_int",
     "number",
@@ -216,6 +217,16 @@ class PerChannel(argparse.Action):
         if len(values) not in (1, 3):
             parser.error(f"{option_string} takes 3 values (R G B) or 1 for all channels, got {len(values)}")
         setattr(namespace, self.dest, list(values) * (3 // len(values)))
+
+
+def kwarg(key: str, value: Any) -> str:
+    """``KEY=VALUE`` as :class:`ParseKwargs` reads it back and a shell passes it on: a pair of equal numbers (an
+    ``img_size`` or ``patch_size`` [32, 32]) as one, another pair as the quoted ``'img_size=(32,48)'`` (H, W)."""
+    if isinstance(value, list | tuple):
+        if len(set(value)) == 1:
+            return f"{key}={value[0]}"
+        return f"'{key}=({','.join(map(str, value))})'"
+    return f"{key}={value}"
 
 
 def key_value(text: str) -> str:
