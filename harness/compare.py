@@ -147,12 +147,12 @@ def run_label(result: dict[str, Any]) -> str:
     """Group label of a run: model (:func:`_model_name`), weights' architecture when it differs, its pooling when not
     the model's default (e.g. ``global_pool=map``), a post-hoc readout's pooling, data set and split."""
     model = result["model"]
-    label = _model_name(model)
+    label = name = _model_name(model)
     trained_as = model.get("checkpoint_architecture")
     if trained_as and trained_as != model.get("architecture"):
         label += f" ({trained_as} weights)"
     built, pool = model.get("global_pool"), model.get("pool")
-    if built is not None and built != default_pool(label):
+    if built is not None and built != default_pool(name):
         label += f" (global_pool={built})"
     if pool is not None and pool != built:
         label += f" (read out with {pool})"
