@@ -43,11 +43,12 @@ from timm_rollout.cli import (
     output_dir,
     run_cli,
 )
-from timm_rollout.data import BoxColumnError, dataset_arg, load_image_set
+from timm_rollout.data import dataset_arg, load_image_set
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import UserError
 from timm_rollout.explain import Explanation, explain
 from timm_rollout.loading import build_meta, check_input_size, check_model, load_model
+from timm_rollout.masks import BoxColumnError
 from timm_rollout.pooling import attention_free
 
 __all__ = ["build_parser", "denormalize", "main", "plot_explanation", "prepare_image"]

@@ -87,11 +87,10 @@ def test_discard_is_per_image_and_spares_prefix_and_diagonal():
 
 @pytest.mark.parametrize("head_fusion", ["mean", "max", "min"])
 @pytest.mark.parametrize("discard_ratio", [0.0, 0.3])
-@pytest.mark.parametrize("token", [0, 2])
-def test_fast_cls_row_equals_row_of_full_product(head_fusion, discard_ratio, token):
+def test_fast_cls_row_equals_row_of_full_product(head_fusion, discard_ratio):
     attentions = random_attention(4, 4, 65, 6)
-    full = attention_rollout(attentions, head_fusion, discard_ratio)[:, token]
-    fast = rollout_cls_row(attentions, head_fusion, discard_ratio, token_index=token)
+    full = attention_rollout(attentions, head_fusion, discard_ratio)[:, 0]
+    fast = rollout_cls_row(attentions, head_fusion, discard_ratio)
     torch.testing.assert_close(fast, full, rtol=1e-5, atol=1e-7)
 
 

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["topk_hits"]
-
 
 def topk_hits(logits: torch.Tensor, labels: torch.Tensor, k: int = 1) -> torch.Tensor | None:
-    """(N,) bool: whether each row's label is among its ``k`` highest logits; None if there are fewer than k
-    classes."""
+    """(N,) bool: whether each row's label is among its ``k`` highest logits; None if fewer than k classes."""
     if logits.shape[1] < k:
         return None
     return (logits.topk(k, dim=1).indices == labels.to(logits.device)[:, None]).any(dim=1)

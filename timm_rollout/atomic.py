@@ -9,7 +9,7 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,13 +17,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["FIGURE_DPI", "atomic_path", "new_file_mode", "publish", "save_figure", "write_json", "write_text"]
 
 def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
-    """Flush ``tmp`` to disk, give it the permissions a new file gets there, and rename it onto ``path`` atomically.
-
-    Writers such as safetensors and ``mkstemp`` create 0600 files; results should be as readable as any other.
-    """
+    """Flush ``tmp`` to disk, give it the permissions a new file gets there (``mkstemp`` and safetensors make 0600
+    files), and rename it onto ``path`` atomically."""
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.chmod(tmp, new_file_mode(Path(tmp).parent))
@@ -57,15 +54,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def _write(path: str | os.PathLike, writer: Callable[[Path], None]) -> Path:
-    with atomic_path(path) as tmp:
-        writer(tmp)
-    return Path(path)
-
-
 def write_text(path: str | os.PathLike, text: str) -> Path:
     """Atomically write ``text`` (UTF-8) to ``path``."""
-    return _write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    return Path(path)
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
@@ -78,12 +71,8 @@ PALETTE_COLORS = 256
 
 
 def save_figure(fig: Figure, path: str | os.PathLike) -> Path:
-    """Render with matplotlib's Agg canvas (no pyplot state, no display needed) and write a palette PNG atomically.
-
-    The render is reduced to 256 colours with Pillow's max-coverage quantiser, which keeps rare colours such as a
-    map's bright peak (on an evaluation's heatmap grid no channel moves by more than 20/255): a quarter of the bytes
-    of the RGBA render, so the figures of a study stay light in git.
-    """
+    """Render with matplotlib's Agg canvas (no pyplot state) and write a 256-colour palette PNG atomically: Pillow's
+    max-coverage quantiser keeps rare colours such as a map's peak, at a quarter of the RGBA bytes (light in git)."""
     from PIL import Image
 
     buf = io.BytesIO()

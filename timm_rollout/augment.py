@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["crop_flip", "crop_flip_draws", "random_crop_flip"]
-
 
 def crop_flip_draws(b: int, padding: int, hflip: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """The random numbers of one batch's crop and flip, (3, B) int64 on the CPU: row offset, column offset, flip.
@@ -36,11 +34,8 @@ def crop_flip(images: torch.Tensor, draws: torch.Tensor, padding: int) -> torch.
 def random_crop_flip(
     images: torch.Tensor, padding: int = 4, hflip: float = 0.5, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """Pad each image by ``padding`` zero pixels, crop it back to (H, W) at a random offset, flip with prob ``hflip``.
-
-    ``images``: (B, C, H, W) of any dtype on any device; the draws (:func:`crop_flip_draws`) reach a GPU in one
-    pinned, non-blocking copy, so the host never waits for the GPU here. Returns a new tensor of the same shape.
-    """
+    """Pad each image of (B, C, H, W) by ``padding`` zero pixels, crop it back at a random offset, flip with prob
+    ``hflip``; the draws reach a GPU in one pinned, non-blocking copy (the host never waits here)."""
     draws = crop_flip_draws(images.shape[0], padding, hflip, generator)
     if images.device.type == "cuda":
         draws = draws.pin_memory()

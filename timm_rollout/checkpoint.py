@@ -1,10 +1,5 @@
-"""Crash-safe training checkpoints with no pickle: timm's HF export and a one-file resume state.
-
-``save_model`` writes ``model.safetensors`` + ``config.json`` with timm's ``save_for_hf`` into a temporary
-folder and renames each file into place, so ``timm.create_model("local-dir:<out>", pretrained=True)``
-always finds a complete model. ``save_resume`` writes model, EMA and optimizer tensors into one
-``resume.safetensors`` whose metadata holds the JSON part (epoch, step, optimizer hyper-parameters, grad
-scaler, log history): one atomic rename, so tensors and bookkeeping can never disagree.
+"""Crash-safe training checkpoints with no pickle: timm's HF export (``save_model``) and a one-file resume state
+(``save_resume``: tensors in ``resume.safetensors``, the JSON part in its metadata, one atomic rename).
 """
 
 from __future__ import annotations
@@ -27,8 +22,6 @@ from .atomic import atomic_path, publish, write_json
 from .pooling import export_config, option_model_args
 from .records import CONFIG_FILE, MODEL_FILES
 
-__all__ = ["TRAINED_INPUT", "load_resume", "save_model", "save_resume"]
-
 TRAINED_INPUT = {"crop_pct": 1.0, "crop_mode": "center"}  # the pixels as they are, as the tiny models' configs say
 
 
@@ -36,10 +29,8 @@ def save_model(
     out: str | os.PathLike, model: nn.Module, class_names: Sequence[str], mean: Sequence[float],
     std: Sequence[float], input_size: Sequence[int] | None = None,
 ) -> None:
-    """Export ``model`` to ``out`` as timm's HF layout, recording class names and the input training saw: its
-    mean/std, the pixels as they are (``crop_pct`` 1.0 at ``input_size``, the (C, H, W) of the training images, else
-    the model's input size: training neither resizes nor crops for evaluation) and no source checkpoint ``tag``
-    (e.g. a stock model's ImageNet one)."""
+    """Export ``model`` to ``out`` as timm's HF layout, with class names and the input training saw: mean/std,
+    ``crop_pct`` 1.0 at ``input_size`` (the training images' (C, H, W)), and no source checkpoint ``tag``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model_config = {"label_names": list(class_names)} if len(class_names) == model.num_classes else None

@@ -18,30 +18,10 @@ from typing import Any
 
 from .errors import UserError, fail, install_error
 
-__all__ = [
-    "CliParser",
-    "ParseKwargs",
-    "PerChannel",
-    "as_type",
-    "existing_path",
-    "fraction",
-    "key_value",
-    "kwarg",
-    "non_negative",
-    "non_negative_int",
-    "number",
-    "output_dir",
-    "positive",
-    "positive_int",
-    "run_cli",
-    "seed_arg",
-]
-
 
 def run_cli(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> None:
-    """Run ``main(argv)``; a :class:`UserError`, a broken torch/torchvision pair met while importing
-    (:func:`install_error`), or the file system refusing a path (permissions, a full disk, a read-only or special
-    folder), prints one line and exits 2."""
+    """Run ``main(argv)``; a :class:`UserError`, a broken torch/torchvision pair (:func:`install_error`) or the file
+    system refusing a path prints one line and exits 2."""
     try:
         main(argv)
     except UserError as e:
@@ -74,10 +54,8 @@ class CliParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors are :class:`UserError`\\ s (one line under :func:`run_cli`) and
     whose ``--help`` gives every flag's default (:class:`HelpWithDefaults`).
 
-    ``checks`` run on the parsed namespace and raise :class:`UserError` for mistakes that involve several
-    flags. After each parse, ``given`` holds the destinations of the flags the user actually typed, so a
-    value equal to the default can be told from an omitted flag. ``removed`` maps flags the command no longer
-    has to what to use instead; typing one is refused with that.
+    ``checks`` run on the parsed namespace (mistakes that involve several flags); ``given`` holds the destinations
+    of the flags typed in the last parse; ``removed`` maps removed flags to what to use instead.
     """
 
     def __init__(self, *args: Any, checks: Sequence[Callable[[argparse.Namespace], None]] = (),
@@ -110,10 +88,8 @@ class CliParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def parse_typed(self, args: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-        """Parse ``args`` only for which flags they type, for a command that passes them on to this one:
-        abbreviations and ``--flag=value`` resolved as :meth:`parse_args` resolves them, values kept as typed (no
-        types, choices, required flags or checks; ``KEY=VALUE`` items are still split). ``given`` then names the
-        typed flags. Returns the namespace and the arguments this parser does not know."""
+        """Parse ``args`` only for which flags they type (values as typed: no types, choices, required flags or
+        checks), for a command that passes them on; returns the namespace and the arguments not known here."""
         saved = [(a, a.required, a.type, a.choices) for a in self._actions]
         for action in self._actions:
             action.required, action.choices = False, None

@@ -1,17 +1,9 @@
 """Cluttered canvases: each source image at a random position on a larger canvas, among fragments of others.
 
-The construction of cluttered translated MNIST (Mnih et al. 2014, "Recurrent Models of Visual Attention";
-google-deepmind/mnist-cluttered) for any image classification set: a canvas filled with one colour, ``fragments``
-square crops of images of *other* classes of the same split pasted at random positions, then the whole source
-image (the object) pasted last at a random position, so it is never occluded and its pixels equal the source's.
-The object's box is known, and a per-pixel content mask (as segmentation data sets have) says where every pixel
-comes from: flat fill, a visible piece of clutter, or the object; so "does the pooling find the object, and not just
-the non-empty canvas" becomes a number (``harness.eval``).
-
-Randomness comes from streams keyed by the seed and the split name: one places the objects, one draws the clutter
-and, for a mixture of doses (several ``fragments``), one draws each canvas's dose. So the same seed gives the same
-objects in the same places at any number of fragments or mixture of them, and test clutter never comes from
-training images.
+The construction of cluttered translated MNIST (Mnih et al. 2014) for any image classification set: a canvas of
+one colour, ``fragments`` square crops of images of *other* classes of the same split pasted at random, then the
+whole source image (the object) pasted last, never occluded; with its box and a per-pixel content mask. Random
+streams are keyed by seed and split, so one seed places the same objects at any number (or mixture) of fragments.
 """
 
 from __future__ import annotations
@@ -25,12 +17,9 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import as_strided
 
-from .data import CLUTTER, FILL, MASK_COLUMN, OBJECT
 from .errors import UserError
+from .masks import CLUTTER, FILL, MASK_COLUMN, OBJECT
 from .progress import progress
-
-__all__ = ["CLUTTER", "DOSE_COLUMN", "FILL", "MASK_COLUMN", "OBJECT", "ClutterRecipe", "check_split", "clutter_split",
-           "fill_colour", "fragment_counts", "make_cluttered", "object_positions", "split_file"]
 
 _OBJECTS, _CLUTTER, _DOSE = 0, 1, 2  # the random streams of a split
 DOSE_COLUMN = "fragments"  # a mixture's per-canvas fragment count
@@ -38,8 +27,7 @@ DOSE_COLUMN = "fragments"  # a mixture's per-canvas fragment count
 
 @dataclass(frozen=True)
 class ClutterRecipe:
-    """What a cluttered set is made of: canvas side, fragment count and side (pixels), and the seed. Several
-    fragment counts make a mixture: each canvas draws its count uniformly from them."""
+    """Canvas side, fragment count (several: a mixture, each canvas draws one) and side (pixels), and the seed."""
 
     canvas: int = 64
     fragments: int | tuple[int, ...] = 16
@@ -92,8 +80,7 @@ def _fragment_sources(labels: np.ndarray, draws: np.ndarray) -> np.ndarray:
 
 
 def check_split(images: torch.Tensor, labels: torch.Tensor, recipe: ClutterRecipe, split: str) -> None:
-    """Refuse a split the recipe cannot be built from: images too large, unlabelled images (label < 0), or a single
-    class when clutter must come from another class."""
+    """Refuse a split the recipe cannot be built from: images too large, unlabelled, or of a single class."""
     recipe.check(tuple(images.shape[2:]))
     if len(labels) and int(labels.min()) < 0:
         raise UserError(f"split {split!r} has unlabelled images (label {int(labels.min())}); every object needs its "
@@ -113,11 +100,9 @@ def fragment_counts(count: int, recipe: ClutterRecipe, split: str) -> np.ndarray
 
 def clutter_split(images: torch.Tensor, labels: torch.Tensor, fill: tuple[int, int, int], recipe: ClutterRecipe,
                   split: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """uint8 (N, 3, H, W) ``images`` of one split -> uint8 (N, 3, canvas, canvas) canvases, int64 (N, 4) object
-    boxes ``[x, y, w, h]`` (COCO order) and uint8 (N, canvas, canvas) content masks (:data:`FILL`,
-    :data:`CLUTTER`, :data:`OBJECT`: what each pixel was last painted with). Fragments are cut from images of
-    another class of this split. In a mixture every canvas draws the fragments of the largest dose and shows its
-    first :func:`fragment_counts` of them."""
+    """uint8 (N, 3, H, W) ``images`` of one split -> uint8 canvases, int64 (N, 4) object boxes ``[x, y, w, h]`` and
+    uint8 content masks (what each pixel was last painted with). In a mixture every canvas draws the fragments of
+    the largest dose and shows its first :func:`fragment_counts` of them."""
     n, _, h, w = images.shape
     check_split(images, labels, recipe, split)
     lab = labels.numpy()
@@ -148,8 +133,7 @@ def clutter_split(images: torch.Tensor, labels: torch.Tensor, fill: tuple[int, i
 
 
 def _windows(a: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """(N, C, H - h + 1, W - w + 1, h, w) view of every ``size`` patch of ``a`` (N, C, H, W), by top-left corner;
-    writing a window writes ``a``."""
+    """Writable (N, C, H - h + 1, W - w + 1, h, w) view of every ``size`` patch of ``a``, by top-left corner."""
     n, ch, height, width = a.shape
     s = a.strides
     return as_strided(a, (n, ch, height - size[0] + 1, width - size[1] + 1, *size), (*s, *s[2:]), writeable=True)
@@ -230,8 +214,7 @@ def _write_parquet(path, canvases: torch.Tensor, labels: torch.Tensor, boxes: to
 
 
 def split_file(split: str) -> str:
-    """Where a split's parquet file goes in an output folder: the Hub's sharded name, which datasets reads as that
-    split for any split name, without a ``configs:`` block in the card."""
+    """A split's parquet file in an output folder: the Hub's sharded name, which datasets reads as that split."""
     return f"data/{split}-00000-of-00001.parquet"
 
 
@@ -262,10 +245,8 @@ def _check_memory(images: int, canvas: int) -> None:
 
 def make_cluttered(source: str, output: str | Path, recipe: ClutterRecipe, *, per_class: int | None = None,
                    splits: list[str] | None = None, command: str = "") -> dict[str, int]:
-    """Write a cluttered copy of every split of ``source`` (alias, Hub id or folder; ``splits``: only those) into
-    ``output``: one parquet file per split and a README data card that ``datasets.load_dataset(output)`` reads
-    offline. ``per_class``: a seeded class-balanced subset of each split (tests, quick looks). Returns the image
-    count per split."""
+    """Write a cluttered copy of the ``splits`` (default: all) of ``source`` into ``output`` (a parquet file per split
+    and a data card), of ``per_class`` images per class if given; returns the image count per split."""
     from .atomic import write_text
     from .data import balanced_indices, content_hash, load_image_set, split_names
 

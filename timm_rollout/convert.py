@@ -1,19 +1,10 @@
 """Import the original study's checkpoints into timm format (``model.safetensors`` + ``config.json``).
 
-The original code was a plain PyTorch ViT: a conv patch embedding, a [CLS] token, a learned position
-embedding, pre-norm blocks built on ``torch.nn.MultiheadAttention`` (batch_first, packed q/k/v
-in-projection), an MLP ``Sequential(Linear, GELU, Dropout, Linear, Dropout)``, a final LayerNorm and a
-linear head. Its two files (the [CLS] baseline and the rollout-pooled model) have the same keys, in
-one of two layouts:
-
-- ``new``: ``patch.*``, ``cls``, ``pos``, ``blocks.{i}.n1.*``, ``blocks.{i}.n2.*``;
-- ``old``: ``patch_embed.*``, ``cls_token``, ``pos_embed``, ``blocks.{i}.norm1.*``, ``blocks.{i}.norm2.*``;
-
-both with ``blocks.{i}.attn.in_proj_{weight,bias}``, ``blocks.{i}.attn.out_proj.*``,
-``blocks.{i}.mlp.{0,3}.*``, ``norm.*`` and ``head.*``. ``MultiheadAttention`` packs its in-projection
-as rows ``[q; k; v]``, each split into heads in order, which is exactly the row layout of timm's
-``attn.qkv`` Linear, so the packed weight is renamed, not reordered. The number of heads is not stored
-in a state dict and must be given (the study used 4).
+The original plain PyTorch ViT (conv patch embedding, [CLS], learned position embedding, pre-norm blocks on
+``nn.MultiheadAttention``, MLP ``Sequential(Linear, GELU, Dropout, Linear, Dropout)``, final LayerNorm, linear
+head) saved its two files in one of two key layouts (``_LAYOUT_NAMES``). ``MultiheadAttention``'s packed
+in-projection rows ``[q; k; v]`` are exactly timm's ``attn.qkv`` rows, so the weight is renamed, not reordered.
+The number of heads is not stored in a state dict and must be given (the study used 4).
 """
 
 from __future__ import annotations
@@ -30,16 +21,6 @@ import torch
 from .checkpoint import save_model
 from .errors import UserError
 from .loading import create_model
-
-__all__ = [
-    "POOLING_MODELS",
-    "convert_checkpoint",
-    "detect_layout",
-    "guess_pooling",
-    "infer_model_args",
-    "load_original",
-    "map_keys",
-]
 
 POOLING_MODELS = {"cls": "vit_tiny_cifar_cls", "rollout": "vit_tiny_cifar_rollout"}
 
@@ -92,11 +73,8 @@ def guess_pooling(path: str | os.PathLike) -> str:
 
 
 def load_original(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Read a state dict with ``torch.load(weights_only=True)``: tensors and plain containers only.
-
-    A dict wrapping the state dict under ``'model'`` or ``'state_dict'`` is unwrapped. Anything that
-    would need arbitrary unpickling (custom classes, optimizers, argparse namespaces...) is refused.
-    """
+    """Read a state dict (unwrapped from ``'model'`` or ``'state_dict'``) with ``torch.load(weights_only=True)``:
+    anything that would need arbitrary unpickling is refused."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} not found; give the path of the original .pth file")
@@ -156,10 +134,7 @@ def infer_model_args(timm_state: dict[str, torch.Tensor], num_heads: int) -> dic
     if missing:
         raise UserError(f"state dict lacks {', '.join(missing)}; is it a complete model checkpoint?")
     embed_dim, in_chans, patch, _ = timm_state["patch_embed.proj.weight"].shape
-    num_patches = timm_state["pos_embed"].shape[1] - 1
-    grid = math.isqrt(num_patches)
-    if grid * grid != num_patches:
-        raise UserError(f"position embedding has {num_patches} patch positions, not a square grid")
+    grid = math.isqrt(timm_state["pos_embed"].shape[1] - 1)  # a grid that is not square fails the shape check
     depth = len({k.split(".")[1] for k in timm_state if k.startswith("blocks.")})
     if embed_dim % num_heads:
         raise UserError(f"embed dim {embed_dim} is not divisible by --num-heads {num_heads}")
@@ -184,13 +159,8 @@ def convert_checkpoint(
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
 ) -> torch.nn.Module:
-    """Convert the original study's ``src`` state dict into a timm folder ``output``; returns the model.
-
-    ``output`` gets ``model.safetensors`` and ``config.json`` through training's atomic export
-    (:func:`timm_rollout.checkpoint.save_model`), so ``timm.create_model("local-dir:<output>", pretrained=True)``
-    loads it (after ``import timm_rollout``). ``mean``/``std`` set the normalisation the weights were trained
-    with (default: the model's).
-    """
+    """Convert the original study's ``src`` state dict into a timm folder ``output`` (training's export,
+    :func:`timm_rollout.checkpoint.save_model`) with its ``mean``/``std`` (default: the model's); returns the model."""
     if pooling not in POOLING_MODELS:
         raise UserError(f"unknown pooling {pooling!r}; use one of {', '.join(POOLING_MODELS)}")
     state = map_keys(load_original(src))

@@ -1,11 +1,8 @@
 """Image classification data through Hugging Face ``datasets``, decoded once into a uint8 tensor.
 
-``load_image_set`` resolves an alias (``cifar10``, ``cifar100``, ``svhn``, ``cifar10-sample``), a Hub id or
-a local folder, finds the image and label columns, and decodes every image once into a (N, 3, H, W) uint8
-RGB tensor. The decoded tensor is cached as safetensors in the ``datasets`` cache, keyed by the split's
-fingerprint and, for a local folder, its files (:func:`_files_key`), so the second load of CIFAR-10 train takes a
-fraction of a second. Training augments these tensors in batches on the training device
-(:mod:`timm_rollout.augment`), never image by image.
+``load_image_set`` resolves an alias, a Hub id or a local folder, finds the image and label columns, and decodes
+every image once into a (N, 3, H, W) uint8 RGB tensor, cached as safetensors in the ``datasets`` cache (keyed by
+the split's fingerprint and, for a local folder, its files), so a second load takes a fraction of a second.
 """
 
 from __future__ import annotations
@@ -25,29 +22,7 @@ import torch
 
 from .atomic import atomic_path
 from .errors import UserError
-from .masks import BOX_COLUMN, CLUTTER, FILL, MASK_COLUMN, OBJECT, BoxColumnError, read_localisation
-
-__all__ = [  # with the columns and mask values of timm_rollout.masks, which the harness reads
-    "ALIASES",
-    "BOX_COLUMN",
-    "CLUTTER",
-    "FILL",
-    "MASK_COLUMN",
-    "OBJECT",
-    "SAMPLE_DIR",
-    "BoxColumnError",
-    "ImageSet",
-    "balanced_indices",
-    "check_class_names",
-    "compute_stats",
-    "content_hash",
-    "dataset_arg",
-    "load_image_set",
-    "normalization_stats",
-    "normalize",
-    "resolve_dataset",
-    "split_names",
-]
+from .masks import read_localisation
 
 SAMPLE_DIR = Path(__file__).parent / "data" / "cifar10_sample"
 
@@ -177,10 +152,8 @@ def _looks_like_dataset(folder: Path, max_depth: int = 3, max_entries: int = 10_
 
 
 def _files_key(folder: Path) -> str:
-    """16 hex digits that change when a file under ``folder`` (symbolic links followed, ``.git`` aside) is added,
-    removed or rewritten: its path, size, modification and change times, and inode. ``datasets`` caches a local
-    folder under its name and data card, not its files, so a folder written again, or another of the same name,
-    would load the first one's cached images."""
+    """16 hex digits that change when a file under ``folder`` is added, removed or rewritten (``datasets`` keys a
+    local folder's cache by its name and card, not its files)."""
     digest, seen = hashlib.sha256(), set()
     for root, dirs, files in os.walk(folder, followlinks=True):
         if os.path.realpath(root) in seen:  # a link back up the tree
@@ -269,8 +242,7 @@ def _load_files(path: str, config: str | None, cache: Path):
 
 
 def _load_local(spec: DatasetSpec, name: str, key: str):
-    """Splits of a local folder, ``datasets``' cache of it kept under ``key`` (:func:`_local_key`), splits without
-    rows as empty ones; anything ``datasets`` cannot make of it is a :class:`UserError`."""
+    """Splits of a local folder (its ``datasets`` cache under ``key``); what ``datasets`` cannot read is a UserError."""
     import datasets
 
     local = Path(spec.path)
@@ -306,11 +278,8 @@ def _unreadable(error: Exception, name: str, local: Path) -> UserError:
 
 
 def _load_splits(spec: DatasetSpec, name: str):
-    """``DatasetDict`` of every split (``load_from_disk`` for saved data sets, ``load_dataset`` otherwise) and the
-    key its decoded tensors are cached under besides the fingerprint (:func:`_local_key` of a local folder).
-
-    Without network, a Hub data set loads from the local cache at once instead of after half a minute of retries.
-    """
+    """``DatasetDict`` of every split and the key its decoded tensors are cached under besides the fingerprint
+    (:func:`_local_key` of a local folder); without network a Hub data set loads from the local cache at once."""
     import datasets
 
     from .online import hub_or_cache
@@ -357,12 +326,8 @@ def _damaged(where: str, row: int, cell: dict, error: Exception) -> UserError:
 
 
 def _decode_rgb(cells: list[dict], where: str = "data set") -> torch.Tensor:
-    """Decode image cells (``{'bytes', 'path'}``) to uint8 (N, 3, H, W) RGB.
-
-    JPEGs are decoded in one batched libjpeg call (CIFAR-10 train: ~2.5 s for 50k); other formats go
-    through PIL, converting grayscale, palette and RGBA to RGB. An image that does not decode (truncated,
-    corrupt) is a :class:`UserError` naming ``where``, its row and its file.
-    """
+    """Decode image cells (``{'bytes', 'path'}``) to uint8 (N, 3, H, W) RGB: JPEGs in one batched libjpeg call,
+    other formats through PIL; an image that does not decode is a :class:`UserError` naming its row and file."""
     from PIL import Image
     from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -397,22 +362,15 @@ def _decode_rgb(cells: list[dict], where: str = "data set") -> torch.Tensor:
     return torch.stack(decoded).contiguous()
 
 
-def _cache_file(key: str, image_column: str, label_column: str) -> Path:
-    import datasets
-
-    name = f"v{CACHE_VERSION}-{key}-{image_column}-{label_column}.safetensors"
-    return Path(datasets.config.HF_DATASETS_CACHE) / "timm_rollout_decoded" / name
-
-
 def _decoded_tensors(
     split_ds, key: str, image_column: str, label_column: str, where: str = "data set"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images and labels of a split, from the decoded-tensor cache when it holds them under ``key``; ``where``
-    names the split in errors."""
+    """Images and labels of a split, from the decoded-tensor cache when it holds them under ``key``."""
     import datasets
     from safetensors.torch import load_file, save_file
 
-    cache = _cache_file(key, image_column, label_column)
+    name = f"v{CACHE_VERSION}-{key}-{image_column}-{label_column}.safetensors"
+    cache = Path(datasets.config.HF_DATASETS_CACHE) / "timm_rollout_decoded" / name
     if cache.exists():
         tensors = load_file(str(cache))
         return tensors["images"], tensors["labels"]
@@ -443,18 +401,9 @@ def load_image_set(
     boxes: bool = False,
     split_flag: str = "--split",
 ) -> ImageSet:
-    """Load one split of an image classification data set as decoded uint8 RGB tensors.
-
-    ``dataset`` is an alias (``cifar10``, ``cifar100`` with fine labels, ``svhn`` cropped digits,
-    ``cifar10-sample`` shipped in the package), a Hub id, or a local folder that ``load_dataset`` or
-    ``load_from_disk`` reads. Columns are detected (``img``/``image``, ``label``/``fine_label``) unless named.
-    ``boxes``: read a ``bbox`` column (one object box per image) into ``ImageSet.boxes`` and a ``mask`` column (a
-    mask per image, in the clutter convention ``scripts/make_cluttered.py`` writes or a foreground mask) into
-    ``ImageSet.masks``, checked against each other, boxes taken from the masks where there is no ``bbox`` column
-    (:mod:`timm_rollout.masks`; the harness scores localisation with them; training and the rest leave them alone,
-    whatever they hold). ``split_flag``: the
-    command's flag that names ``split``, for the error when the data set lacks it.
-    """
+    """Load one split of an image classification data set (an alias of :data:`ALIASES`, a Hub id or a local
+    folder) as decoded uint8 RGB tensors; columns are detected unless named. ``boxes``: also read the ``bbox`` and
+    ``mask`` columns (:mod:`timm_rollout.masks`). ``split_flag``: the flag that names ``split``, for errors."""
     import datasets
 
     spec = resolve_dataset(dataset)
@@ -516,13 +465,8 @@ def balanced_indices(
     classes: Sequence[int] | None = None,
     seed: int = 0,
 ) -> torch.Tensor:
-    """Sorted int64 indices of a seeded, class-balanced random subset.
-
-    Give ``per_class`` (images of each class) or ``total`` (split evenly; the first ``total % k`` classes
-    get one more); with neither, every image of ``classes`` (default: all classes present) is returned.
-    """
-    if per_class is not None and total is not None:
-        raise ValueError("give per_class or total, not both")
+    """Sorted int64 indices of a seeded, class-balanced random subset: ``per_class`` images of each class, or
+    ``total`` split evenly (the first ``total % k`` classes get one more); with neither, every image of ``classes``."""
     labels = torch.as_tensor(labels).cpu()
     classes = sorted(int(c) for c in (labels.unique().tolist() if classes is None else classes))
     if not classes:

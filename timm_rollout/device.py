@@ -12,20 +12,6 @@ import torch
 
 from .errors import UserError
 
-__all__ = [
-    "autocast",
-    "cpu_supports_bf16",
-    "device_arg",
-    "device_name",
-    "exact_fp32",
-    "fp32_precision",
-    "inference_batch_size",
-    "parse_device",
-    "precision_name",
-    "resolve_amp",
-    "resolve_device",
-]
-
 AMP_CHOICES = ("auto", "bf16", "fp16", "none")
 
 
@@ -36,10 +22,8 @@ CPUINFO = Path("/proc/cpuinfo")
 
 @lru_cache(maxsize=4)
 def cpu_supports_bf16(cpuinfo: Path = CPUINFO) -> bool:
-    """True when this CPU has native bf16 arithmetic (a flag of ``NATIVE_BF16_FLAGS`` in ``cpuinfo``). oneDNN's
-    own check (``torch.ops.mkldnn._is_mkldnn_bf16_supported``) also says yes for plain AVX512, where bf16 runs
-    emulated at about half fp32's speed (``scripts/bench_models.py``: 41 vs 89 training img/s), so it is not
-    used. False where the flags cannot be read (fp32, which is never emulated)."""
+    """True when this CPU has native bf16 arithmetic (a flag of ``NATIVE_BF16_FLAGS`` in ``cpuinfo``); oneDNN's own
+    check also says yes for plain AVX512, where emulated bf16 trains at half fp32's speed. False if unreadable."""
     try:
         lines = cpuinfo.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
@@ -106,16 +90,14 @@ def resolve_device(device: str | None = None) -> torch.device:
 
 
 def exact_fp32() -> None:
-    """Float32 on CUDA as IEEE float32: TF32 off for matrix products and cuDNN convolutions (PyTorch leaves it on
-    for convolutions by default), so a run or evaluation said to be in fp32 is, and under bf16 autocast the parts
-    kept in float32 (rollout, softmax, norms) are too. Process-wide, as PyTorch's flags are."""
+    """Float32 on CUDA as IEEE float32 (TF32 off for matrix products and cuDNN convolutions), so what is said to run
+    in fp32 does, the float32 parts under autocast included. Process-wide, as PyTorch's flags are."""
     torch.backends.cuda.matmul.fp32_precision = "ieee"
     torch.backends.cudnn.conv.fp32_precision = "ieee"
 
 
 def fp32_precision(device: torch.device) -> str | None:
-    """What float32 matrix products and convolutions run in on ``device`` ("ieee", or "tf32" for either part
-    that uses it), for the run records; None on a CPU."""
+    """What float32 matrix products and convolutions run in on ``device``: "ieee", "tf32", or None on a CPU."""
     if device.type != "cuda":
         return None
     parts = {torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision}
@@ -123,12 +105,9 @@ def fp32_precision(device: torch.device) -> str | None:
 
 
 def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
-    """Autocast dtype for ``amp`` on ``device``; ``None`` means full fp32.
-
-    ``auto`` uses bf16 where it pays (a CUDA GPU of compute capability 8.0+, or a CPU with native bf16),
-    fp16 (with a GradScaler in training) on older GPUs, and fp32 otherwise. The capability is checked rather
-    than ``torch.cuda.is_bf16_supported()``, which is also true on GPUs that only emulate bf16 (T4, V100).
-    """
+    """Autocast dtype for ``amp`` on ``device``; ``None`` means full fp32. ``auto``: bf16 on GPUs of compute
+    capability 8.0+ (``is_bf16_supported`` also says yes where it is emulated) and CPUs with native bf16, fp16 on
+    older GPUs, else fp32."""
     if amp not in AMP_CHOICES:
         raise ValueError(f"unknown amp mode {amp!r}; use one of {', '.join(AMP_CHOICES)}")
     if amp == "none":
@@ -143,16 +122,14 @@ def resolve_amp(amp: str, device: torch.device) -> torch.dtype | None:
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` for ``dtype`` on ``device``, or a no-op when ``dtype`` is None. Without autocast's cache
-    of cast weights, which a CUDA graph must not record (PyTorch's rule); each weight is cast once per pass anyway,
-    so the values are the same."""
+    """``torch.autocast`` for ``dtype`` on ``device`` (a no-op for None), without its cache of cast weights, which a
+    CUDA graph must not record (each weight is cast once per pass anyway)."""
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)
 
 
 def inference_batch_size(device: torch.device) -> int:
-    """Default batch of the evaluation passes: 512 on a GPU; 128 on a CPU, where a batch's (B, heads, N, N)
-    attention then stays in the cores' caches (on a 2-core Xeon with bf16, 1.25x (CLS) and 1.33x (rollout)
-    the images/s of batch 512: ``python scripts/bench_models.py --infer-batches 128 256 512``)."""
+    """Default batch of the evaluation passes: 512 on a GPU; 128 on a CPU, where the attention then stays in the
+    caches (1.25-1.33x the images/s of 512: ``scripts/bench_models.py --infer-batches 128 256 512``)."""
     return 512 if device.type == "cuda" else 128

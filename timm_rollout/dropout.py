@@ -1,12 +1,8 @@
 """Dropout that is cheap on CPU: the keep-mask comes from random bytes instead of one RNG draw per element.
 
-PyTorch's CPU dropout draws a Bernoulli sample per element, and that random number generation is most of
-its cost: with the study's dropout 0.1 it halves the training speed of the tiny ViT. ``FastDropout`` draws
-64 random bits per four elements and compares each 16-bit slice with a threshold, then masks and scales.
-The keep-probability is quantised to 1/65536 steps: it realises
-``p_eff = 1 - round((1 - p) * 65536) / 65536`` (p=0.1 -> 0.1000061) and scales kept values by
-``1 / (1 - p_eff)``, so the output's expectation equals the input exactly, as with ``nn.Dropout``. In eval
-mode, on CUDA, and for in-place dropout it is ``nn.Dropout`` itself.
+Each 64-bit draw gives four 16-bit thresholds, so the drop probability realised is
+``p_eff = 1 - round((1 - p) * 65536) / 65536`` (p=0.1 -> 0.1000061), kept values scaled by ``1 / (1 - p_eff)``.
+In eval mode, on CUDA, and for in-place dropout it is ``nn.Dropout`` itself.
 """
 
 from __future__ import annotations
@@ -14,8 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-__all__ = ["FastDropout", "use_fast_dropout"]
 
 # Literals below, not module constants, because TorchScript compiles these functions: 65536 = 2**16
 # thresholds per 16-bit slice, -9223372036854775807 - 1 = the lowest int64 (full 64-bit draws).
@@ -27,12 +21,8 @@ def _keep_threshold(p: float) -> int:
 
 
 def _keep_mask(x: torch.Tensor, keep: int) -> torch.Tensor:
-    """Boolean keep-mask shaped like ``x``, True for ``keep`` of 65536 values, from the default generator.
-
-    Each int64 draw is read as four int16 slices ``s`` (uniform over [-32768, 32767]); an element is kept
-    when ``s + 32768 < keep``. TorchScript has no dtype view, so there the slices come from shifts: the
-    same bits, the same mask.
-    """
+    """Boolean keep-mask shaped like ``x``: each int64 draw read as four int16 slices ``s``, kept when
+    ``s + 32768 < keep`` (under TorchScript, which has no dtype view, the same slices come from shifts)."""
     n = x.numel()
     bits = torch.empty([(n + 3) // 4], dtype=torch.int64, device=x.device).random_(-9223372036854775807 - 1, None)
     if torch.jit.is_scripting():
@@ -43,11 +33,8 @@ def _keep_mask(x: torch.Tensor, keep: int) -> torch.Tensor:
 
 
 class FastDropout(nn.Dropout):
-    """``nn.Dropout`` with a cheap CPU keep-mask (see the module docstring for the exact ``p`` realised).
-
-    Its ``forward`` is TorchScript-compatible and timm's FX tools keep it as a leaf module (registered as one by
-    :mod:`timm_rollout.models`), so scripted and traced models draw the same masks as eager ones.
-    """
+    """``nn.Dropout`` with a cheap CPU keep-mask; scripted and traced models (an FX leaf, registered by
+    :mod:`timm_rollout.models`) draw the eager masks."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p <= 0.0 or self.p >= 1.0 or self.inplace or x.device.type != "cpu":
@@ -60,11 +47,8 @@ class FastDropout(nn.Dropout):
 
 
 def use_fast_dropout(model: nn.Module) -> int:
-    """Turn every ``nn.Dropout`` with ``p > 0`` in ``model`` into a :class:`FastDropout`, in place.
-
-    The modules keep their identity (only their class changes), so forward hooks and pre-hooks (such as
-    the attention recorder on ``attn_drop``), attributes and state dicts are untouched. Returns the count.
-    """
+    """Turn every ``nn.Dropout`` with ``p > 0`` in ``model`` into a :class:`FastDropout` by swapping its class
+    (hooks, attributes and state dicts untouched); returns the count."""
     count = 0
     for module in model.modules():
         if type(module) is nn.Dropout and module.p > 0:

@@ -12,14 +12,9 @@ from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["UserError", "fail", "install_error", "install_guard"]
-
 
 class UserError(ValueError):
-    """A mistake in the user's input (bad flag, missing column, mismatched checkpoint...).
-
-    The message is one line that names the fix; CLIs print it without a traceback and exit 2.
-    """
+    """A mistake in the user's input: one line naming the fix, printed by the commands without a traceback."""
 
 
 def _version(package: str) -> str | None:
@@ -55,8 +50,7 @@ def _importing_torchvision(error: BaseException) -> bool:
 
 
 def install_error(error: BaseException) -> UserError | None:
-    """The one-line error for a torchvision that is missing or does not match the installed torch, from the
-    exception importing it raised; None for any other exception."""
+    """The one-line error for a missing or mismatched torchvision's import exception; None for any other."""
     if isinstance(error, ModuleNotFoundError) and error.name == "torchvision":
         return UserError(f"torchvision is not installed; install it with the torch it matches: {_matching_pair()}")
     if not isinstance(error, (ImportError, RuntimeError, AttributeError, OSError)) or not _importing_torchvision(error):

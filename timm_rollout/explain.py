@@ -1,35 +1,9 @@
 """Saliency maps of timm ViT-family models, batched over images: attention, rollout variants, gradient rollout.
 
-Every map is a (B, P) tensor over the patch grid (prefix tokens such as [CLS] and registers dropped) that
-explains the model's own *readout* ``r`` (B, N): the weights with which its classifier reads the final tokens.
-
-- ``global_pool='token'``: ``r`` is one-hot on [CLS].
-- ``global_pool='rollout'``: ``r = [0, w]`` with ``w`` the model's rollout pooling weights over the patches,
-  computed from the attention of the same pass (:func:`timm_rollout.rollout.rollout_cls_row` +
-  :func:`~timm_rollout.rollout.patch_weights`, exactly what the model pools with).
-- ``global_pool='avg'``: ``r`` is uniform over the patch tokens (the patch mean).
-- ``global_pool='map'`` (timm's learned attention pooling, ``AttentionPoolLatent`` with one latent query):
-  ``r`` is the attention of that query over the tokens the pool reads (the patches, or every token with
-  ``pool_include_prefix``), softmax(q k^T / sqrt(d)) of the pool's own layers on the tokens of the same pass,
-  mean over its heads: the weights with which it mixes the tokens before its projection and MLP.
-
-Maps (``A_l``: block *l*'s attention before dropout):
-
-- ``readout_attention``: one layer's attention of the readout, ``r · mean_heads(A_l)`` (raw, not
-  renormalised).
-- ``rollout_map``: attention rollout (Abnar & Zuidema 2020) ``r R`` with ``R = Â_L ... Â_1`` from
-  :func:`timm_rollout.rollout.rollout_layers` (``mean``/``max``/``min`` head fusion, optional discard ratio,
-  identity added, rows renormalised), patch columns renormalised to sum 1.
-- ``rollout_buildup``: ``r Â_l ... Â_1`` for l = 1..L (how the rollout builds up), renormalised likewise.
-- ``gradient_rollout``: Chefer et al. 2021 ("Generic Attention-model Explainability", the rule of their ViT
-  code): ``Ā_l = mean_heads((∂y_t/∂A_l ⊙ A_l)⁺)`` for the target-class *logit* ``y_t`` (predicted class by
-  default), ``R = I; R ← R + Ā_l R`` for l = 1..L, i.e. ``R = (I + Ā_L) ... (I + Ā_1)`` (no row
-  normalisation); the map is ``r R`` over the patch columns, unnormalised. The gradient is that of the
-  model's forward function: for rollout pooling it includes the path through the pooling weights
-  (``rollout_grad`` is switched on for the pass).
-- ``attention_flow``: the max-flow variant of Abnar & Zuidema for one image, from the readout tokens
-  (capacities ``r``) through the layered graph of the mean-fused, residual-augmented, row-normalised
-  attention (``scipy.sparse.csgraph.maximum_flow``, capacities quantised to integers as scipy requires).
+Every map is a (B, P) tensor over the patch grid (prefix tokens dropped) that explains the model's own *readout*
+``r`` (B, N), the weights with which its classifier reads the final tokens (:func:`readout_row`): one-hot [CLS]
+for ``'token'``, ``[0, w]`` with the model's rollout pooling weights for ``'rollout'``, uniform over the patches
+for ``'avg'``, and the attention of the pool's one latent query for ``'map'`` (:func:`latent_attention`).
 """
 
 from __future__ import annotations
@@ -37,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -49,34 +23,13 @@ from .rollout import (
     HEAD_FUSIONS,
     fuse_heads,
     patch_weights,
-    rollout_cls_row,
+    pooling_weights,
     rollout_layers,
     rollout_options,
     rollout_row,
 )
 
-__all__ = [
-    "MAP_LABELS",
-    "READOUTS",
-    "AttentionPass",
-    "Explanation",
-    "attention_flow",
-    "chefer_row",
-    "explain",
-    "gradient_layers",
-    "gradient_pass",
-    "gradient_rollout",
-    "latent_attention",
-    "patch_grid",
-    "readout_attention",
-    "readout_kind",
-    "readout_maps",
-    "readout_row",
-    "rollout_buildup",
-    "rollout_map",
-]
-
-DISCARD_RATIOS = (0.0, 0.5, 0.9)
+DISCARD_RATIOS = (0.5, 0.9)  # besides rollout without discarding
 FLOW_SCALE = 1 << 20  # integer capacity of a weight of 1.0 in the max-flow graph
 READOUTS = {  # global_pool -> readout name
     "token": "[CLS]", "rollout": "rollout-weights", "avg": "patch-mean", "map": "attention-pool query",
@@ -90,7 +43,8 @@ MAP_LABELS = {  # the maps the harness draws and scores (readout_maps), in displ
 
 @dataclass
 class AttentionPass:
-    """One forward pass: logits, every block's attention (float32, detached), the readout and token layout."""
+    """One forward and backward pass (:func:`gradient_pass`): logits, every block's attention (float32, detached),
+    the readout and token layout, the explained class and Chefer's gradient-weighted layers."""
 
     logits: torch.Tensor  # (B, C)
     attentions: list[torch.Tensor]  # L x (B, heads, N, N)
@@ -98,6 +52,8 @@ class AttentionPass:
     readout: torch.Tensor  # (B, N): weights of the final tokens the classifier reads
     readout_name: str
     grid: tuple[int, int]
+    target: torch.Tensor  # (B,) int64
+    gradient_layers: list[torch.Tensor]  # L x (B, N, N)
 
 
 def patch_grid(model: nn.Module, image_size: Sequence[int], num_patches: int) -> tuple[int, int]:
@@ -134,11 +90,8 @@ def readout_kind(model: nn.Module) -> str:
 
 
 def latent_attention(pool: AttentionPoolLatent, tokens: torch.Tensor) -> torch.Tensor:
-    """Attention of ``pool``'s latent query over the (B, T, D) ``tokens`` it pools, mean over heads: (B, T).
-
-    softmax(q k^T / sqrt(d)) from the pool's own ``latent``, ``q``, ``kv``, norms and position embedding, in
-    float32 with autocast off (timm's fused path never forms the matrix, and the pool has no ``attn_drop``).
-    """
+    """Attention of ``pool``'s latent query over the (B, T, D) ``tokens`` it pools, mean over heads: (B, T),
+    recomputed in float32 from the pool's own layers (its fused path never forms the matrix)."""
     with torch.autocast(tokens.device.type, enabled=False):
         b, t, _ = tokens.shape
         x = tokens.float()
@@ -155,8 +108,7 @@ def latent_attention(pool: AttentionPoolLatent, tokens: torch.Tensor) -> torch.T
 def readout_row(kind: str, attentions: Sequence[torch.Tensor], num_prefix_tokens: int,
                 pool_attention: torch.Tensor | None = None, head_fusion: str = "mean",
                 discard_ratio: float = 0.0) -> torch.Tensor:
-    """(B, N) readout weights: one-hot [CLS], ``[0, w]`` (rollout pooling weights of these attentions with the
-    model's own ``head_fusion`` and ``discard_ratio``), patch mean, or (``'map'``) ``pool_attention`` (B, T) from
+    """(B, N) readout weights of pooling ``kind`` (module docstring); for ``'map'``, ``pool_attention`` (B, T) from
     :func:`latent_attention` on the last T tokens."""
     first = attentions[0]
     b, n = first.shape[0], first.shape[-1]
@@ -164,11 +116,9 @@ def readout_row(kind: str, attentions: Sequence[torch.Tensor], num_prefix_tokens
     if kind == "token":
         row[:, 0] = 1.0
     elif kind == "rollout":
-        weights = rollout_cls_row([a.detach() for a in attentions], head_fusion, discard_ratio, num_prefix_tokens)
-        row[:, num_prefix_tokens:] = patch_weights(weights, num_prefix_tokens)
+        detached = [a.detach() for a in attentions]
+        row[:, num_prefix_tokens:] = pooling_weights(detached, num_prefix_tokens, head_fusion, discard_ratio)
     elif kind == "map":
-        if pool_attention is None:
-            raise ValueError("the 'map' readout needs the attention of the pool's query (latent_attention)")
         row[:, n - pool_attention.shape[1]:] = pool_attention.detach().float()
     else:
         row[:, num_prefix_tokens:] = 1.0 / (n - num_prefix_tokens)
@@ -203,8 +153,8 @@ def _rollout_grad(model: nn.Module) -> Iterator[None]:
             model.rollout_grad = had
 
 
-def _pass(model: nn.Module, x: torch.Tensor, cap, logits: torch.Tensor,
-          pool_tokens: list[torch.Tensor]) -> AttentionPass:
+def _pass(model: nn.Module, x: torch.Tensor, cap, logits: torch.Tensor, pool_tokens: list[torch.Tensor],
+          target: torch.Tensor, grads: Sequence[torch.Tensor]) -> AttentionPass:
     attentions = [a.detach().float() for a in cap.attentions]
     n = attentions[0].shape[-1]
     prefix = cap.num_prefix_tokens
@@ -212,7 +162,8 @@ def _pass(model: nn.Module, x: torch.Tensor, cap, logits: torch.Tensor,
     kind = readout_kind(model)
     pool_attention = latent_attention(model.attn_pool, pool_tokens[-1]) if kind == "map" else None
     readout = readout_row(kind, attentions, prefix, pool_attention, *rollout_options(model))
-    return AttentionPass(logits.detach().float(), attentions, prefix, readout, READOUTS[kind], grid)
+    return AttentionPass(logits.detach().float(), attentions, prefix, readout, READOUTS[kind], grid, target.detach(),
+                         gradient_layers(attentions, grads))
 
 
 def readout_attention(p: AttentionPass, layer: int = -1) -> torch.Tensor:
@@ -222,7 +173,7 @@ def readout_attention(p: AttentionPass, layer: int = -1) -> torch.Tensor:
 
 
 def rollout_map(p: AttentionPass, head_fusion: str = "mean", discard_ratio: float = 0.0) -> torch.Tensor:
-    """Readout row of the attention rollout over the patch columns, renormalised to sum 1: (B, P)."""
+    """Readout row of the attention rollout (Abnar & Zuidema 2020) over the patch columns, renormalised: (B, P)."""
     row = rollout_row(p.attentions, p.readout, head_fusion, discard_ratio, p.num_prefix_tokens)
     return patch_weights(row, p.num_prefix_tokens)
 
@@ -247,19 +198,9 @@ def chefer_row(layers: Sequence[torch.Tensor], row: torch.Tensor) -> torch.Tenso
     return out.squeeze(1)
 
 
-@dataclass
-class GradientPass(AttentionPass):
-    """An :class:`AttentionPass` with Chefer's gradient-weighted layers and the class they explain."""
-
-    target: torch.Tensor = field(default=None)  # (B,) int64
-    gradient_layers: list[torch.Tensor] = field(default_factory=list)  # L x (B, N, N)
-
-
-def gradient_pass(model: nn.Module, x: torch.Tensor, target_class: int | torch.Tensor | None = None) -> GradientPass:
-    """Forward + one backward of the summed target logits (images are independent, so one batched pass).
-
-    ``target_class``: None for each image's predicted class, an int for all images, or a (B,) tensor.
-    """
+def gradient_pass(model: nn.Module, x: torch.Tensor, target_class: int | torch.Tensor | None = None) -> AttentionPass:
+    """Forward + one backward of the summed target logits; ``target_class``: None for each image's predicted
+    class, an int for all images, or a (B,) tensor."""
     readout_kind(model)  # fail before the pass
     x = x.detach().clone().requires_grad_(True)  # a graph exists even when the parameters are frozen
     with torch.enable_grad(), _rollout_grad(model), capture_attention(model) as cap, \
@@ -273,30 +214,25 @@ def gradient_pass(model: nn.Module, x: torch.Tensor, target_class: int | torch.T
             raise ValueError(f"target class {target_class} is outside the model's {logits.shape[1]} classes")
     score = logits.gather(1, target[:, None]).sum()
     grads = torch.autograd.grad(score, cap.attentions)
-    base = _pass(model, x, cap, logits, pool_tokens)
-    cams = gradient_layers(base.attentions, grads)
-    return GradientPass(**vars(base), target=target.detach(), gradient_layers=cams)
+    return _pass(model, x, cap, logits, pool_tokens, target, grads)
 
 
-def gradient_rollout(p: GradientPass) -> torch.Tensor:
-    """Chefer's gradient-weighted rollout ``r R`` over the patch columns, unnormalised: (B, P)."""
+def gradient_rollout(p: AttentionPass) -> torch.Tensor:
+    """Chefer et al. 2021's gradient-weighted rollout ``r R`` for the target-class logit over the patch columns,
+    unnormalised: (B, P). With rollout pooling the gradient includes the path through the pooling weights."""
     return chefer_row(p.gradient_layers, p.readout)[:, p.num_prefix_tokens:]
 
 
-def readout_maps(p: GradientPass) -> dict[str, torch.Tensor]:
+def readout_maps(p: AttentionPass) -> dict[str, torch.Tensor]:
     """The maps the harness draws and scores (keys of :data:`MAP_LABELS`), each (B, P): one implementation each."""
     return {"rollout": rollout_map(p, "mean"), "gradient_rollout": gradient_rollout(p),
             "last_layer_attention": readout_attention(p, -1)}
 
 
 def attention_flow(p: AttentionPass, index: int = 0) -> torch.Tensor:
-    """Attention flow (max-flow, Abnar & Zuidema 2020) from the readout to each input patch of image ``index``.
-
-    Nodes are the N tokens at layer 0 (input) to L; an edge from token i at layer l to token j at layer l-1
-    has capacity ``Â_l[i, j]`` (mean heads, identity added, rows renormalised). A super source feeds the
-    readout tokens of layer L with capacities ``r`` (1 for [CLS]); the flow value into each input patch,
-    over all patches, is renormalised to sum 1. Returns (P,). One scipy max-flow per patch.
-    """
+    """Attention flow (max-flow, Abnar & Zuidema 2020) from the readout to each input patch of image ``index``:
+    edges token i (layer l) -> token j (layer l-1) of capacity ``Â_l[i, j]``, a source feeding the readout with
+    capacities ``r``; (P,) flows renormalised to sum 1, one scipy max-flow per patch."""
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import maximum_flow
 
@@ -334,37 +270,26 @@ class Explanation:
     readout: str
 
 
-def _layer_indices(depth: int) -> list[int]:
-    return list(dict.fromkeys((0, (depth - 1) // 2, depth - 1)))
-
-
 def explain(
     model: nn.Module,
     x: torch.Tensor,
     *,
     target_class: int | torch.Tensor | None = None,
-    head_fusions: Sequence[str] = HEAD_FUSIONS,
-    discard_ratios: Sequence[float] = DISCARD_RATIOS,
     flow: bool = False,
 ) -> Explanation:
-    """Every map for normalised images ``x`` (B, 3, H, W) in one forward + backward pass.
-
-    Keys name the maps as figure titles: readout attention at the last, first and middle layers, rollout per
-    head fusion (no discard) and per discard ratio (mean fusion), gradient-weighted rollout, and with
-    ``flow`` the attention flow of each image (slow: one max-flow per patch per image).
-    """
+    """Every map for normalised images ``x`` (B, 3, H, W) in one forward + backward pass, keyed by figure title;
+    ``flow`` adds the (slow) attention flow of each image."""
     model.eval()
     p = gradient_pass(model, x, target_class)
     name = p.readout_name
     depth = len(p.attentions)
     maps: dict[str, torch.Tensor] = {f"last-layer {name} attention (layer {depth})": readout_attention(p, -1)}
-    for layer in _layer_indices(depth)[:-1]:
+    for layer in sorted({0, (depth - 1) // 2} - {depth - 1}):  # the first and middle layers
         maps[f"{name} attention, layer {layer + 1}"] = readout_attention(p, layer)
-    for fusion in head_fusions:
+    for fusion in HEAD_FUSIONS:
         maps[f"rollout, {fusion} of heads"] = rollout_map(p, fusion)
-    for ratio in discard_ratios:
-        if ratio > 0:
-            maps[f"rollout, mean of heads, discard {ratio:g}"] = rollout_map(p, "mean", ratio)
+    for ratio in DISCARD_RATIOS:
+        maps[f"rollout, mean of heads, discard {ratio:g}"] = rollout_map(p, "mean", ratio)
     maps["gradient-weighted rollout (Chefer)"] = gradient_rollout(p)
     if flow:
         maps["attention flow (max-flow)"] = torch.stack([attention_flow(p, i) for i in range(x.shape[0])])

@@ -1,12 +1,8 @@
 """Build a timm model and load its weights, with one-line errors for every user mistake.
 
 ``model`` is a registered timm name, ``hf-hub:org/name`` or ``local-dir:PATH``; ``checkpoint`` is a
-``.safetensors`` file or a folder written by ``timm.models.save_for_hf`` (``model.safetensors`` +
-``config.json``, e.g. a training output folder). Weights are loaded with ``timm.models.load_checkpoint``
-after their parameter names and shapes are checked against the model, so a mismatch is reported by name
-rather than as a torch traceback. The two CIFAR models share every parameter name, so weights trained with
-one pooling load into the other (the rollout model then gives a post-hoc rollout readout of a CLS model).
-Only safetensors are read: pickled checkpoints are refused, never unpickled.
+``.safetensors`` file or a ``save_for_hf`` folder (e.g. a training output folder). Parameter names and shapes are
+checked before ``timm.models.load_checkpoint``, so a mismatch is named. Pickled checkpoints are never unpickled.
 """
 
 from __future__ import annotations
@@ -30,21 +26,13 @@ from .cli import kwarg
 from .errors import UserError
 from .models import record_input_size
 from .online import hub_or_cache
-from .pooling import CONFIG_KEY, POOLED_ARCHITECTURE, ROLLOUT, STOCK_ARCHITECTURE, pool_name, set_pooling
+from .pooling import POOLED_ARCHITECTURE, STOCK_ARCHITECTURE, pool_name, stock_architecture
 from .records import CONFIG_FILE, RESUME_FILE, WEIGHTS_FILE, sha256_file
-
-__all__ = ["build_meta", "check_input_size", "check_model", "create_model", "load_model", "pretrained_config",
-           "pretrained_overlay"]
 
 PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".tar", ".ckpt", ".pkl")
 CONVERT_HINT = "convert it with scripts/convert_checkpoint.py (pickled checkpoints are never loaded)"
 # Reconstruction arguments that describe the head/pooling rather than the architecture.
 _HEAD_ARGS = ("num_classes", "global_pool")
-
-
-def _refuse_pickle(path: Path) -> None:
-    if path.name.lower().endswith(PICKLE_SUFFIXES):
-        raise UserError(f"{path} is a pickled checkpoint; {CONVERT_HINT}")
 
 
 def _check_registered(name: str) -> None:
@@ -136,12 +124,8 @@ def _check_patches(model: nn.Module, size: tuple[int, int]) -> None:
 
 
 def check_model(name: str, kwargs: dict[str, Any] | None = None) -> None:
-    """Fail fast on a model name or model arguments that timm rejects, without allocating weights.
-
-    A registered name is built on the meta device; ``local-dir:`` must be a folder with a ``config.json``;
-    ``hf-hub:`` names are checked when they are loaded. A failure that only the meta device can cause
-    (``RuntimeError``, e.g. ``.item()`` on a meta tensor) is left to the real build.
-    """
+    """Fail fast on a model name or model arguments that timm rejects, built on the meta device (failures only
+    the meta device causes are left to the real build); ``hf-hub:`` names are checked when they are loaded."""
     try:
         source, model_id = parse_model_name(name)
     except ValueError as e:
@@ -234,17 +218,16 @@ def _resolve_checkpoint(checkpoint: str | Path) -> tuple[Path, dict[str, Any] | 
         return _weights_in(path), _read_config(path)
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist; pass a .safetensors file or a training output folder")
-    _refuse_pickle(path)
+    if path.name.lower().endswith(PICKLE_SUFFIXES):
+        raise UserError(f"{path} is a pickled checkpoint; {CONVERT_HINT}")
     if path.suffix != ".safetensors":
         raise UserError(f"checkpoint {path} is not a .safetensors file; pass a .safetensors file or a folder")
     return path, None
 
 
 def pretrained_overlay(path: str | Path) -> dict[str, Any]:
-    """``pretrained_cfg_overlay`` that makes ``timm.create_model(..., pretrained=True)`` start from a local weights
-    file: a safetensors file or folder, or a timm checkpoint (``.pth``/``.pt``) read with ``weights_only=True``
-    (never unpickled), its EMA weights when it has them. timm then drops the head when the class count differs
-    and resamples the position embedding to the model's image size, as for Hub weights."""
+    """``pretrained_cfg_overlay`` that makes ``timm.create_model(..., pretrained=True)`` start from local weights (a
+    safetensors file or folder, or a timm checkpoint read weights-only), adapted by timm as Hub weights are."""
     path = Path(path)
     if path.is_dir() or path.suffix == ".safetensors":
         file = _resolve_checkpoint(path)[0]
@@ -284,10 +267,7 @@ def pretrained_config(path: str | Path, arch: str) -> dict[str, Any]:
         stats = {"mean": tuple(saved["mean"]), "std": tuple(saved["std"])}
     elif registered is not None:
         stats = {"mean": tuple(registered.mean), "std": tuple(registered.std)}
-    args = dict(config.get("model_args") or {})
-    architecture = args.get(STOCK_ARCHITECTURE) if config.get("architecture") == POOLED_ARCHITECTURE \
-        else config.get("architecture")
-    return {"model_args": args, "architecture": architecture, **stats}
+    return {"model_args": dict(config.get("model_args") or {}), "architecture": stock_architecture(config), **stats}
 
 
 def _checkpoint_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
@@ -297,11 +277,6 @@ def _checkpoint_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except SafetensorError as e:
         raise UserError(f"{weights} is not a readable safetensors file ({e}); re-save or re-download it") from None
-
-
-def _head_classes(shapes: dict[str, tuple[int, ...]], classifier: str) -> int | None:
-    shape = shapes.get(f"{classifier}.weight")
-    return shape[0] if shape else None
 
 
 def _check_match(model: nn.Module, shapes: dict[str, tuple[int, ...]], name: str, weights: Path,
@@ -395,10 +370,8 @@ def _resolve_source(model: str, checkpoint: str | Path | None) -> tuple[str, dic
 
 def _checkpoint_for(model: str, arch: str, own: dict[str, Any] | None,
                     checkpoint: str | Path) -> tuple[Path, dict[str, Any] | None]:
-    """(weights file, config to build with) for ``checkpoint`` loaded into ``model`` (``own``: its config, for
-    ``hf-hub:``/``local-dir:`` names). A folder's config is used, and so is the one beside a weights file (its run
-    folder's: model arguments, mean/std, label names); ``own`` only for a file without one. With ``own``, the
-    checkpoint's config must build the same model: architecture, model arguments and pooling."""
+    """(weights file, config to build with) for ``checkpoint`` loaded into ``model``: the checkpoint's (or its run
+    folder's) config, else ``own`` (the config of an ``hf-hub:``/``local-dir:`` name), which it must match."""
     weights, config = _resolve_checkpoint(checkpoint)
     folder = Path(checkpoint) if config is not None else weights.parent
     trained = config if config is not None else _config_beside(weights)
@@ -417,11 +390,10 @@ def _config_beside(weights: Path) -> dict[str, Any] | None:
     return _read_config(weights.parent) if (weights.parent / CONFIG_FILE).is_file() else None
 
 
-def _built_as(config: dict[str, Any]) -> tuple[str, dict[str, Any], Any, Any]:
-    """What a timm config builds: architecture, model arguments other than the class count, pooling, and the
-    rollout pooling a stock ViT was trained with."""
+def _built_as(config: dict[str, Any]) -> tuple[str, dict[str, Any], Any]:
+    """What a timm config builds: architecture, model arguments other than the class count, and pooling."""
     args = {k: v for k, v in (config.get("model_args") or {}).items() if k != "num_classes"}
-    return str(config.get("architecture")), args, config.get("global_pool"), config.get(CONFIG_KEY)
+    return str(config.get("architecture")), args, config.get("global_pool")
 
 
 def _classifier(arch: str, config: dict[str, Any] | None) -> str:
@@ -438,9 +410,7 @@ def _config_fix(arch: str, config: dict[str, Any] | None, weights: Path | None, 
         return "fix or drop the model arguments"
     folder = weights.parent if weights is not None else Path("RUN")
     fix = f"the model arguments {from_config} come from the checkpoint's config, {folder / CONFIG_FILE}"
-    trained = str((config or {}).get("architecture") or "")
-    if trained == POOLED_ARCHITECTURE:  # named as its stock architecture (load_model builds that rollout-pooled)
-        trained = str((config.get("model_args") or {}).get(STOCK_ARCHITECTURE) or trained)
+    trained = stock_architecture(config or {})
     if trained and trained != arch:
         return f"{fix}, saved with {trained}: evaluate it as local-dir:{folder} (or --model {trained})"
     return f"{fix}; re-export the model with timm.models.save_for_hf"
@@ -466,21 +436,15 @@ def load_model(
     device: str | torch.device = "cpu",
     **model_kwargs: Any,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Build ``model`` in eval mode on ``device``, with ``checkpoint``'s weights if given.
-
-    ``hf-hub:`` and ``local-dir:`` names build the architecture named in their ``config.json`` and load
-    their weights unless ``checkpoint`` overrides them (a weights file is loaded into the model that config
-    builds; a checkpoint folder, or a file's run folder, must have been built alike). The class count comes
-    from the checkpoint's head; ``num_classes`` must agree with it (or may be omitted). Returns the model and
-    provenance: resolved name, checkpoint and weights paths, sha256, class count, label names, mean and std.
-    """
+    """Build ``model`` in eval mode on ``device``, with ``checkpoint``'s weights if given (the class count from
+    its head); returns the model and its provenance (paths, sha256, class count, label names, mean and std)."""
     arch, config, weights = _resolve_source(model, checkpoint)
     saved = _model_args(config, arch := _as_trained(arch, config))
     kwargs = {**saved, **model_kwargs}
     shapes = None
     if weights is not None:
         shapes = _checkpoint_shapes(weights)
-        found = _head_classes(shapes, _classifier(arch, config))
+        found = shapes.get(f"{_classifier(arch, config)}.weight", (None,))[0]
         if num_classes is not None and found is not None and found != num_classes:
             raise UserError(
                 f"checkpoint has {found} classes, model built with {num_classes}; "
@@ -496,8 +460,6 @@ def load_model(
     if weights is not None:
         _check_match(net, shapes, arch, weights, config)
         load_checkpoint(net, str(weights), strict=True)
-    if config and CONFIG_KEY in config:  # a stock timm ViT trained with set_pooling(model, "rollout", ...)
-        set_pooling(net, ROLLOUT, **config[CONFIG_KEY])
     net = net.to(device).eval()
 
     cfg = net.pretrained_cfg

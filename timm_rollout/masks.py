@@ -1,25 +1,9 @@
 """Object boxes and content masks a data set brings: their conventions, read and checked when a split is loaded.
 
-The harness (``load_image_set(..., boxes=True)``) reads two optional columns; training leaves them alone.
-
-- ``bbox``: one box per image, ``[x, y, w, h]`` in pixels (COCO order), covering [x, x + w) x [y, y + h). Without
-  a mask, a box that is not at least a pixel wide and high and inside its image is refused (the sign of
-  ``[x1, y1, x2, y2]``, centres or fractions); a corner box ``[x1, y1, x2, y2]`` that happens to fit the image
-  when read as ``[x, y, w, h]`` cannot be told apart there: it is assumed to be ``[x, y, w, h]``.
-- ``mask``: one mask per image, of the image's size: an Image column (one channel: PIL mode L, P, 1 or I) or a
-  2-D array column (``Array2D`` or nested lists of numbers). Its convention is told by the values the split holds:
-
-  * **clutter** (as ``scripts/make_cluttered.py`` writes): 0 flat fill, 1 clutter, 2 the object; a split whose
-    masks hold a 2 and nothing above it;
-  * **foreground**: 0 background, 1 the object (values 0 and 1 only, booleans too). Read into the harness's
-    encoding as :data:`BACKGROUND` and :data:`OBJECT`: fill and clutter are not told apart, so the metrics that
-    need the fill are None (:mod:`harness.localisation`).
-
-  Any other values are refused, naming both conventions and how to convert. Every image must mark its object.
-  With a ``bbox`` column each box must be its object's bounding box (each edge within :data:`TOLERANCE` pixels
-  of the object's outermost pixels): a contradiction is refused, naming the box convention the column looks like.
-  Without one, each box is the bounding box of its mask's object (the object itself where it is a rectangle, as
-  on ``make_cluttered.py`` canvases).
+The harness (``load_image_set(..., boxes=True)``) reads two optional columns, training leaves them alone: ``bbox``
+(one ``[x, y, w, h]`` pixel box per image, COCO order) and ``mask`` (one mask per image in the clutter convention,
+0 fill, 1 clutter, 2 object, or the foreground one, 0 background, 1 object). What is accepted and refused:
+``harness/README.md`` ("Object boxes and masks a data set brings").
 """
 
 from __future__ import annotations
@@ -32,9 +16,6 @@ import numpy as np
 import torch
 
 from .errors import UserError
-
-__all__ = ["BACKGROUND", "BOX_COLUMN", "CLUTTER", "CONVENTIONS", "FILL", "MASK_COLUMN", "OBJECT", "TOLERANCE",
-           "BoxColumnError", "check_boxes", "object_boxes", "read_localisation", "read_masks"]
 
 BOX_COLUMN = "bbox"  # one object box per image, [x, y, w, h] in pixels (COCO order)
 MASK_COLUMN = "mask"  # a per-pixel mask per image, in one of CONVENTIONS
@@ -134,10 +115,8 @@ def _convention(values: set[float], name: str) -> str:
 
 
 def read_masks(split_ds, name: str, size: tuple[int, int]) -> tuple[torch.Tensor, str] | None:
-    """uint8 (N, H, W) masks of a split with a ``mask`` column in the harness's encoding (:data:`FILL`,
-    :data:`CLUTTER`, :data:`OBJECT`, :data:`BACKGROUND`) and the convention they were read in (a key of
-    :data:`CONVENTIONS`); None without the column. A mask that is not one channel of its ``size`` = (H, W) image,
-    or whose values fit no convention, is refused (module docstring)."""
+    """uint8 (N, H, W) masks of a split's ``mask`` column in the harness's encoding and their convention (a key of
+    :data:`CONVENTIONS`); None without the column."""
     if MASK_COLUMN not in split_ds.features:
         return None
     arrays = _mask_arrays(split_ds, name)
@@ -212,8 +191,7 @@ def check_boxes(boxes: torch.Tensor, masks: torch.Tensor, convention: str, name:
 
 def read_localisation(split_ds, name: str, size: tuple[int, int]
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, str | None]:
-    """A split's object boxes (float32 (N, 4)), masks (uint8 (N, H, W), the harness's encoding) and their
-    convention, each None where the split has none; every check of the module docstring applied."""
+    """A split's checked object boxes (float32 (N, 4)), masks (uint8 (N, H, W)) and convention, or Nones."""
     column, read = _box_column(split_ds, name), read_masks(split_ds, name, size)
     boxes = None if column is None else column[0]
     if read is None:

@@ -1,13 +1,8 @@
 """The three tiny CIFAR ViTs, registered with timm: [CLS]-token, patch-mean and attention-rollout pooling; and
 ``timm_rollout_pooled``, any stock timm ViT pooled otherwise than it was built (what a saved run of one names).
 
-All three are :class:`RolloutVisionTransformer`, a timm ``VisionTransformer`` with the same parameter
-names, so a checkpoint trained with one pooling loads into the others. Pooling is switchable at run time
-by assigning ``model.global_pool`` (or with :func:`timm_rollout.set_pooling`, which does the same for any timm
-ViT). Any timm pooling (``'token'``, ``'avg'``, ...) runs stock timm code: fused attention, TorchScript, FX.
-Assigning ``'rollout'`` swaps the model's class to :class:`RolloutPooledVisionTransformer`
-(:mod:`timm_rollout.pooling`): timm's explicit attention path with a recorder hook on each ``attn_drop``,
-pooling weights tied to the tokens of the pass that computed them. Assigning another pooling swaps back.
+All three are :class:`RolloutVisionTransformer` with the same parameter names, so a checkpoint of one loads into
+the others; assigning ``model.global_pool`` switches the pooling (``'rollout'``: :mod:`timm_rollout.pooling`).
 """
 
 from __future__ import annotations
@@ -21,11 +16,11 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch import nn
 
+from .data import KNOWN_STATS
 from .dropout import FastDropout, use_fast_dropout
 from .pooling import (
-    OPTION_ARGS,
-    POOL_ARG,
     POOLED_ARCHITECTURE,
+    POOLED_ARGS,
     ROLLOUT,
     STOCK_ARCHITECTURE,
     RolloutPooling,
@@ -36,32 +31,15 @@ from .pooling import (
     switch_pooling_class,
 )
 
-__all__ = ["CIFAR100_MEAN", "CIFAR100_STD", "RolloutPooledVisionTransformer", "RolloutVisionTransformer",
-           "record_input_size"]
-
 register_notrace_module(FastDropout)  # an FX leaf (as timm's tracing helpers treat it): masks stay its own
 route_timm_classes()  # global_pool = 'rollout' on a stock timm ViT runs set_pooling
 
-CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
-CIFAR100_STD = (0.2673, 0.2564, 0.2762)
+CIFAR100_MEAN, CIFAR100_STD = KNOWN_STATS["cifar100"]  # the registered default: 100 classes
 
 
 class RolloutVisionTransformer(VisionTransformer):
-    """timm ``VisionTransformer`` whose pooling can be attention rollout (``global_pool='rollout'``).
-
-    Args:
-        global_pool: any timm pooling (``'token'``, ``'avg'``, ...) or ``'rollout'``.
-        rollout_grad: let gradients flow through the rollout weights; by default they are a
-            readout (detached), as in Abnar & Zuidema's use of rollout.
-        rollout_head_fusion: how each layer's heads are fused before rollout: ``'mean'`` (default),
-            ``'max'`` or ``'min'``, as in :func:`timm_rollout.rollout.attention_rollout`.
-        rollout_discard_ratio: fraction of each layer's weakest patch-to-patch attention zeroed before
-            rollout (0 keeps all), as in :func:`timm_rollout.rollout.attention_rollout`.
-        **kwargs: passed to ``VisionTransformer``.
-
-    The three rollout options are model arguments, so timm's ``config.json`` (``model_args``) records them and
-    ``timm.create_model("local-dir:...", pretrained=True)`` rebuilds the model with them.
-    """
+    """timm ``VisionTransformer`` whose ``global_pool`` may also be ``'rollout'``, with the rollout options of
+    :func:`timm_rollout.set_pooling` as model arguments (so ``config.json`` records them)."""
 
     def __init__(self, *args, global_pool: str = "token", rollout_grad: bool = False,
                  rollout_head_fusion: str = "mean", rollout_discard_ratio: float = 0.0, **kwargs) -> None:
@@ -142,11 +120,8 @@ _TINY_CIFAR = dict(
 
 
 def record_input_size(net: nn.Module) -> nn.Module:
-    """Make ``net.pretrained_cfg["input_size"]`` the size a timm ViT was built for (its ``patch_embed``).
-
-    timm keeps the registered size there when ``img_size`` says otherwise, so its data config
-    (``resolve_data_config``), an exported config and every reader of them would resize images for another
-    model. Returns ``net``."""
+    """Make ``net.pretrained_cfg["input_size"]`` the size a timm ViT was built for (timm keeps the registered one,
+    so its data config would resize images for another model); returns ``net``."""
     embed = getattr(net, "patch_embed", None)
     size, cfg = getattr(embed, "img_size", None), getattr(net, "pretrained_cfg", None)
     if size is None or not isinstance(cfg, dict):
@@ -177,11 +152,7 @@ def vit_tiny_cifar_cls(pretrained: bool = False, **kwargs) -> RolloutVisionTrans
 
 @register_model
 def vit_tiny_cifar_gap(pretrained: bool = False, **kwargs) -> RolloutVisionTransformer:
-    """The same tiny CIFAR ViT, averaging the final (normed) patch tokens (timm's ``global_pool='avg'``).
-
-    The final LayerNorm stays before pooling (``fc_norm=False``; timm would move it after for 'avg'), so the three
-    models differ in pooling only and share every parameter name.
-    """
+    """The same tiny CIFAR ViT, averaging the final (normed) patch tokens (timm's ``global_pool='avg'``)."""
     return _create("vit_tiny_cifar_gap", pretrained, "avg", **kwargs)
 
 
@@ -195,13 +166,8 @@ def vit_tiny_cifar_rollout(pretrained: bool = False, **kwargs) -> RolloutVisionT
 def timm_rollout_pooled(pretrained: bool = False, stock_architecture: str | None = None, pool: str = ROLLOUT,
                         rollout_head_fusion: str | None = None, rollout_discard_ratio: float | None = None,
                         rollout_grad: bool | None = None, **kwargs: Any) -> nn.Module:
-    """A stock timm ViT (``stock_architecture``, built with the other arguments, ``global_pool`` among them) pooled
-    with ``pool`` (any :func:`timm_rollout.set_pooling` pooling; the rollout options go with ``'rollout'``).
-
-    The architecture ``config.json`` names for a stock ViT saved while pooled otherwise than it was built
-    (:func:`timm_rollout.pooling.export_config`), so that ``timm.create_model("local-dir:RUN", pretrained=True)``
-    rebuilds it as it was trained: the stock layout with the run's weights, then :func:`timm_rollout.set_pooling`.
-    """
+    """A stock timm ViT (``stock_architecture``, built with the other arguments) pooled with ``pool``: the
+    architecture of a stock ViT saved while pooled otherwise than it was built (:func:`~.pooling.export_config`)."""
     if not isinstance(stock_architecture, str) or stock_architecture == POOLED_ARCHITECTURE \
             or not timm.is_model(stock_architecture):
         raise ValueError(f"{POOLED_ARCHITECTURE} builds a registered timm ViT pooled otherwise than it was built; name "
@@ -209,7 +175,7 @@ def timm_rollout_pooled(pretrained: bool = False, stock_architecture: str | None
     source = kwargs.pop("pretrained_model_args", None)  # timm's record of the saved arguments: the stock model's
     if source:
         kwargs["pretrained_model_args"] = {k: v for k, v in source.items()
-                                           if k not in (STOCK_ARCHITECTURE, POOL_ARG, *OPTION_ARGS)}
+                                           if k not in POOLED_ARGS}
     options = {key: value for key, value in (("head_fusion", rollout_head_fusion),
                                              ("discard_ratio", rollout_discard_ratio), ("grad", rollout_grad))
                if value is not None}

@@ -1,9 +1,5 @@
-"""Hub access that fails fast without network: one short probe of the endpoint per process, and when it gets no
-answer a Hub download uses only the local cache instead of retrying for half a minute.
-
-``hub_or_cache`` sets huggingface_hub's (and datasets') offline flag only for the duration of its ``with`` block
-and only when the probe failed: those libraries read no per-call setting for it. Nothing else changes process
-state.
+"""Hub access that fails fast without network: one short probe per process; without an answer a Hub download
+uses only the local cache, the offline flags set only for its duration.
 """
 
 from __future__ import annotations
@@ -14,8 +10,6 @@ from contextlib import contextmanager
 from functools import lru_cache
 
 from huggingface_hub import constants, get_session
-
-__all__ = ["PROBE_TIMEOUT_S", "hub_or_cache", "hub_reachable"]
 
 PROBE_TIMEOUT_S = 3.0
 
@@ -32,11 +26,8 @@ def hub_reachable() -> bool:
 
 @contextmanager
 def hub_or_cache() -> Iterator[bool]:
-    """Yield True when the Hub is used; without network, switch to offline mode (local cache only) meanwhile.
-
-    ``HF_HUB_OFFLINE`` set by the user is honoured as is (yields False). Without network, ``datasets`` and
-    ``huggingface_hub`` would otherwise retry for 25-45 s before failing.
-    """
+    """Yield True when the Hub is used; without network, offline mode (local cache only) meanwhile instead of
+    25-45 s of retries. A user's ``HF_HUB_OFFLINE`` is honoured (yields False)."""
     if constants.HF_HUB_OFFLINE:
         yield False
         return

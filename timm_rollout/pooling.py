@@ -1,26 +1,11 @@
 """Rollout pooling for timm ViT-family models, and :func:`set_pooling` to switch to and from it.
 
-Accepted: models whose head pools the tokens once, then applies ``fc_norm`` and the classifier (timm's
-``VisionTransformer``, ``Eva``, ``Beit``, ``VisionTransformerRelPos``), with a class token and one softmax
-self-attention per block; anything else is a one-line ValueError naming why.
-
 ``set_pooling(model, 'rollout')`` swaps the model's class for a subclass that mixes in :class:`RolloutPooling`
-(object identity and parameters untouched, as ``use_fast_dropout`` does for dropout): it runs timm's explicit
-attention path with a recorder hook on each ``attn_drop``, turns one pass's attention into (B, num_patches)
-pooling weights at the end of ``forward_features`` (or ``forward_intermediates``) and releases the attention.
-
-The weights are tied to the tokens that pass returned: ``forward_head(tokens)`` pools ``tokens`` with the
-weights of the pass that produced them (looked up by the tensor's identity, weakly referenced, and refused
-when the tokens were changed since, bit for bit, or the rollout options were), and raises for any other tensor.
-So no order of
-``forward_features``, ``forward_intermediates``, ``forward_head`` and ``model(x)`` calls pools one pass's
-tokens with another pass's attention. ``set_pooling(model, <timm pooling>)`` (or assigning ``global_pool``, or
-``reset_classifier(n, global_pool=...)``) gives the stock model back: its class, its fused-attention setting, no
-hooks, no state; methods bound or compiled while it was rollout-pooled then run the stock ones.
-
-:func:`route_timm_classes` (run by :mod:`timm_rollout.models`, which the package imports as soon as timm is
-imported) makes ``model.global_pool = 'rollout'`` on those timm classes run ``set_pooling`` (timm would take the
-string and fail on the next forward pass), as it does on the tiny models.
+(identity and parameters untouched): timm's explicit attention path with a recorder hook on each ``attn_drop``,
+and pooling weights computed at the end of ``forward_features`` and tied to the very tokens that pass returned.
+A timm pooling gives the stock model back. :func:`route_timm_classes` (run by :mod:`timm_rollout.models`, which the
+package imports as soon as timm is) makes ``model.global_pool = 'rollout'`` on the accepted timm classes run
+``set_pooling``. Behaviour and refusals: ``timm_rollout/README.md``.
 """
 
 from __future__ import annotations
@@ -33,30 +18,7 @@ import torch
 from torch import nn
 
 from .capture import attention_modules, hold_explicit, record_attention, release_explicit
-from .rollout import check_options, patch_weights, rollout_cls_row
-
-__all__ = [
-    "CONFIG_KEY",
-    "OPTION_ARGS",
-    "POOLED_ARCHITECTURE",
-    "POOL_ARG",
-    "ROLLOUT",
-    "STOCK_ARCHITECTURE",
-    "TIMM_POOLS",
-    "RolloutPooling",
-    "attention_free",
-    "built_pool",
-    "check_rollout_options",
-    "export_config",
-    "option_model_args",
-    "pool_name",
-    "pools_tokens",
-    "register_pooled_class",
-    "rollout_pooled_class",
-    "route_timm_classes",
-    "set_pooling",
-    "switch_pooling_class",
-]
+from .rollout import check_options, pooling_weights
 
 ROLLOUT = "rollout"
 TIMM_POOLS = ("", "avg", "avgmax", "max", "token", "map")  # timm VisionTransformer poolings (global_pool)
@@ -65,12 +27,19 @@ OPTIONS = {"head_fusion": ("rollout_head_fusion", "mean"), "discard_ratio": ("ro
 OPTION_ARGS = tuple(attr for attr, _ in OPTIONS.values())  # the options as model attributes and model arguments
 _PASSES = "_rollout_passes"  # {id(tokens): _Pass} of live passes
 _BUILT_POOL = "_built_global_pool"  # the pooling the model was built with (fixes its layout, e.g. fc_norm)
-CONFIG_KEY = "rollout_pooling"  # rollout options of a stock timm ViT in configs that name its stock architecture
 # config.json's architecture for a stock timm ViT saved while pooled otherwise than it was built (registered by
 # timm_rollout.models), its model argument naming the stock architecture, and the one naming the pooling it runs
 POOLED_ARCHITECTURE = "timm_rollout_pooled"
 STOCK_ARCHITECTURE = "stock_architecture"
 POOL_ARG = "pool"
+POOLED_ARGS = (STOCK_ARCHITECTURE, POOL_ARG, *OPTION_ARGS)  # the model arguments timm_rollout_pooled adds
+
+
+def stock_architecture(config: dict[str, Any]) -> str | None:
+    """The timm architecture a ``config.json`` builds, that of the stock ViT for :data:`POOLED_ARCHITECTURE`."""
+    if config.get("architecture") == POOLED_ARCHITECTURE:
+        return (config.get("model_args") or {}).get(STOCK_ARCHITECTURE)
+    return config.get("architecture")
 
 
 class _Pass(NamedTuple):
@@ -83,29 +52,23 @@ class _Pass(NamedTuple):
 
 
 def _while_pooled(method: Any) -> Any:
-    """A method bound (``f = model.forward_features``) or compiled while the model was rollout-pooled runs the
-    model's current class's method once :func:`set_pooling` has switched it back to a timm pooling. The dispatch
-    runs eagerly under ``torch.compile`` (the method it picks is compiled): some torch releases (2.11) do not guard
-    a compiled frame on the class that ``set_pooling`` reassigns, and would replay the rollout branch."""
+    """A method bound or compiled while the model was rollout-pooled runs the current class's method once the model
+    is switched back. Eager under ``torch.compile``: some torch releases (2.11) do not guard a compiled frame on
+    the reassigned class, and would replay the rollout branch."""
 
     @torch.compiler.disable(recursive=False)
     @functools.wraps(method)
     def run(self: nn.Module, *args, **kwargs) -> Any:
         if isinstance(self, RolloutPooling):
             return method(self, *args, **kwargs)
-        stock = getattr(type(self), method.__name__, None)
-        if stock is None:  # e.g. Beit's pool: its head pools inline
-            raise RuntimeError(f"{type(self).__name__} has no {method.__name__} now that it is pooled with "
-                               f"{self.global_pool!r}; this one was taken while it was rollout-pooled")
-        return stock(self, *args, **kwargs)
+        return getattr(type(self), method.__name__)(self, *args, **kwargs)
 
     return run
 
 
 class RolloutPooling:
-    """Mixin of a rollout-pooled timm ViT (made by :func:`set_pooling`, never built): pooling by the [CLS] row of
-    the attention rollout over the patch tokens, with the model's ``rollout_head_fusion``,
-    ``rollout_discard_ratio`` and ``rollout_grad``; prefix tokens (class, registers) are never pooled."""
+    """Mixin of a rollout-pooled timm ViT (made by :func:`set_pooling`, never built): the [CLS] row of the attention
+    rollout over the patch tokens weights them, with the model's ``rollout_*`` options."""
 
     _stock_class: type[nn.Module]
 
@@ -123,8 +86,7 @@ class RolloutPooling:
 
     @_while_pooled
     def forward_intermediates(self, x: torch.Tensor, *args, **kwargs) -> Any:
-        """timm's ``forward_intermediates``; the final tokens it returns (unless ``intermediates_only``) carry
-        this pass's pooling weights for ``forward_head``."""
+        """timm's ``forward_intermediates``; the final tokens it returns carry this pass's pooling weights."""
         out, weights = self._rollout_pass(super().forward_intermediates, x, *args, **kwargs)
         if isinstance(out, tuple) and isinstance(out[0], torch.Tensor):
             self._keep(out[0], weights)
@@ -132,8 +94,7 @@ class RolloutPooling:
 
     @_while_pooled
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Rollout pooling of ``x`` (the output of this model's ``forward_features``), then timm's ``fc_norm``,
-        ``head_drop`` and ``head``, as every accepted class's own head does after its pooling."""
+        """Rollout pooling of ``x`` (this model's ``forward_features``), then ``fc_norm``, ``head_drop``, ``head``."""
         return self._head(x, self.rollout_weights(x), pre_logits)
 
     @_while_pooled
@@ -164,26 +125,20 @@ class RolloutPooling:
             raise ValueError(f"rollout_grad must be True or False, got {self.rollout_grad!r}")
         if not self.rollout_grad:
             attentions = [a.detach() for a in attentions]
-        row = rollout_cls_row(attentions, self.rollout_head_fusion, self.rollout_discard_ratio, self.num_prefix_tokens)
-        return patch_weights(row, self.num_prefix_tokens)
+        return pooling_weights(attentions, self.num_prefix_tokens, self.rollout_head_fusion, self.rollout_discard_ratio)
 
     def _options(self) -> tuple:
         return tuple(getattr(self, attr) for attr, _ in OPTIONS.values())
 
     def keep_rollout_weights(self, attentions: list[torch.Tensor | None], tokens: torch.Tensor) -> None:
-        """Tie the pooling weights of one pass's recorded attention to the ``tokens`` that pass produced.
-
-        For code that runs the blocks itself inside :func:`~timm_rollout.capture.record_attention` (e.g. on a
-        shortened token sequence). Nothing is kept when some block did not run: ``forward_head`` then refuses
-        those tokens.
-        """
+        """Tie the pooling weights of one pass's recorded attention (:func:`~timm_rollout.capture.record_attention`
+        around blocks run by the caller) to the ``tokens`` that pass produced."""
         self._keep(tokens, self._weights(attentions))
 
     @torch.compiler.disable
     def _keep(self, tokens: torch.Tensor, weights: torch.Tensor | None) -> None:
-        """Keep a pass's weights as long as its tokens live (run eagerly under ``torch.compile``: the key is the
-        real tensor's identity). Passes are entries of their own (one dict operation each), so threads sharing a
-        model never drop each other's; a pass is dropped the moment its tokens die."""
+        """Keep a pass's weights as long as its tokens live (eagerly under ``torch.compile``: the key is the real
+        tensor's identity); one dict entry per pass, so threads sharing a model never drop each other's."""
         if weights is None:
             return
         passes = self.__dict__.setdefault(_PASSES, {})
@@ -196,9 +151,8 @@ class RolloutPooling:
         passes[key] = _Pass(weakref.ref(tokens, forget), tokens.detach().clone(), self._options(), weights)
 
     def rollout_weights(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Pooling weights (B, num_patches) of the pass that returned ``tokens`` (``forward_features`` or
-        ``forward_intermediates``); ``model(x)`` keeps none. A one-line RuntimeError for any other tensor, for
-        these tokens changed since, and when the rollout options changed since."""
+        """Pooling weights (B, num_patches) of the pass that returned ``tokens``; a one-line RuntimeError for any
+        other tensor, for these tokens changed since, and when the rollout options changed since."""
         found = self.__dict__.get(_PASSES, {}).get(id(tokens))
         if found is None or found.ref() is not tokens:
             raise RuntimeError(
@@ -243,8 +197,7 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _same_bits(tokens: torch.Tensor, snapshot: torch.Tensor) -> bool:
-    """Bit-for-bit equality (NaN equals itself): catches in-place changes that autograd's version counter misses
-    (inference tensors, ``.data``)."""
+    """Bit-for-bit equality (NaN equals itself): catches in-place changes autograd's version counter misses."""
     as_int = _INT_OF_SIZE[tokens.element_size()]
     return torch.equal(tokens.detach().view(as_int), snapshot.view(as_int))
 
@@ -266,8 +219,6 @@ def register_pooled_class(pooled: type[RolloutPooling]) -> type[RolloutPooling]:
 
 def rollout_pooled_class(cls: type[nn.Module]) -> type[nn.Module]:
     """The rollout-pooled subclass of a timm ViT class (made once per class)."""
-    if issubclass(cls, RolloutPooling):
-        return cls
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"RolloutPooled{cls.__name__}", (RolloutPooling, cls),
                              {"_stock_class": cls, "__module__": __name__})
@@ -275,9 +226,8 @@ def rollout_pooled_class(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def switch_pooling_class(model: nn.Module, rollout: bool) -> None:
-    """Swap ``model`` to its rollout-pooled class (held on the explicit attention path with recorder hooks) or back
-    to its stock class (hold released: the fused-attention setting it had, no hooks; no kept passes, no rollout
-    options unless they are model arguments); nothing when it is there already. Every switch goes through here:
+    """Swap ``model`` to its rollout-pooled class (held on the explicit attention path) or back to its stock class
+    (hold released, no kept passes, no rollout options unless they are model arguments): the one switch behind
     :func:`set_pooling`, assigning ``model.global_pool`` and ``reset_classifier(n, global_pool=...)``."""
     if isinstance(model, RolloutPooling) == rollout:
         return
@@ -312,15 +262,9 @@ def _qualname(obj: Any) -> str:
     return f"{obj.__module__}.{obj.__qualname__}"
 
 
-def _head_owner(model: nn.Module) -> str:
-    """The class whose ``forward_head`` the stock model runs, e.g. ``timm.models.deit.VisionTransformerDistilled``."""
-    head = getattr(model, "_stock_class", type(model)).forward_head
-    return _qualname(head).rsplit(".", 1)[0]
-
-
 def _check_head(model: nn.Module, pool: str) -> None:
     """Refuse a pooling the model's own ``forward_head`` would not apply (it reads its tokens itself)."""
-    owner = _head_owner(model)
+    owner = _qualname(getattr(model, "_stock_class", type(model)).forward_head).rsplit(".", 1)[0]  # its class
     inline = owner in _INLINE_HEADS
     if owner in _POOL_HEADS or (inline and pool in (*_INLINE_POOLS, ROLLOUT)):
         return
@@ -402,8 +346,7 @@ def _check_pool(model: nn.Module, pool: str) -> None:
 
 
 def check_rollout_options(head_fusion: Any, discard_ratio: Any, grad: Any) -> tuple[str, float, bool]:
-    """The rollout options (``head_fusion``, ``discard_ratio`` as a float, ``grad``), or a one-line ValueError naming
-    the one that is not one of :data:`~timm_rollout.rollout.HEAD_FUSIONS`, a real number in [0, 1), a bool."""
+    """The rollout options (``discard_ratio`` as a float), or a one-line ValueError naming the one that is wrong."""
     check_options(head_fusion, discard_ratio)
     if not isinstance(grad, bool):
         raise ValueError(f"grad (rollout_grad) must be True or False, got {grad!r}")
@@ -413,12 +356,9 @@ def check_rollout_options(head_fusion: Any, discard_ratio: Any, grad: Any) -> tu
 def set_pooling(model: nn.Module, pool: str, **options: Any) -> nn.Module:
     """Pool ``model`` (any timm VisionTransformer-family model) with ``pool`` from now on; returns ``model``.
 
-    ``pool`` is a timm pooling (``'token'``, ``'avg'``, ``'max'``, ``'avgmax'``, ``''``, ``'map'`` where the model
-    was built with it) or ``'rollout'``, with options ``head_fusion`` (``'mean'``, ``'max'``, ``'min'``),
-    ``discard_ratio`` (in [0, 1)) and ``grad`` (a bool: gradients through the weights; by default a readout),
-    checked by :func:`check_rollout_options` and kept on the model as ``rollout_head_fusion``,
-    ``rollout_discard_ratio`` and ``rollout_grad`` (the model's own values, or the defaults, when not given). A timm
-    pooling gives back the stock model: class, fused attention, no hooks. The model's own pooling changes nothing.
+    ``pool`` is a timm pooling or ``'rollout'``, whose options (``head_fusion``, ``discard_ratio``, ``grad``) are
+    checked by :func:`check_rollout_options` and kept on the model as ``rollout_*`` attributes (the model's own
+    values, or the defaults, when not given). A timm pooling gives back the stock model.
     """
     _check_pool(model, pool)
     unknown = set(options) - set(OPTIONS)
@@ -436,15 +376,13 @@ def set_pooling(model: nn.Module, pool: str, **options: Any) -> nn.Module:
 
 
 def built_pool(model: nn.Module) -> str:
-    """The pooling ``model`` was built with, which fixes its layout (timm's ``fc_norm`` and ``norm``, a ``'map'``
-    attention pool), whatever it pools with now; its current pooling when that was never recorded (a model built
-    before ``timm_rollout`` was imported and never passed to :func:`set_pooling`)."""
+    """The pooling ``model`` was built with, which fixes its layout (``fc_norm``, a ``'map'`` pool), whatever it
+    pools with now; its current pooling when that was never recorded."""
     return model.__dict__.get(_BUILT_POOL, model.global_pool)
 
 
 def option_model_args(model: nn.Module) -> dict[str, Any]:
-    """The rollout options of a model that takes them as model arguments, at their current values (``set_pooling``
-    may have changed them since the model was built), for ``config.json``'s ``model_args``; empty otherwise."""
+    """The current rollout options of a model that takes them as model arguments, for ``config.json``."""
     if not getattr(model, "rollout_options_are_model_args", False):
         return {}
     return {attr: getattr(model, attr) for attr, _ in OPTIONS.values()}
@@ -454,20 +392,15 @@ def export_config(config: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     """timm's ``config.json`` of ``model`` (as ``save_for_hf`` writes it), made to rebuild the model as it pools now.
 
     timm records the current pooling as ``global_pool``, which at build time would give another layout (e.g.
-    ``fc_norm`` for ``'avg'``) when the model pools otherwise than it was built. Such a stock timm ViT is named
-    :data:`POOLED_ARCHITECTURE`, with its stock architecture, the pooling it was built with (``global_pool``), the
-    pooling it runs (:data:`POOL_ARG`) and, for rollout, the rollout options as model arguments: timm's own loader
-    (``local-dir:``, ``hf-hub:``) then builds the stock layout and applies that pooling once ``timm_rollout`` is
-    imported, and without it stops at an unknown model instead of building another layout. A stock model pooled
-    as built keeps (or gets back) its stock architecture, without those arguments. The tiny models' config is
-    timm's own: their layout does not depend on their pooling, and their rollout options are model arguments.
+    ``fc_norm`` for ``'avg'``). So a stock timm ViT pooled otherwise than it was built is named
+    :data:`POOLED_ARCHITECTURE` with its stock architecture, built pooling, current pooling (:data:`POOL_ARG`) and
+    rollout options as model arguments; without ``timm_rollout`` imported timm then stops at an unknown model
+    instead of building another layout. The tiny models' and CNNs' configs are timm's own.
     """
     if getattr(model, "rollout_options_are_model_args", False) or not pools_tokens(model):
         return config  # the tiny models' and non-ViT models' (CNNs) configs are timm's own
-    saved = dict(config.get("model_args") or {})
-    pooled_before = config.get("architecture") == POOLED_ARCHITECTURE  # built by timm_rollout_pooled
-    stock = saved.get(STOCK_ARCHITECTURE) if pooled_before else config.get("architecture")
-    args = {k: v for k, v in saved.items() if k not in (STOCK_ARCHITECTURE, POOL_ARG, *OPTION_ARGS)}
+    stock = stock_architecture(config)
+    args = {k: v for k, v in (config.get("model_args") or {}).items() if k not in POOLED_ARGS}
     built, pool = built_pool(model), model.global_pool
     args["global_pool"] = built
     if pool != built:
@@ -475,17 +408,16 @@ def export_config(config: dict[str, Any], model: nn.Module) -> dict[str, Any]:
         if pool == ROLLOUT:
             args.update({attr: getattr(model, attr) for attr in OPTION_ARGS})
         stock = POOLED_ARCHITECTURE
-    config = {k: v for k, v in config.items() if k != CONFIG_KEY}
+    config = dict(config)
     config["architecture"] = stock
     config["model_args"] = args
     return config
 
 
 def _route_rollout_assignment(cls: type[nn.Module]) -> None:
-    """Record the pooling an instance of timm's ``cls`` (or a subclass) is built with (:func:`built_pool`), and make
-    ``model.global_pool = 'rollout'`` on one run ``set_pooling(model, 'rollout')``, as on the tiny models: timm
-    would take the string and fail on the next forward pass (``Unknown pool type``); a model that cannot be
-    rollout-pooled is refused there, with set_pooling's ValueError. Other assignments are timm's own."""
+    """Record the pooling an instance of timm's ``cls`` is built with (:func:`built_pool`), and make
+    ``model.global_pool = 'rollout'`` run ``set_pooling(model, 'rollout')`` (timm would take the string and fail on
+    the next forward pass). Other assignments are timm's own."""
     inherited = cls.__setattr__
     if getattr(inherited, "_routes_rollout", False):
         return

@@ -7,8 +7,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-__all__ = ["progress", "tqdm"]  # tqdm: for tqdm.write and type hints
-
 
 def progress(iterable: Iterable | None = None, *, disable: bool = False, **kwargs: Any) -> tqdm:
     """``tqdm(iterable, **kwargs)``, off when asked (``disable``) and whenever stderr is not a terminal."""

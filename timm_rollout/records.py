@@ -14,39 +14,6 @@ import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-__all__ = [
-    "ARGS_FILE",
-    "CARD_FILE",
-    "COMPARISON_FILE",
-    "CONFIG_FILE",
-    "COSINE_FILE",
-    "CURVES_FILE",
-    "DATA_DIR",
-    "FAITHFULNESS_FILE",
-    "FEATURES_FILE",
-    "HEATMAPS_FILE",
-    "HUB_DIR",
-    "LEGACY_PREDICTIONS_FILE",
-    "LOCALISATION_FILE",
-    "LOG_FILE",
-    "MODEL_FILES",
-    "POOLING_FILE",
-    "PREDICTIONS_FILE",
-    "REPORT_FILE",
-    "RESULTS_FILE",
-    "RESUME_FILE",
-    "STUDY_FILE",
-    "SUMMARY_FILE",
-    "WEIGHTS_FILE",
-    "code_label",
-    "code_version",
-    "data_card_title",
-    "portable_path",
-    "resolve_recorded",
-    "sha256_file",
-    "versions",
-]
-
 # A model export (timm's save_for_hf layout): what `timm.create_model("local-dir:...")` and the Hub read.
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -111,10 +78,8 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 @functools.cache
 def code_version() -> dict[str, str | bool | None]:
-    """The code this process runs: the package version, and when it runs from a git checkout, the commit and
-    whether the package's sources (``timm_rollout``, ``harness``, ``scripts``, ``pyproject.toml``) differ from it
-    (``dirty``); ``commit`` and ``dirty`` are None outside a checkout or without git. Read once per process, when
-    first asked: the code a process imported is the code it runs."""
+    """The code this process runs (read once): package version, git commit and whether the sources differ from it
+    (``dirty``); ``commit`` and ``dirty`` are None outside a checkout."""
     try:
         package = version("timm-rollout")
     except PackageNotFoundError:
@@ -143,17 +108,15 @@ def code_label(code: dict | None = None) -> str:
 
 
 def portable_path(path: str | Path | None, base: str | Path) -> str | None:
-    """``path`` as a record may hold it: relative to ``base`` (the folder the record is written in) when it is a
-    local absolute path, so a committed record names no folder of the machine it ran on; anything else (a relative
-    path, a Hub id, None) unchanged. :func:`resolve_recorded` reads it back."""
+    """``path`` as a record written in ``base`` holds it: a local absolute path relative to ``base`` (a committed
+    record names no folder of its machine), anything else unchanged; :func:`resolve_recorded` reads it back."""
     if path is None or not os.path.isabs(str(path)):
         return None if path is None else str(path)
     return os.path.relpath(str(path), os.path.abspath(str(base)))
 
 
 def resolve_recorded(path: str | None, base: str | Path) -> str | None:
-    """A path read from a record written in ``base``: an absolute one (older records) as it is, a relative one
-    that names something under ``base``'s parents resolved against ``base``, else as recorded (a Hub id)."""
+    """A path read from a record written in ``base``: resolved against ``base`` where that names something."""
     if path is None or os.path.isabs(path):
         return path
     joined = os.path.realpath(os.path.join(os.path.abspath(str(base)), path))

@@ -1,20 +1,8 @@
-"""Attention rollout (Abnar & Zuidema, 2020) as pure, batched tensor functions.
+"""Attention rollout (Abnar & Zuidema, 2020) as pure, batched tensor functions, and its diagnostics.
 
-Each layer's attention ``A`` (B, heads, N, N) is fused over heads, the identity is added for the
-residual path, rows are renormalised, and layers are composed from the first block to the last:
-``R = Â_L @ ... @ Â_2 @ Â_1``. Row ``i`` of ``R`` says how much of each input token reaches output
-token ``i``. Row renormalisation is ``(A + I) / rowsum(A + I)``, which is ``(A + I) / 2`` for a
-row-stochastic ``A``.
-
-All of it runs in float32 with autocast off on the tensors' device: under CUDA or CPU autocast a bf16
-matmul would put ~0.2% error into the weights.
-
-The rollout diagnostics say how far pooling weights ``w`` (B, P) over the patches (the [CLS] row of the rollout
-over the patch columns, renormalised, as rollout pooling uses it: :func:`pooling_weights`) are from the plain
-patch mean: the effective patches ``exp(H(w))``, ``H(w) = -sum_p w_p log w_p`` (P for uniform weights, 1 when all
-the weight is on one patch), and the cosine between the ``w``-pooled and the mean-pooled final patch tokens.
-Where near-uniform weights come from: :func:`layer_effective_patches` measures each layer's own [CLS] attention
-the same way, and :data:`ROLLOUT_VARIANTS` are the sharper rollout options to compare with.
+``R = Â_L @ ... @ Â_1`` with ``Â_l = (A_l + I) / rowsum(A_l + I)`` of each layer's head-fused attention, all in
+float32 with autocast off (a bf16 matmul would put ~0.2% error into the weights). The diagnostics say how far
+pooling weights (B, P) are from the patch mean: effective patches and cosine to the mean-pooled tokens.
 """
 
 from __future__ import annotations
@@ -27,24 +15,6 @@ import torch
 from torch import nn
 
 HEAD_FUSIONS = ("mean", "max", "min")
-
-__all__ = [
-    "HEAD_FUSIONS",
-    "ROLLOUT_VARIANTS",
-    "attention_rollout",
-    "check_options",
-    "cosine_to_mean",
-    "effective_patches",
-    "fuse_heads",
-    "layer_effective_patches",
-    "patch_weights",
-    "pooling_weights",
-    "rollout_cls_row",
-    "rollout_layers",
-    "rollout_options",
-    "rollout_row",
-    "variant_name",
-]
 
 
 def _fp32(fn: Callable) -> Callable:
@@ -63,8 +33,7 @@ def _fp32(fn: Callable) -> Callable:
 
 
 def check_options(head_fusion: str, discard_ratio: float) -> None:
-    """One-line ValueError unless ``head_fusion`` is one of :data:`HEAD_FUSIONS` and ``discard_ratio`` a real
-    number (not a bool) with ``0 <= discard_ratio < 1``."""
+    """One-line ValueError unless ``head_fusion`` is in :data:`HEAD_FUSIONS` and ``discard_ratio`` in [0, 1)."""
     if not isinstance(head_fusion, str) or head_fusion not in HEAD_FUSIONS:
         raise ValueError(f"unknown head_fusion {head_fusion!r}; use one of {', '.join(HEAD_FUSIONS)}")
     if not isinstance(discard_ratio, numbers.Real) or isinstance(discard_ratio, bool):
@@ -88,10 +57,9 @@ def fuse_heads(attn: torch.Tensor, head_fusion: str = "mean") -> torch.Tensor:
 
 
 def _discard_lowest(fused: torch.Tensor, discard_ratio: float, num_prefix_tokens: int) -> torch.Tensor:
-    """Zero the lowest ``discard_ratio`` of patch-to-patch, off-diagonal entries of each image: exactly
-    ``int(count * discard_ratio)`` of them, ties at the threshold dropped in row-major order (deterministic on
-    every device). The threshold comes from a top-k of the few kept entries, not of the many dropped ones (on a
-    CPU that top-k was the costliest op of a training step with ``discard_ratio=0.9``)."""
+    """Zero the lowest ``discard_ratio`` of each image's patch-to-patch, off-diagonal entries: exactly
+    ``int(count * discard_ratio)``, ties dropped in row-major order (deterministic on every device). The threshold
+    is a top-k of the few kept entries (of the many dropped ones, it was a CPU step's costliest op)."""
     p = num_prefix_tokens
     block = fused[:, p:, p:]
     m = block.shape[-1]
@@ -141,12 +109,8 @@ def attention_rollout(
     discard_ratio: float = 0.0,
     num_prefix_tokens: int = 1,
 ) -> torch.Tensor:
-    """Full batched rollout ``Â_L @ ... @ Â_1`` (B, N, N) from per-layer (B, heads, N, N) attention.
-
-    ``discard_ratio`` zeroes, per image and layer, that fraction of the lowest fused attentions
-    among patch-to-patch entries (prefix-token rows/columns and the diagonal are never dropped)
-    before the identity is added and rows are renormalised.
-    """
+    """Full batched rollout ``Â_L @ ... @ Â_1`` (B, N, N) from per-layer (B, heads, N, N) attention;
+    ``discard_ratio``: :func:`_discard_lowest` before the identity is added."""
     layers = rollout_layers(attentions, head_fusion, discard_ratio, num_prefix_tokens)
     result = layers[0]
     for a in layers[1:]:
@@ -162,9 +126,8 @@ def rollout_row(
     discard_ratio: float = 0.0,
     num_prefix_tokens: int = 1,
 ) -> torch.Tensor:
-    """``row @ Â_L @ ... @ Â_1`` (B, N) for a readout ``row`` (B, N) or (N,), by vector-matrix products:
-    O(L * N^2) per image, no N x N product formed. The one rollout product of the package: pooling weights,
-    diagnostics and the maps of :mod:`timm_rollout.explain` all go through it."""
+    """``row @ Â_L @ ... @ Â_1`` (B, N) for a readout ``row`` (B, N) or (N,) by vector-matrix products, O(L * N^2)
+    per image: the one rollout product of the package (pooling weights, diagnostics, maps)."""
     check_options(head_fusion, discard_ratio)
     if len(attentions) == 0:
         raise ValueError("attention rollout needs at least one layer of attention")
@@ -189,17 +152,13 @@ def rollout_cls_row(
     head_fusion: str = "mean",
     discard_ratio: float = 0.0,
     num_prefix_tokens: int = 1,
-    token_index: int = 0,
 ) -> torch.Tensor:
-    """Row ``token_index`` of the rollout, (B, N): :func:`rollout_row` of a one-hot row.
-
-    Equal to ``attention_rollout(...)[:, token_index]`` without forming any N x N product.
-    """
+    """The [CLS] row of the rollout, (B, N): ``attention_rollout(...)[:, 0]`` without any N x N product."""
     if len(attentions) == 0:
         raise ValueError("attention rollout needs at least one layer of attention")
     onehot = torch.zeros(attentions[-1].shape[-1], device=attentions[-1].device)
-    onehot.narrow(0, token_index, 1).fill_(1.0)  # a fill kernel (``onehot[i] = 1.0`` copies a host scalar, which a
-    # CUDA graph cannot record)
+    onehot.narrow(0, 0, 1).fill_(1.0)  # a fill kernel: ``onehot[0] = 1.0`` copies a host scalar, which a CUDA graph
+    # cannot record
     return rollout_row(attentions, onehot, head_fusion, discard_ratio, num_prefix_tokens)
 
 
@@ -245,9 +204,8 @@ def effective_patches(weights: torch.Tensor) -> torch.Tensor:
 
 
 def cosine_to_mean(tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Cosine between the ``weights``-pooled and the mean-pooled (B, P, D) ``tokens``, in float32: (B,).
-
-    A product and a sum, not a matmul, so that autocast (the training log's evaluation pass) keeps it in float32."""
+    """Cosine between the ``weights``-pooled and the mean-pooled (B, P, D) ``tokens``, in float32: (B,) (a product
+    and a sum, not a matmul, so that autocast keeps it in float32)."""
     t = tokens.float()
     pooled = (weights.float().unsqueeze(-1) * t).sum(dim=1)
     return torch.nn.functional.cosine_similarity(pooled, t.mean(dim=1), dim=-1)

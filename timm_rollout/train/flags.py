@@ -46,8 +46,7 @@ def build_parser() -> CliParser:
     """The CLI; names follow timm's ``train.py`` where it has them. Bad values are one-line errors at parse time."""
     p = CliParser(prog="python -m timm_rollout.train", description=DESCRIPTION,
                   checks=[_check_model_args], removed=REMOVED)
-    p.checks.append(lambda args: _check_ema_args(args, p.given))
-    p.checks.append(lambda args: _check_compile_args(args, p.given))
+    p.checks.append(lambda args: _check_dependent_flags(args, p.given))
     _data_args(p.add_argument_group("data"))
     _model_args(p.add_argument_group("model"))
     _optimisation_args(p.add_argument_group("optimisation"))
@@ -177,17 +176,17 @@ def _check_model_args(args: argparse.Namespace) -> None:
             raise UserError(f"--pool {args.pool} {as_typed(args.pool_kwargs)}: {e}") from None
 
 
-def _check_ema_args(args: argparse.Namespace, given: frozenset[str]) -> None:
-    """A typed ``--model-ema-decay`` is used or refused: it sets the decay of ``--model-ema`` only."""
-    if "model_ema_decay" in given and not args.model_ema:
-        raise UserError("--model-ema-decay sets the decay of the EMA that --model-ema keeps; add --model-ema or drop "
-                        "--model-ema-decay")
+# A flag that only sets how another one works: typed without it, it is refused (what it sets, the flag it needs).
+DEPENDENT_FLAGS = {"model_ema_decay": ("sets the decay of the EMA that --model-ema keeps", "model_ema"),
+                   "compile_mode": ("sets how --compile compiles", "compile")}
 
 
-def _check_compile_args(args: argparse.Namespace, given: frozenset[str]) -> None:
-    """A typed ``--compile-mode`` is used or refused: it is the mode of ``--compile``."""
-    if "compile_mode" in given and not args.compile:
-        raise UserError("--compile-mode sets how --compile compiles; add --compile or drop --compile-mode")
+def _check_dependent_flags(args: argparse.Namespace, given: frozenset[str]) -> None:
+    """A typed flag of :data:`DEPENDENT_FLAGS` is used or refused."""
+    for dest, (what, needed) in DEPENDENT_FLAGS.items():
+        if dest in given and not getattr(args, needed):
+            flag, other = (f"--{d.replace('_', '-')}" for d in (dest, needed))
+            raise UserError(f"{flag} {what}; add {other} or drop {flag}")
 
 
 def as_typed(value: object) -> str:

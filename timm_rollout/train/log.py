@@ -10,8 +10,6 @@ from typing import Any
 
 from ..atomic import save_figure, write_text
 
-__all__ = ["LOG_COLUMNS", "OPTIONAL_COLUMNS", "epoch_axis", "plot_curves", "read_log", "seeds_phrase", "write_log"]
-
 LOG_COLUMNS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "img_per_s", "seconds")
 # Written when some row has them: the pooling diagnostics of a rollout-pooled model's evaluation pass.
 OPTIONAL_COLUMNS = ("rollout_effective_patches", "rollout_cosine_to_mean")

@@ -175,10 +175,7 @@ def _epoch_order(args: argparse.Namespace, data: RunData, d: Dist, epoch: int) -
 
 
 def _train_epoch(run: Run, d: Dist, epoch: int) -> tuple[float, float]:
-    """One epoch of updates; returns the mean training loss (over ranks and steps) and the last learning rate.
-
-    Per-step losses stay on the device and are fetched once at the end (no host sync per step).
-    """
+    """One epoch of updates (no host sync per step); returns the mean training loss and the last learning rate."""
     t, args, data = run.t, run.args, run.data
     seed_everything(derive_seed(args.seed, epoch, d.rank))
     order, aug_gen = _epoch_order(args, data, d, epoch)
@@ -203,8 +200,7 @@ def _train_epoch(run: Run, d: Dist, epoch: int) -> tuple[float, float]:
 
 
 def _epoch_loss(losses: torch.Tensor, run: Run, d: Dist, epoch: int) -> float:
-    """The epoch's mean training loss over ranks and steps; a non-finite step loss stops the run, naming its
-    step, before anything of this epoch is saved."""
+    """The epoch's mean training loss; a non-finite step loss stops the run before this epoch is saved."""
     values = [v / d.world for v in reduce_sum(losses, d).tolist()]
     bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
     if bad is not None:

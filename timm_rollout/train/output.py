@@ -58,12 +58,8 @@ def saved_args(out: Path) -> dict[str, Any]:
 
 
 def merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) -> argparse.Namespace:
-    """On resume, the saved configuration wins; a flag typed with another value than the saved one is an error.
-
-    ``parser.given`` tells a typed flag from an omitted one, so ``--lr 5e-4`` is refused against a run saved
-    with 1e-3 even though 5e-4 is the default (it would otherwise silently continue at 1e-3). The one exception
-    is a larger ``--epochs``: the run continues to the new count (:func:`record_extension`).
-    """
+    """On resume, the saved configuration wins; a flag typed (``parser.given``, even at its default) with another
+    value than the saved one is an error, except a larger ``--epochs`` (:func:`record_extension`)."""
     saved = saved_args(out)
     for flag, used in (("--dropout-draws keyed", saved.get("dropout_draws") == "keyed"),
                        ("--capture", saved.get("capture"))):  # removed; other removed keys of a record are ignored
@@ -92,10 +88,8 @@ def merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) -> 
 
 
 def check_same_data(out: Path, args: argparse.Namespace, data: RunData) -> None:
-    """A resumed run reads the images it trained on: the same decoded pixels and labels (``content``, wherever the
-    files lie now; runs recorded without it: the same datasets fingerprint). A relative ``--dataset`` is read from
-    the current folder, and a folder may have been rewritten since. (The mean/std are the saved ones: the record's
-    ``mean``/``std`` are the ``--mean``/``--std`` a resume merges back, whatever the data set's statistics now.)"""
+    """A resumed run reads the images it trained on: the same decoded pixels and labels (``content``; runs recorded
+    without it: the same datasets fingerprint), wherever the files lie now."""
     saved = saved_args(out)
     for split, now in (("train", data.train), ("eval", data.eval)):
         content = (saved.get("content") or {}).get(split)
@@ -135,9 +129,8 @@ def trains_further(out: Path, epochs: int, saved_epochs: int, d: Dist) -> bool:
 
 
 def record_extension(out: Path, at_epoch: int, epochs: int, warmup: float) -> None:
-    """A run resumed with a larger ``--epochs``: ``train_args.json`` takes the new count and warmup, keeping the
-    old ones under ``extended`` (the learning rates of epochs 1..at_epoch followed that schedule), and a finished
-    run becomes unfinished until it reaches the new count (its ``summary.json`` goes)."""
+    """A run resumed with a larger ``--epochs``: ``train_args.json`` takes the new count and warmup (the old ones
+    under ``extended``), and ``summary.json`` goes until the run reaches the new count."""
     record = saved_args(out)
     record["extended"] = [*record.get("extended", []), {"at_epoch": at_epoch, "epochs": record["epochs"],
                                                         "warmup_epochs_used": record["warmup_epochs_used"]}]
@@ -177,8 +170,7 @@ def save_run(out: Path, t: Trainer, args: argparse.Namespace, data: RunData, d: 
 
 
 def machine_label(d: Dist, data: RunData, args: argparse.Namespace) -> str:
-    """What trains this session's epochs, for ``summary.json``: a resumed run may continue on another machine,
-    precision or compilation."""
+    """What trains this session's epochs (machine, precision, compilation), for ``summary.json``."""
     compiled = f", torch.compile mode {args.compile_mode}" if args.compile else ""
     processes = f", {d.world} processes" if d.world > 1 else ""
     return f"{device_name(d.device)}, {precision_name(data.amp_dtype)}{compiled}{processes}"

@@ -36,7 +36,7 @@ from ..device import resolve_amp
 from ..dropout import use_fast_dropout
 from ..errors import UserError
 from ..loading import check_input_size, create_model, pretrained_config, pretrained_overlay
-from ..pooling import OPTION_ARGS, set_pooling
+from ..pooling import POOLED_ARGS, set_pooling
 from .distributed import Dist
 from .step import Batches
 
@@ -159,13 +159,9 @@ def _check_eval_classes(train_set: ImageSet, eval_set: ImageSet, num_classes: in
 
 
 def build_model(args: argparse.Namespace, data: RunData, device: torch.device) -> nn.Module:
-    """The timm model named by ``--model`` (seeded), with FastDropout, checked against the image size.
-
-    On CPU its attention runs timm's explicit path: the fused (flash) kernel's backward is the slowest op of a
-    training step there (``scripts/bench_train.py``). So it does on a GPU when attention dropout is on (the
-    masks then come from the model's own dropout module, as they have for every run trained so far); without
-    attention dropout, fused attention stays on GPUs.
-    """
+    """The timm model named by ``--model`` (seeded), with FastDropout, checked against the image size. Attention
+    runs timm's explicit path on CPU (the fused kernel's backward is slower there) and wherever attention dropout
+    is on (its masks then come from the model's dropout module)."""
     seed_everything(args.seed)
     kwargs = dict(args.model_kwargs)
     if args.drop_path is not None:
@@ -192,8 +188,7 @@ def _weights_fix(args: argparse.Namespace) -> str:
     """How to fine-tune ``--pretrained-file`` weights that do not fit ``--model``: the model their run trained."""
     trained = pretrained_config(args.pretrained_file, args.model)
     arch, saved = trained.get("architecture"), trained["model_args"]
-    shown = " ".join(kwarg(k, v) for k, v in saved.items()
-                     if k not in ("num_classes", "global_pool", "pool", "stock_architecture", *OPTION_ARGS))
+    shown = " ".join(kwarg(k, v) for k, v in saved.items() if k not in ("num_classes", "global_pool", *POOLED_ARGS))
     if arch and arch != args.model:
         return f"they were trained as {arch}: pass --model {arch}" + (f" --model-kwargs {shown}" if shown else "")
     return f"pass the --model and --model-kwargs they were trained with, or weights of {args.model}"
@@ -238,8 +233,7 @@ def build_trainer(args: argparse.Namespace, data: RunData, d: Dist) -> Trainer:
 
 
 def build_batches(args: argparse.Namespace, data: RunData, d: Dist, loaded: dict[tuple, tuple]) -> Batches:
-    """Training batches from the uint8 train images moved once to the device (once for the runs of one command
-    that share them: ``loaded`` keeps the copy): crop, flip, mixup/CutMix."""
+    """Training batches (crop, flip, mixup/CutMix) from the train images moved once to the device (``loaded``)."""
     mixup = (Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, label_smoothing=args.smoothing,
                    num_classes=data.num_classes) if args.mixup > 0 or args.cutmix > 0 else None)
     key = ("on device", id(data.train), str(d.device))

@@ -12,8 +12,6 @@ from ..augment import random_crop_flip
 from ..data import normalize
 from ..device import autocast
 
-__all__ = ["Batches", "optimizer_step"]
-
 
 @dataclass
 class Batches:

@@ -19,8 +19,7 @@ EVAL_BATCH = 500
 
 
 def _eval_pass(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits, and for a rollout-pooled model the batch sums of its pooling diagnostics (effective patches,
-    cosine to the mean) from the weights and tokens of that same pass."""
+    """Logits, and for a rollout-pooled model the batch sums of its pooling diagnostics from that same pass."""
     if getattr(model, "global_pool", None) != "rollout":
         return model(x), None
     tokens = model.forward_features(x)
@@ -33,11 +32,8 @@ def _eval_pass(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
 @torch.no_grad()
 def validate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean, std, d: Dist,
              amp_dtype: torch.dtype | None) -> dict[str, float]:
-    """Eval loss and top-1/top-5 accuracy (%) of ``model``; each rank takes every ``world``-th image. A
-    rollout-pooled model adds the means of its pooling diagnostics (:mod:`timm_rollout.rollout`).
-
-    Sums stay on the device until the end: one all-reduce and one host sync per evaluation.
-    """
+    """Eval loss and top-1/top-5 accuracy (%) of ``model`` (and a rollout-pooled model's pooling diagnostics), each
+    rank taking every ``world``-th image; one all-reduce and one host sync per evaluation."""
     was_training = model.training
     model.eval()
     count, images, labels = len(labels), images[d.rank::d.world], labels[d.rank::d.world]  # count: all ranks
