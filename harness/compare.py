@@ -3,14 +3,16 @@
     python -m harness.compare eval/c10-cls-s0 eval/c10-cls-s1 eval/c10-rollout-s0 eval/c10-rollout-s1 --output report/
 
 Runs that share a label (model name, the architecture its weights were trained as, data set and split) form a
-group. Runs of two groups are paired by training seed: ``seed`` in the ``train_args.json`` next to the
-evaluated checkpoint (``results["model"]["checkpoint"]``, resolved from the working directory) when it can be
-read, else the evaluation's ``results["config"]["seed"]`` (the study evaluates each run with its training seed).
-For each metric, the mean paired difference (group - first group) gets a 95% t-interval, a p-value and the
-minimum detectable effect (:mod:`harness.stats`); the primary metric is test top-1 (uncorrected), every other
-metric is secondary and its p-values are Holm-adjusted together within that comparison of two groups (there is no
-correction across comparisons). Accuracies also get McNemar's per-image test, pooled
-over the paired seeds, from each run's ``predictions.json.gz`` (or the ``predictions.json`` of older evaluations).
+group (a ``local-dir:RUN`` model is named as the architecture it was trained as, so it groups with ``--model ARCH
+--checkpoint RUN``). Runs of two groups are paired by training seed: ``seed`` in the ``train_args.json`` next to
+the evaluated checkpoint (``results["model"]["checkpoint"]``, or the folder of a ``local-dir:`` model, resolved
+from the working directory) when it can be read, else the evaluation's ``results["config"]["seed"]`` (the study
+evaluates each run with its training seed). For each metric, the mean paired difference (group - first group)
+gets a 95% t-interval, a p-value and the minimum detectable effect (:mod:`harness.stats`); the primary metric is
+test top-1 (uncorrected), every other metric is secondary and its p-values are Holm-adjusted together within that
+comparison of two groups (there is no correction across comparisons). Accuracies also get McNemar's per-image
+test, pooled over the paired seeds, from each run's ``predictions.json.gz`` (or the ``predictions.json`` of older
+evaluations).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from harness.predictions import read_predictions
 from timm_rollout.atomic import write_text
 from timm_rollout.cli import CliParser, output_dir, run_cli
 from timm_rollout.errors import UserError
-from timm_rollout.pooling import pool_name
+from timm_rollout.pooling import POOLED_ARCHITECTURE, STOCK_ARCHITECTURE, pool_name
 from timm_rollout.records import ARGS_FILE, COMPARISON_FILE, REPORT_FILE, RESULTS_FILE
 
 __all__ = [
@@ -131,16 +133,26 @@ def default_pool(name: str) -> str | None:
         return None
 
 
+def _model_name(model: dict[str, Any]) -> str:
+    """The model's name in a label: for ``local-dir:RUN``, the architecture its weights were trained as (a rollout-
+    pooled stock ViT's stock name), as ``--model ARCH --checkpoint RUN`` names it, so both group alike."""
+    name, trained = model["name"], model.get("checkpoint_architecture")
+    if not name.startswith("local-dir:") or not trained:
+        return name
+    return (model.get("model_args") or {}).get(STOCK_ARCHITECTURE, trained) if trained == POOLED_ARCHITECTURE \
+        else trained
+
+
 def run_label(result: dict[str, Any]) -> str:
-    """Group label of a run: model, weights' architecture when it differs, its pooling when not the model's
-    default (e.g. ``global_pool=map``), a post-hoc readout's pooling, data set and split."""
+    """Group label of a run: model (:func:`_model_name`), weights' architecture when it differs, its pooling when not
+    the model's default (e.g. ``global_pool=map``), a post-hoc readout's pooling, data set and split."""
     model = result["model"]
-    label = model["name"]
+    label = name = _model_name(model)
     trained_as = model.get("checkpoint_architecture")
     if trained_as and trained_as != model.get("architecture"):
         label += f" ({trained_as} weights)"
     built, pool = model.get("global_pool"), model.get("pool")
-    if built is not None and built != default_pool(model["name"]):
+    if built is not None and built != default_pool(name):
         label += f" (global_pool={built})"
     if pool is not None and pool != built:
         label += f" (read out with {pool})"
@@ -149,13 +161,20 @@ def run_label(result: dict[str, Any]) -> str:
     return f"{label} on {dataset}/{data.get('split', '?')}"
 
 
+def _checkpoint(result: dict[str, Any]) -> str | None:
+    """The evaluated checkpoint: ``results["model"]["checkpoint"]``, else the folder of a ``local-dir:`` model."""
+    model = result.get("model", {})
+    name = str(model.get("name", ""))
+    return model.get("checkpoint") or (name.removeprefix("local-dir:") if name.startswith("local-dir:") else None)
+
+
 def run_folder(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> Path | None:
-    """The training run folder of an evaluated checkpoint: where the evaluation recorded it
-    (``results["model"]["checkpoint"]``, resolved from the working directory) when it holds ``train_args.json``,
+    """The training run folder of an evaluated checkpoint: where the evaluation recorded it (:func:`_checkpoint`,
+    resolved from the working directory) when it holds ``train_args.json``,
     else the folder of that name in the study layout beside the evaluation (``<evaluation>/../../runs/<name>``), else
     in the first of ``runs`` (folders holding moved runs) that has it; the recorded folder when none does, None when
     no checkpoint is recorded."""
-    checkpoint = result.get("model", {}).get("checkpoint")
+    checkpoint = _checkpoint(result)
     if not checkpoint:
         return None
     path = Path(checkpoint)
@@ -218,7 +237,7 @@ def check_distinct(results: Sequence[dict[str, Any]], label: Callable[[dict[str,
         keys = [("folder", Path(path).resolve())]
         if seed is not None:
             keys.append(("seed", label(result), seed))
-        if sha is not None and result["model"].get("checkpoint"):
+        if sha is not None and _checkpoint(result):
             keys.append(("weights", label(result), sha))
         elif sha is not None and seed is None:
             keys.append(("weights", label(result), sha, evaluated_images(result)))
@@ -433,9 +452,9 @@ def build_parser() -> CliParser:
     p = CliParser(prog="python -m harness.compare", description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="evaluation folders (each with results.json)")
     p.add_argument("--output", required=True, type=output_dir, help="folder for report.md and comparison.png")
-    p.add_argument("--metrics", nargs="+", default=list(METRICS),
-                   choices=SHOWABLE,
-                   help="metrics to show (the first listed group is the base; diagnostics, localisation on request)")
+    p.add_argument("--metrics", nargs="+", default=list(METRICS), choices=SHOWABLE, metavar="METRIC",
+                   help="metrics to show (the first listed group is the base; diagnostics, localisation on request), "
+                        f"of: {', '.join(SHOWABLE)}")
     return p
 
 

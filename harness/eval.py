@@ -51,7 +51,14 @@ from timm_rollout.cli import (
     run_cli,
     seed_arg,
 )
-from timm_rollout.data import ImageSet, balanced_indices, dataset_arg, load_image_set, normalize
+from timm_rollout.data import (
+    ImageSet,
+    balanced_indices,
+    check_class_names,
+    dataset_arg,
+    load_image_set,
+    normalize,
+)
 from timm_rollout.device import (
     AMP_CHOICES,
     device_arg,
@@ -92,26 +99,29 @@ def build_parser() -> CliParser:
     p.checks.append(lambda args: _check_args(args, p.given))
     p.add_argument("--model", required=True, help="registered timm name, hf-hub:org/name or local-dir:PATH")
     p.add_argument("--checkpoint", type=existing_path,
-                   help=".safetensors file or training output folder (model.safetensors + config)")
+                   help=".safetensors file or training output folder (model.safetensors + config) (default: none: "
+                        "a local-dir:/hf-hub: model's own weights, a registered name's untrained ones)")
     p.add_argument("--dataset", default="cifar10", type=as_type(dataset_arg),
-                   help="alias (cifar10, cifar100, svhn), Hub id or local folder")
+                   help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or local folder")
     p.add_argument("--split", default="test", help="split to evaluate (default: test)")
     p.add_argument("--image-column", help="image column (detected when omitted)")
     p.add_argument("--label-column", help="label column (detected when omitted)")
     sel = p.add_mutually_exclusive_group()
-    sel.add_argument("--classes", nargs="+", metavar="NAME", help="evaluate only these classes")
-    sel.add_argument("--num-classes", type=number(int, 2), metavar="K", help="evaluate only the first K classes")
+    sel.add_argument("--classes", nargs="+", metavar="NAME", help="evaluate only these classes (default: all)")
+    sel.add_argument("--num-classes", type=number(int, 2), metavar="K",
+                     help="evaluate only the first K classes (default: all)")
     p.add_argument("--per-class", type=number(int, 2), metavar="N",
                    help="N random images per class, at least 2: intra-class angles and silhouette need two (default: "
                         "all)")
     p.add_argument("--seed", type=seed_arg, default=0,
                    help="seed of the per-class draws, heatmap picks, silhouette sample")
     p.add_argument("--pool", choices=POST_HOC_POOLS, help="read the features out with this pooling instead of the "
-                   "model's own (token: [CLS], avg: patch mean, rollout: rollout weights)")
+                   "model's own (token: [CLS], avg: patch mean, rollout: rollout weights) (default: the model's own)")
     p.add_argument("--k", type=positive_int, default=metrics.KNN_K,
                    help=f"neighbours of the leave-one-out k-NN (default {metrics.KNN_K})")
     p.add_argument("--bank-split", help="split whose features form the k-NN bank (e.g. train); off by default")
-    p.add_argument("--bank-per-class", type=positive_int, metavar="N", help="N random bank images per class")
+    p.add_argument("--bank-per-class", type=positive_int, metavar="N",
+                   help="N random bank images per class (default: all of the bank split)")
     p.add_argument("--bank-k", type=positive_int, default=metrics.BANK_K,
                    help=f"neighbours of the bank k-NN (default {metrics.BANK_K})")
     p.add_argument("--temperature", type=positive, default=metrics.TEMPERATURE,
@@ -218,10 +228,10 @@ def _check_head(info: dict[str, Any], data: ImageSet) -> None:
             f"checkpoint has {info['num_classes']} classes, data set {data.dataset} has {data.num_classes}; "
             "evaluate it on the data set it was trained on"
         )
-    labels = info.get("label_names")
-    if labels and list(labels) != list(data.class_names):
-        print(f"warning: checkpoint label names {labels[:3]}... differ from the data set's "
-              f"{data.class_names[:3]}...; top1 assumes the same class order", file=sys.stderr)
+    if info.get("label_names"):
+        check_class_names(data.class_names, info["label_names"], f"data set {data.dataset}", "the checkpoint",
+                          "evaluate it on data whose label column lists its classes in its order (datasets' "
+                          "align_labels_with_mapping reorders one)")
 
 
 def posthoc_readout(model: torch.nn.Module, pool: str | None) -> str:
@@ -346,6 +356,8 @@ def _load(args: argparse.Namespace, full: ImageSet, device: torch.device) -> tup
     with torch.random.fork_rng(devices=[]):  # an untrained model's initial weights are reproducible too; the
         torch.manual_seed(args.seed)         # caller's random state is left as it was
         model, info = load_model(args.model, args.checkpoint, num_classes=default_classes, device=device)
+    if args.checkpoint is None and args.model.startswith("local-dir:"):  # its run folder: harness.compare reads
+        info["checkpoint"] = args.model.removeprefix("local-dir:")  # the training seed there, as for --checkpoint
     _refuse_attention(args, model)  # where the meta device could not tell before
     _check_head(info, full)
     check_input_size(model, full.images, fix="evaluate it on a data set of its input size")

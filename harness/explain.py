@@ -47,7 +47,7 @@ from timm_rollout.data import dataset_arg, load_image_set
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import UserError
 from timm_rollout.explain import Explanation, explain
-from timm_rollout.loading import build_meta, check_model, load_model
+from timm_rollout.loading import build_meta, check_input_size, check_model, load_model
 from timm_rollout.masks import BoxColumnError
 from timm_rollout.pooling import attention_free
 
@@ -108,10 +108,10 @@ def prepare_image(image: Image.Image, model: torch.nn.Module) -> tuple[torch.Ten
         image = image.convert("RGB")
     moved = image.size != (w, h) or scale != (h, w)
     if moved:
-        steps.append(f"resized {image.width}x{image.height} (shorter side to {scale[0]}, crop_pct "
-                     f"{cfg['crop_pct']:g}, {cfg['interpolation']}) and centre-cropped to {w}x{h} with timm's eval "
+        steps.append(f"resized {image.height}x{image.width} (shorter side to {scale[0]}, crop_pct "
+                     f"{cfg['crop_pct']:g}, {cfg['interpolation']}) and centre-cropped to {h}x{w} with timm's eval "
                      "transform")
-    note = "; ".join(steps) if steps else f"RGB {w}x{h}, the model's input size: used as is"
+    note = "; ".join(steps) if steps else f"RGB {h}x{w}, the model's input size: used as is"
     return transform(image), note, not moved
 
 
@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise UserError(f"--target-class {args.target_class} is outside the model's {info['num_classes']} classes; "
                         f"pass 0..{info['num_classes'] - 1}")
     x, note, as_is = prepare_image(image, model)
+    check_input_size(model, x, fix="explain it at the input size it was built for")  # and patches that tile it
     print(f"{source}: {note}")
     try:
         ex = explain(model, x[None].to(device), target_class=args.target_class, flow=not args.no_flow)

@@ -221,7 +221,7 @@ def test_prepare_image_handles_odd_modes_and_sizes():
     gray = Image.fromarray(gen.integers(0, 255, (30, 50), dtype=np.uint8), "L")
     rgba = Image.fromarray(gen.integers(0, 255, (40, 24, 4), dtype=np.uint8), "RGBA")
     x, note, as_is = prepare_image(gray, model)
-    assert x.shape == (3, 32, 32) and "L to RGB" in note and "50x30" in note and "32x32" in note and not as_is
+    assert x.shape == (3, 32, 32) and "L to RGB" in note and "30x50" in note and "32x32" in note and not as_is
     rgb = denormalize(x, model.pretrained_cfg["mean"], model.pretrained_cfg["std"])
     np.testing.assert_allclose(rgb[..., 0], rgb[..., 1], atol=1e-6)  # grey stays grey once de-normalised
     x, note, _ = prepare_image(rgba, model)

@@ -195,6 +195,16 @@ class PerChannel(argparse.Action):
         setattr(namespace, self.dest, list(values) * (3 // len(values)))
 
 
+def kwarg(key: str, value: Any) -> str:
+    """``KEY=VALUE`` as :class:`ParseKwargs` reads it back and a shell passes it on: a pair of equal numbers (an
+    ``img_size`` or ``patch_size`` [32, 32]) as one, another pair as the quoted ``'img_size=(32,48)'`` (H, W)."""
+    if isinstance(value, list | tuple):
+        if len(set(value)) == 1:
+            return f"{key}={value[0]}"
+        return f"'{key}=({','.join(map(str, value))})'"
+    return f"{key}={value}"
+
+
 def key_value(text: str) -> str:
     """An argparse ``type`` for ``KEY=VALUE`` items (:class:`ParseKwargs` splits them)."""
     key = text.split("=", 1)[0]

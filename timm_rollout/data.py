@@ -253,9 +253,28 @@ def _load_local(spec: DatasetSpec, name: str, key: str):
         return _load_files(spec.path, spec.config,
                            Path(datasets.config.HF_DATASETS_CACHE) / "timm_rollout_local" / place / files)
     except Exception as e:  # the folder is the user's: any failure to read it is theirs to fix, not a traceback
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-        raise UserError(f"datasets cannot read the folder {name} ({type(e).__name__}: {reason}); pass a folder "
-                        "written by save_to_disk or holding .parquet/.arrow files or class folders of images") from None
+        raise _unreadable(e, name, local) from None
+
+
+def _unreadable(error: Exception, name: str, local: Path) -> UserError:
+    """The one-line error for a folder ``datasets`` cannot read, with the cause it gives under its own error (e.g.
+    data files whose columns differ from those the data card, or the first file, declares)."""
+    cause = error
+    while cause.__cause__ is not None or cause.__context__ is not None:
+        cause = cause.__cause__ or cause.__context__
+    files, declared = getattr(cause, "table_column_names", None), getattr(cause, "requested_column_names", None)
+    if files is not None and declared is not None and set(files) != set(declared):
+        card = "dataset_info" in ((local / "README.md").read_text(errors="replace")
+                                  if (local / "README.md").is_file() else "")
+        where = "its data card (README.md) declares" if card else "its first data file holds"
+        fix = "make README.md's dataset_info list the files' columns, or remove it" if card \
+            else "give every data file the same columns"
+        return UserError(f"datasets cannot read the folder {name}: a data file holds the columns {', '.join(files)} "
+                         f"but {where} {', '.join(declared)}; {fix}")
+    reason = "; ".join(f"{type(e).__name__}: {str(e).strip().splitlines()[0][:150]}" if str(e).strip()
+                       else type(e).__name__ for e in dict.fromkeys((error, cause)))
+    return UserError(f"datasets cannot read the folder {name} ({reason}); pass a folder written by save_to_disk or "
+                     "holding .parquet/.arrow files or class folders of images")
 
 
 def _load_splits(spec: DatasetSpec, name: str):
@@ -418,6 +437,24 @@ def load_image_set(
         class_names = [str(i) for i in range(int(labels.max()) + 1 if len(labels) else 0)]
     located = read_localisation(ds, dataset, tuple(images.shape[2:])) if boxes else (None, None, None)
     return ImageSet(images, labels, class_names, spec.path, split, ds._fingerprint, *located)
+
+
+def _few(names: Sequence[str]) -> str:
+    return ", ".join(map(str, names[:4])) + (", ..." if len(names) > 4 else "")
+
+
+def check_class_names(names: Sequence[str], expected: Sequence[str], what: str, whose: str, fix: str) -> None:
+    """A one-line error ending with ``fix`` when the class ``names`` of ``what`` (e.g. the eval split) differ from
+    ``expected``, those of ``whose`` (e.g. the train split, or the checkpoint): labels are class indices, so the same
+    classes in another order would be scored against each other. Only the names both lists have are compared (the
+    labels' range is checked on its own)."""
+    n = min(len(names), len(expected))
+    if list(names[:n]) == list(expected[:n]):
+        return
+    how = f"lists the classes of {whose} in another order" if sorted(names[:n]) == sorted(expected[:n]) \
+        else f"has other class names than {whose}"
+    raise UserError(f"{what} {how} ({_few(names)} vs {_few(expected)}): labels are class indices, so its images would "
+                    f"be scored against the wrong classes; {fix}")
 
 
 def balanced_indices(

@@ -18,9 +18,11 @@ import timm
 import torch
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
 from safetensors import SafetensorError, safe_open
+from timm.layers import PatchEmbed
 from timm.models import load_checkpoint, parse_model_name
 from torch import nn
 
+from .cli import kwarg
 from .errors import UserError
 from .models import record_input_size
 from .online import hub_or_cache
@@ -88,7 +90,8 @@ def create_model(arch: str, fix: str = "fix or drop the model arguments",
 
 
 def check_input_size(model: nn.Module, images: torch.Tensor, fix: str) -> None:
-    """A one-line error when a fixed-size model cannot take the data set's (N, C, H, W) ``images``; ``fix`` ends it."""
+    """A one-line error when a fixed-size model cannot take the data set's (N, C, H, W) ``images`` (``fix`` ends it),
+    or when its patches do not tile them (:func:`_check_patches`)."""
     cfg = getattr(model, "pretrained_cfg", {}) or {}
     built = getattr(getattr(model, "patch_embed", None), "img_size", None)  # timm ViTs: the size it was built for
     want = tuple(built) if built is not None else tuple(cfg.get("input_size", ())[1:])
@@ -96,6 +99,28 @@ def check_input_size(model: nn.Module, images: torch.Tensor, fix: str) -> None:
     if cfg.get("fixed_input_size") and want and want != got:
         raise UserError(f"the data set's images are {got[0]}x{got[1]} but {cfg.get('architecture')} takes "
                         f"{want[0]}x{want[1]}; {fix}")
+    _check_patches(model, got)
+
+
+def _check_patches(model: nn.Module, size: tuple[int, int]) -> None:
+    """A one-line error when a timm patch embedding's patches do not tile images of ``size`` (H, W): its conv would
+    see only their top-left part (or pad them), so no patch map, heatmap or localisation metric would line up with
+    the image."""
+    embed = getattr(model, "patch_embed", None)
+    if not isinstance(embed, PatchEmbed):
+        return
+    (h, w), (ph, pw) = size, tuple(embed.patch_size)
+    if h % ph == 0 and w % pw == 0:
+        return
+    if getattr(embed, "dynamic_img_pad", False):
+        seen = f"pads them to {-(-h // ph) * ph}x{-(-w // pw) * pw}"
+    else:
+        seen = f"sees only their top-left {h // ph * ph}x{w // pw * pw} pixels"
+    fits = [min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - p), -d))  # the nearest divisor
+            for n, p in ((h, ph), (w, pw))]
+    raise UserError(f"patch size {ph}x{pw} does not divide the {h}x{w} images: the patch embedding {seen}, so no map "
+                    f"or localisation metric would line up with the image; use a patch size that divides them (e.g. "
+                    f"{kwarg('patch_size', fits)})")
 
 
 def check_model(name: str, kwargs: dict[str, Any] | None = None) -> None:

@@ -62,8 +62,10 @@ def _data_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--eval-split", default=None, help="default: test, else validation")
     g.add_argument("--image-column", default=None, help="default: img or image")
     g.add_argument("--label-column", default=None, help="default: label or fine_label")
-    g.add_argument("--max-train-samples", type=positive_int, default=None, help="class-balanced seeded subset")
-    g.add_argument("--max-eval-samples", type=positive_int, default=None, help="class-balanced seeded subset")
+    g.add_argument("--max-train-samples", type=positive_int, default=None,
+                   help="class-balanced seeded subset of this many images (default: all)")
+    g.add_argument("--max-eval-samples", type=positive_int, default=None,
+                   help="class-balanced seeded subset of this many images (default: all)")
     g.add_argument("--crop-padding", type=non_negative_int, default=4,
                    help="random crop after zero padding by this many pixels")
     g.add_argument("--hflip", type=number(float, 0, 1), default=None,

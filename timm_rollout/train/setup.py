@@ -22,7 +22,16 @@ from timm.utils import ModelEmaV3
 from torch import nn
 
 from ..capture import set_fused_attention
-from ..data import ImageSet, balanced_indices, load_image_set, normalization_stats, resolve_dataset, split_names
+from ..cli import kwarg
+from ..data import (
+    ImageSet,
+    balanced_indices,
+    check_class_names,
+    load_image_set,
+    normalization_stats,
+    resolve_dataset,
+    split_names,
+)
 from ..device import resolve_amp
 from ..dropout import use_fast_dropout
 from ..errors import UserError
@@ -125,6 +134,7 @@ def prepare_data(args: argparse.Namespace, d: Dist, loaded: dict[tuple, tuple]) 
     if int(train_set.labels.max()) >= num_classes:
         raise UserError(f"labels go up to {int(train_set.labels.max())} but --num-classes is {num_classes}; "
                         "raise --num-classes or drop it")
+    _check_eval_classes(train_set, eval_set, num_classes)
     steps = len(train_set) // (args.batch_size * d.world)
     if steps == 0:
         raise UserError(f"{len(train_set)} training images do not fill one batch of {args.batch_size} per process; "
@@ -133,6 +143,19 @@ def prepare_data(args: argparse.Namespace, d: Dist, loaded: dict[tuple, tuple]) 
     hflip = args.hflip if args.hflip is not None else (0.0 if digits else 0.5)
     return RunData(train_set, eval_set, mean, std, num_classes, steps, hflip, min(args.warmup_epochs, args.epochs),
                    resolve_amp(args.amp, d.device))
+
+
+def _check_eval_classes(train_set: ImageSet, eval_set: ImageSet, num_classes: int) -> None:
+    """Refuse, before training, an eval split whose classes are not the train split's: other class names or the same
+    in another order (scored against the wrong classes), or labels beyond the model's classes (a crash at the first
+    evaluation)."""
+    what, whose = f"the eval split {eval_set.split!r}", f"the train split {train_set.split!r}"
+    check_class_names(eval_set.class_names, train_set.class_names, what, whose,
+                      "give both splits one ClassLabel, in one class order (datasets' align_labels_with_mapping)")
+    top = int(eval_set.labels.max())
+    if top >= num_classes:
+        raise UserError(f"{what} has labels up to {top} but the model has {num_classes} classes (0-{num_classes - 1}); "
+                        "evaluate on a split of the training classes with --eval-split, or raise --num-classes")
 
 
 def build_model(args: argparse.Namespace, data: RunData, device: torch.device) -> nn.Module:
@@ -151,7 +174,7 @@ def build_model(args: argparse.Namespace, data: RunData, device: torch.device) -
         print(f"{args.model}: its architecture with fresh random weights, as timm builds it without pretrained=True; "
               "to start from its weights pass --pretrained-file with its folder", file=sys.stderr)
     model = create_model(args.model, weights_fix=weights_fix, num_classes=data.num_classes, **kwargs)
-    check_input_size(model, data.train.images, fix=_size_fix(args, model, data.train.images.shape[-1]))
+    check_input_size(model, data.train.images, fix=_size_fix(args, model, tuple(data.train.images.shape[-2:])))
     if args.pool is not None:
         set_pooling(model, args.pool, **args.pool_kwargs)
     use_fast_dropout(model)
@@ -165,28 +188,23 @@ def _weights_fix(args: argparse.Namespace) -> str:
     """How to fine-tune ``--pretrained-file`` weights that do not fit ``--model``: the model their run trained."""
     trained = pretrained_config(args.pretrained_file, args.model)
     arch, saved = trained.get("architecture"), trained["model_args"]
-    def value(v: object) -> object:  # img_size [32, 32] as --model-kwargs takes it
-        return (v[0] if len(set(v)) == 1 else ",".join(map(str, v))) if isinstance(v, list) else v
-
-    shown = " ".join(f"{k}={value(v)}" for k, v in saved.items()
-                     if k not in ("num_classes", "global_pool", *POOLED_ARGS))
+    shown = " ".join(kwarg(k, v) for k, v in saved.items() if k not in ("num_classes", "global_pool", *POOLED_ARGS))
     if arch and arch != args.model:
         return f"they were trained as {arch}: pass --model {arch}" + (f" --model-kwargs {shown}" if shown else "")
     return f"pass the --model and --model-kwargs they were trained with, or weights of {args.model}"
 
 
-def _size_fix(args: argparse.Namespace, model: nn.Module, size: int) -> str:
-    """The --model-kwargs that build ``model`` for ``size``, with the pretrained weights' own patch size where it
-    differs (else timm would resample their patch embedding to another grid)."""
-    fix = f"pass --model-kwargs img_size={size}"
+def _size_fix(args: argparse.Namespace, model: nn.Module, size: tuple[int, int]) -> str:
+    """The --model-kwargs that build ``model`` for images of ``size`` (H, W), with the pretrained weights' own patch
+    size where it differs (else timm would resample their patch embedding to another grid)."""
+    fix = f"pass --model-kwargs {kwarg('img_size', size)}"
     if not args.pretrained_file:
         return fix
     patch = pretrained_config(args.pretrained_file, args.model)["model_args"].get("patch_size")
     own = getattr(getattr(model, "patch_embed", None), "patch_size", None)
     if patch is None or own is None or to_2tuple(patch) == tuple(own):
         return fix
-    shown = patch[0] if isinstance(patch, list | tuple) and len(set(patch)) == 1 else patch
-    return f"{fix} patch_size={shown} (the pretrained weights' patch size)"
+    return f"{fix} {kwarg('patch_size', patch)} (the pretrained weights' patch size)"
 
 
 def _criterion(args: argparse.Namespace) -> nn.Module:
