@@ -65,8 +65,8 @@ CASES = [
     (TRAIN, ["--capture"], "--capture was removed; for CUDA graphs use --compile --compile-mode reduce-overhead"),
     (TRAIN, ["--dropout-draws", "keyed"], "--dropout-draws was removed; drop it: dropout and drop-path masks come "
                                           "from torch's generators"),
-    (STUDY, ["--pack", "2", "--stack"], "--stack was removed; run seeds side by side as separate processes with "
-                                        "--jobs N"),
+    (STUDY, ["--stack"], "--stack was removed; run seeds side by side as separate processes with --jobs N"),
+    (STUDY, ["--pack", "2"], "--pack was removed; run seeds side by side as separate processes with --jobs N"),
     (STUDY, ["--capture"], "--capture was removed; for CUDA graphs pass --train-args '--compile --compile-mode "
                            "reduce-overhead'"),
     (TRAIN, ["--pool", "attention"], "argument --pool: invalid choice: 'attention'"),

@@ -34,6 +34,7 @@ def build_parser() -> CliParser:
     """The CLI; bad values are one-line errors before anything is recorded in ``study.json``."""
     p = CliParser(prog="python scripts/study.py", description=DESCRIPTION, checks=[check_train_args],
                   removed={"--stack": "run seeds side by side as separate processes with --jobs N",
+                           "--pack": "run seeds side by side as separate processes with --jobs N",
                            "--capture": "for CUDA graphs pass --train-args '--compile --compile-mode reduce-overhead'"})
     p.add_argument("--dataset", required=True, type=as_type(dataset_arg),
                    help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or folder")
@@ -69,9 +70,6 @@ def build_parser() -> CliParser:
                         "two studies, paired by seed; remembered by the folder")
     p.add_argument("--heatmaps", type=non_negative_int, default=6,
                    help="test images in the side-by-side heatmap grid (0: no grid)")
-    p.add_argument("--pack", type=positive_int, default=1,
-                   help="seeds of one arm trained in one trainer process, one after another (data loaded once); "
-                        "not part of the study's identity")
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="runs side by side, the CPU cores split between them (and the GPUs, when several are visible)")
     p.add_argument("--commit", action="store_true",
