@@ -2,8 +2,8 @@
 
     python scripts/bench_harness.py [--images 2048] [--queries 10000] [--bank 50000]
 
-(a) times ``harness.features.extract`` for both CIFAR models on real CIFAR-10 test images (random images if
-the data is missing). (b) times the bank k-NN (k=20, exp(sim/0.07) votes) and the leave-one-out 5-NN on
+(a) times ``harness.features.extract`` for both CIFAR models on CIFAR-10 test images (the shipped sample when the
+full copy is missing). (b) times the bank k-NN (k=20, exp(sim/0.07) votes) and the leave-one-out 5-NN on
 random clustered features, faiss (``harness.metrics``) against scikit-learn's brute-force
 ``KNeighborsClassifier`` doing the same search and vote, checks they agree, and prints the speed ratios.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 import timm
 import torch
+from _bench import DATASET, MEAN, MODELS, STD, bench_images, machine_line, precision, timed
 from sklearn.neighbors import KNeighborsClassifier
 
 import timm_rollout  # noqa: F401  (registers the models)
@@ -25,25 +25,14 @@ from harness.features import extract
 from timm_rollout.cli import CliParser, positive_int, run_cli
 from timm_rollout.device import resolve_amp, resolve_device
 
-CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
-MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-
-
-def _images(n: int) -> tuple[torch.Tensor, str]:
-    if CIFAR10.is_dir():
-        from timm_rollout.data import load_image_set
-
-        return load_image_set(str(CIFAR10), "test").images[:n], "CIFAR-10 test"
-    return torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8), "random"
-
 
 def bench_extraction(n: int, batch_size: int) -> None:
-    images, source = _images(n)
+    images = bench_images(n)
     device = resolve_device("auto")
     amp = resolve_amp("auto", device)
-    print(f"(a) feature extraction: {len(images)} {source} images, batch {batch_size}, {device}, "
-          f"{amp or 'fp32'}, {torch.get_num_threads()} threads")
-    for name in ("vit_tiny_cifar_cls", "vit_tiny_cifar_rollout"):
+    print(machine_line(device))
+    print(f"(a) feature extraction: {len(images)} test images of {DATASET}, batch {batch_size}, {precision(amp)}")
+    for name in MODELS:
         model = timm.create_model(name, num_classes=10).to(device).eval()
         extract(model, images[:batch_size], MEAN, STD, device=device, amp_dtype=amp, batch_size=batch_size)  # warm-up
         batches = []
@@ -90,12 +79,6 @@ def _sklearn_loo(features, labels, k: int) -> float:
     return float((pred == labels).mean())
 
 
-def _timed(fn, *args) -> tuple[float, float]:
-    start = time.perf_counter()
-    value = fn(*args)
-    return value, time.perf_counter() - start
-
-
 def bench_metrics(queries: int, bank: int, dim: int) -> None:
     x, y = _features(queries + bank, dim, 10)
     xq, yq, xb, yb = x[:queries], y[:queries], x[queries:], y[queries:]
@@ -106,18 +89,18 @@ def bench_metrics(queries: int, bank: int, dim: int) -> None:
         ("leave-one-out 5-NN", lambda: metrics.knn_loo(xq, yq, 5), lambda: _sklearn_loo(xq, yq, 5)),
     ]
     for label, ours, theirs in rows:
-        a, t_faiss = _timed(ours)
-        b, t_sklearn = _timed(theirs)
+        a, t_faiss = timed(ours)
+        b, t_sklearn = timed(theirs)
         agree = "agree" if abs(a - b) < 1e-3 else f"DIFFER ({a:.4f} vs {b:.4f})"
         print(f"    {label:26s} faiss {t_faiss:6.2f} s   sklearn {t_sklearn:6.2f} s   "
               f"ratio {t_sklearn / t_faiss:5.1f}x   accuracy {a:.4f} ({agree})")
     nb, nq = metrics.l2_normalize(xb), metrics.l2_normalize(xq)
     candidates = sorted({1, min(torch.get_num_threads(), os.cpu_count() or 1)})
-    times = {t: _timed(metrics.search, nb, nq, 20, t)[1] for t in candidates}
+    times = {t: timed(metrics.search, nb, nq, 20, t)[1] for t in candidates}
     print("    bank search alone by faiss threads: " + ", ".join(f"{t}: {s:.2f} s" for t, s in times.items())
           + f" (default here now: {metrics.default_threads()}, 1-min load {os.getloadavg()[0]:.1f})")
-    _, t_centroid = _timed(metrics.centroid_metrics, xq, yq)
-    _, t_sil = _timed(metrics.silhouette, xq, yq)
+    _, t_centroid = timed(metrics.centroid_metrics, xq, yq)
+    _, t_sil = timed(metrics.silhouette, xq, yq)
     print(f"    centroid metrics {t_centroid:.2f} s, silhouette {t_sil:.2f} s")
 
 
