@@ -1,5 +1,5 @@
-"""What the benchmarks in ``scripts/`` share: the data and models they time, the round-robin race that times
-variants side by side, and the record of the machine that ran them."""
+"""What the benchmarks in ``scripts/`` share: the data and models they time, the training step, the round-robin
+race that times variants side by side, and the record of the machine that ran them."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ from typing import Any
 
 import timm
 import torch
+from timm.optim import create_optimizer_v2
+from torch import nn
 
 from timm_rollout.data import KNOWN_STATS, load_image_set
 from timm_rollout.device import cpu_supports_bf16, device_name
 from timm_rollout.progress import progress
+from timm_rollout.train.step import optimizer_step
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
 # The full CIFAR-10 copy beside the checkout when there is one, else the sample shipped in the package.
@@ -30,6 +33,33 @@ Step = Callable[[], int]  # runs one step of a variant, returns the number of im
 def bench_images(n: int) -> torch.Tensor:
     """The first ``n`` uint8 test images of :data:`DATASET`."""
     return load_image_set(DATASET, "test").images[:n]
+
+
+def model_step(model: nn.Module, dtype: torch.dtype | None, device: torch.device, compile_mode: str | None = None):
+    """The training step function of ``timm_rollout.train`` for ``model`` and its AdamW optimizer (and GradScaler
+    for fp16); the model through ``torch.compile`` in ``compile_mode`` when one is given, as ``train --compile
+    --compile-mode``."""
+    model.to(device).train()
+    opt = create_optimizer_v2(model, opt="adamw", lr=5e-4, weight_decay=1e-4)
+    net = torch.compile(model, mode=compile_mode) if compile_mode else model
+    loss_fn = nn.CrossEntropyLoss()
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    return (lambda x, y: optimizer_step(net, x, y, loss_fn, opt, device=device, amp_dtype=dtype,
+                                        scaler=scaler)), opt
+
+
+def bare_step(model: nn.Module, batch: int, dtype: torch.dtype | None, device: torch.device) -> Step:
+    """The bare training step of ``model`` on one normalised batch kept in memory."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+    x, y = x.to(device), y.to(device)
+    step, _ = model_step(model, dtype, device)
+
+    def run() -> int:
+        step(x, y)
+        return batch
+
+    return run
 
 
 def precision(dtype: torch.dtype | None) -> str:

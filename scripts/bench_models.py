@@ -13,39 +13,12 @@ from __future__ import annotations
 
 import timm
 import torch
-import torch.nn.functional as F
-from _bench import MODELS, Step, machine_line, precision, race
+from _bench import MODELS, Step, bare_step, machine_line, precision, race
 
 import timm_rollout  # noqa: F401  (registers the models)
 from timm_rollout.capture import set_fused_attention
 from timm_rollout.cli import CliParser, positive_int, run_cli
 from timm_rollout.device import autocast, cpu_supports_bf16, device_arg, resolve_amp
-
-
-def make_step(name: str, train: bool, dtype: torch.dtype | None, batch: int, device: torch.device) -> Step:
-    torch.manual_seed(0)
-    model = timm.create_model(name, num_classes=10).to(device).train(train)
-    if train and device.type == "cpu":
-        set_fused_attention(model, False)  # as timm_rollout.train does on CPU
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(batch, 3, 32, 32, device=device)
-    y = torch.randint(0, 10, (batch,), device=device)
-
-    def train_step() -> int:
-        with autocast(device, dtype):
-            loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return batch
-
-    @torch.inference_mode()
-    def infer_step() -> int:
-        with autocast(device, dtype):
-            model(x)
-        return batch
-
-    return train_step if train else infer_step
 
 
 def sweep_step(model: torch.nn.Module, x: torch.Tensor, batch: int, dtype: torch.dtype | None,
@@ -59,6 +32,17 @@ def sweep_step(model: torch.nn.Module, x: torch.Tensor, batch: int, dtype: torch
         return len(x)
 
     return run
+
+
+def make_step(name: str, train: bool, dtype: torch.dtype | None, batch: int, device: torch.device) -> Step:
+    """A training step (``timm_rollout.train``'s, with its explicit attention on a CPU) or one inference batch."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=10)
+    if not train:
+        return sweep_step(model.to(device).eval(), torch.randn(batch, 3, 32, 32, device=device), batch, dtype, device)
+    if device.type == "cpu":
+        set_fused_attention(model, False)  # as timm_rollout.train does on CPU
+    return bare_step(model, batch, dtype, device)
 
 
 def batch_sweep(batches: list[int], rounds: int, device: torch.device) -> None:

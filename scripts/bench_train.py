@@ -26,12 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import _bench
 import datasets
 import timm
 import torch
-from _bench import DATASET, WARMUP_ROUNDS, Step, machine_line, machine_record, precision, race, sync
 from timm.models.vision_transformer import VisionTransformer
-from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from torch import nn
 from torch.utils.data import DataLoader
@@ -47,20 +46,7 @@ from timm_rollout.models import _TINY_CIFAR
 from timm_rollout.progress import progress
 from timm_rollout.train.flags import COMPILE_MODES
 from timm_rollout.train.log import read_log
-from timm_rollout.train.step import Batches, optimizer_step
-
-
-def _model_step(model: nn.Module, dtype: torch.dtype | None, device: torch.device, compile_mode: str | None = None):
-    """The training step function for ``model`` and its AdamW optimizer (and GradScaler for fp16); the model
-    through ``torch.compile`` in ``compile_mode`` when one is given, as ``train --compile --compile-mode``."""
-    model.to(device).train()
-    opt = create_optimizer_v2(model, opt="adamw", lr=5e-4, weight_decay=1e-4)
-    net = torch.compile(model, mode=compile_mode) if compile_mode else model
-    loss_fn = nn.CrossEntropyLoss()
-    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    return (lambda x, y: optimizer_step(net, x, y, loss_fn, opt, device=device, amp_dtype=dtype,
-                                        scaler=scaler)), opt
-
+from timm_rollout.train.step import Batches
 
 NO_DROPOUT = {"pos_drop_rate": 0.0, "attn_drop_rate": 0.0, "proj_drop_rate": 0.0}
 
@@ -75,11 +61,11 @@ def ours(fast_dropout: bool = True, **kwargs) -> nn.Module:
     return model
 
 
-def full_loop(dataset: str, batch: int, dtype, device, compile_mode: str | None = None, **model_kwargs) -> Step:
+def full_loop(dataset: str, batch: int, dtype, device, compile_mode: str | None = None, **model_kwargs) -> _bench.Step:
     """(a): the training loop's per-step work on real images (see the module docstring)."""
     train = load_image_set(dataset, "train")
     mean, std = normalization_stats(dataset, train)
-    step, opt = _model_step(ours(**model_kwargs), dtype, device, compile_mode)
+    step, opt = _bench.model_step(ours(**model_kwargs), dtype, device, compile_mode)
     sched, _ = create_scheduler_v2(opt, sched="cosine", num_epochs=200, warmup_epochs=5, min_lr=5e-6,
                                    step_on_epochs=False, updates_per_epoch=390)
     batches = Batches(train.images.to(device), train.labels.to(device), mean, std)
@@ -97,7 +83,7 @@ def full_loop(dataset: str, batch: int, dtype, device, compile_mode: str | None 
     return run
 
 
-def profile_steps(steps: dict[str, Step], rounds: int, device: torch.device) -> dict[str, dict]:
+def profile_steps(steps: dict[str, _bench.Step], rounds: int, device: torch.device) -> dict[str, dict]:
     """Where a step's time goes, per variant: wall time per step against the GPU's kernel time per step (their
     ratio: how busy the GPU is), kernels per step and the costliest kernels (``torch.profiler``, ``rounds`` steps
     after the warm-up ones)."""
@@ -107,13 +93,13 @@ def profile_steps(steps: dict[str, Step], rounds: int, device: torch.device) -> 
     found = {}
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
     for name, run in steps.items():
-        for _ in range(WARMUP_ROUNDS):
+        for _ in range(_bench.WARMUP_ROUNDS):
             run()
-        sync(device)
+        _bench.sync(device)
         with profile(activities=activities) as prof:
             t = time.perf_counter()
             images = sum(run() for _ in range(rounds))
-            sync(device)
+            _bench.sync(device)
             wall = (time.perf_counter() - t) / rounds
         kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
         gpu = sum(e.self_device_time_total for e in kernels) / 1e6 / rounds
@@ -136,21 +122,7 @@ def cls_model(fused: bool) -> nn.Module:
     return model
 
 
-def bare(model: nn.Module, batch: int, dtype, device) -> Step:
-    """(b)/(b0): the model step on one normalised batch kept in memory."""
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
-    x, y = x.to(device), y.to(device)
-    step, _ = _model_step(model, dtype, device)
-
-    def run() -> int:
-        step(x, y)
-        return batch
-
-    return run
-
-
-def stock(dataset: str, batch: int, rounds: int, workers: int, dtype, device) -> Step:
+def stock(dataset: str, batch: int, rounds: int, workers: int, dtype, device) -> _bench.Step:
     """(c): stock timm ViT (fused attention, nn.Dropout) fed by a DataLoader with per-image PIL transforms."""
     mean, std = normalization_stats(dataset)
     tf = transforms.Compose([
@@ -158,12 +130,12 @@ def stock(dataset: str, batch: int, rounds: int, workers: int, dtype, device) ->
         transforms.Normalize(mean, std),
     ])
     ds = datasets.load_dataset(resolve_dataset(dataset).path, split="train").select(
-        range(batch * (rounds + WARMUP_ROUNDS)))
+        range(batch * (rounds + _bench.WARMUP_ROUNDS)))
     ds = ds.with_transform(lambda rows: {"x": [tf(img.convert("RGB")) for img in rows["img"]], "y": rows["label"]})
     loader = iter(DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True,
                              pin_memory=device.type == "cuda"))
     torch.manual_seed(0)
-    step, _ = _model_step(VisionTransformer(**_TINY_CIFAR, num_classes=10), dtype, device)
+    step, _ = _bench.model_step(VisionTransformer(**_TINY_CIFAR, num_classes=10), dtype, device)
 
     def run() -> int:
         item = next(loader)
@@ -173,13 +145,18 @@ def stock(dataset: str, batch: int, rounds: int, workers: int, dtype, device) ->
     return run
 
 
+def train_cli(dataset: str, samples: int, batch: int, epochs: int, device: torch.device | str) -> list[str]:
+    """The ``timm_rollout.train`` flags of a short run of the default model: ``epochs`` over ``samples`` images."""
+    return ["-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset, "--epochs",
+            str(epochs), "--max-train-samples", str(samples), "--max-eval-samples", "100", "--batch-size", str(batch),
+            "--device", str(device), "--no-progress", "--overwrite"]
+
+
 def cli_rate(dataset: str, batch: int, steps: int, ranks: int, folder: Path) -> float:
     """Training images/s of one whole ``timm_rollout.train`` run of ``steps`` updates (from its log.csv), in one
     process (``ranks`` 1) or ``ranks`` single-thread torchrun processes sharing the global ``batch``."""
-    per_rank = batch // ranks
-    args = ["-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset, "--epochs", "1",
-            "--max-train-samples", str(batch * steps), "--max-eval-samples", "100", "--batch-size", str(per_rank),
-            "--warmup-epochs", "0", "--device", "cpu", "--no-progress", "--output", str(folder), "--overwrite"]
+    args = [*train_cli(dataset, batch * steps, batch // ranks, 1, "cpu"), "--warmup-epochs", "0", "--output",
+            str(folder)]
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc_per_node", str(ranks)]
     env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if ranks > 1 else {})}
@@ -205,9 +182,7 @@ def concurrent_rates(dataset: str, batch: int, steps: int, n: int, device: torch
     """Training images/s of each of ``n`` ``timm_rollout.train`` runs started together on ``device``, one process
     each with ``cores / n`` threads (as ``study.py --jobs n`` runs them): epoch 2 of ``steps`` updates, so that
     epoch 1 absorbs start-up and warm-up."""
-    args = [sys.executable, "-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset,
-            "--epochs", "2", "--max-train-samples", str(batch * steps), "--max-eval-samples", "100",
-            "--batch-size", str(batch), "--device", str(device), "--no-progress", "--save-every", "2", "--overwrite"]
+    args = [sys.executable, *train_cli(dataset, batch * steps, batch, 2, device), "--save-every", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
     runs = [folder / f"n{n}-{i}" for i in range(n)]
     procs = [subprocess.Popen([*args, "--seed", str(i), "--output", str(run)], env=env, stdout=subprocess.DEVNULL,
@@ -248,7 +223,7 @@ def build_parser() -> CliParser:
                                              "--compile reduce-overhead",
                            "--pack": "time N separate processes (study.py --jobs N) with --concurrent N ..."})
     p.checks.append(lambda args: _check_args(args, p.given))
-    p.add_argument("--dataset", default=DATASET)
+    p.add_argument("--dataset", default=_bench.DATASET)
     p.add_argument("--batch-size", type=positive_int, default=128)
     p.add_argument("--steps", type=positive_int, default=20, help="timed rounds (one step of each variant per round)")
     p.add_argument("--loader-workers", type=non_negative_int, default=2, help="DataLoader workers for (c)")
@@ -282,15 +257,15 @@ def single_runs(args: argparse.Namespace, dtype: torch.dtype, precision: str,
     }
     compiled = {f"a:{mode}": full_loop(args.dataset, b, dtype, device, compile_mode=mode) for mode in args.compile}
     labels |= {key: f"(a) full loop, torch.compile mode={key[2:]} ({precision})" for key in compiled}
-    r = race({
+    r = _bench.race({
         **compiled,
         "a": full_loop(args.dataset, b, dtype, device),
         "a0": full_loop(args.dataset, b, dtype, device, **NO_DROPOUT),
-        "b": bare(ours(), b, dtype, device),
-        "b0": bare(ours(fast_dropout=False), b, dtype, device),
+        "b": _bench.bare_step(ours(), b, dtype, device),
+        "b0": _bench.bare_step(ours(fast_dropout=False), b, dtype, device),
         "c": stock(args.dataset, b, args.steps, args.loader_workers, dtype, device),
-        "f": bare(cls_model(True), b, dtype, device),
-        "e": bare(cls_model(False), b, dtype, device),
+        "f": _bench.bare_step(cls_model(True), b, dtype, device),
+        "e": _bench.bare_step(cls_model(False), b, dtype, device),
     }, args.steps, device, precision)
     for key, label in labels.items():
         print(f"{label:<64} {r[key]:8.1f} img/s")
@@ -311,10 +286,11 @@ def main(argv: list[str] | None = None) -> None:
         raise UserError("--profile times CUDA kernels; pass --device cuda (or drop it)")
     dtype = resolve_amp("auto", device)
     b = args.batch_size
-    print(f"{machine_line(device)}; batch {b}, median of {args.steps} rounds, --amp auto = {precision(dtype)}")
-    record: dict[str, object] = {**machine_record(device), "batch_size": b, "steps": args.steps,
-                                 "precision": precision(dtype), "complete": False}
-    r, labels = single_runs(args, dtype, precision(dtype), device)
+    print(f"{_bench.machine_line(device)}; batch {b}, median of {args.steps} rounds, "
+          f"--amp auto = {_bench.precision(dtype)}")
+    record: dict[str, object] = {**_bench.machine_record(device), "batch_size": b, "steps": args.steps,
+                                 "precision": _bench.precision(dtype), "complete": False}
+    r, labels = single_runs(args, dtype, _bench.precision(dtype), device)
     record |= {"img_per_s": {labels[k]: v for k, v in r.items()},
                "ratio_vs_stock_timm_b128": r["a"] / r["c"] if b == 128 else None}
     save(args.json, record)
