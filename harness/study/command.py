@@ -22,9 +22,9 @@ from timm_rollout.records import (
     STUDY_FILE,
 )
 
-from .folder import check_identity
+from .folder import check_identity, layout
 from .jobs import check_commit, commit_paths, run_all
-from .plan import ARMS, DEFAULT_ARMS, POSTHOC, check_train_args, primary_arg
+from .plan import ARMS, DEFAULT_ARMS, check_train_args, primary_arg
 from .report import report_scope, write_report
 
 DESCRIPTION = ("The study in one command: train every pooling arm per seed with one recipe, evaluate every run, write "
@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     arms, seeds, commands = check_identity(args, out)
     if args.commit:  # on its own, before any run: the settings (and a named --primary) precede the results
         commit_paths([out / STUDY_FILE], f"study: settings and commands of {out.name} ({STUDY_FILE})")
-    runs = {(arm, seed): out / "runs" / f"{arm}-s{seed}" for seed in seeds for arm in ARMS}
-    evals = {(arm, seed): out / "eval" / f"{arm}-s{seed}" for seed in seeds for arm in (*ARMS, *POSTHOC)}
+    runs, evals = layout(out, seeds)
     # Seed by seed, so the arms of a seed finish close together and pair up early.
     todo = [] if args.report_only else [(arm, seed) for seed in args.seeds for arm in ARMS if arm in args.arms]
     run_all(args, todo, runs, evals)
