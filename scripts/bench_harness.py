@@ -1,61 +1,24 @@
-"""Benchmark the evaluation harness: (a) feature extraction images/s, (b) the metric stage, faiss vs scikit-learn.
+"""Benchmark the harness's metric stage: faiss against scikit-learn on the same k-NN search and vote.
 
-    python scripts/bench_harness.py [--images 2048] [--queries 10000] [--bank 50000]
+    python scripts/bench_harness.py [--queries 10000] [--bank 50000]
 
-(a) times ``harness.features.extract`` for both CIFAR models on real CIFAR-10 test images (random images if
-the data is missing). (b) times the bank k-NN (k=20, exp(sim/0.07) votes) and the leave-one-out 5-NN on
-random clustered features, faiss (``harness.metrics``) against scikit-learn's brute-force
-``KNeighborsClassifier`` doing the same search and vote, checks they agree, and prints the speed ratios.
+Times the bank k-NN (k=20, exp(sim/0.07) votes) and the leave-one-out 5-NN on random clustered features, faiss
+(``harness.metrics``) against scikit-learn's brute-force ``KNeighborsClassifier``, checks they agree, and prints
+the speed ratios. Feature extraction is timed by ``scripts/bench_faithfulness.py`` (its inference row) and
+``scripts/bench_models.py --infer-batches``.
 """
 
 from __future__ import annotations
 
 import os
-import time
-from pathlib import Path
 
 import numpy as np
-import timm
 import torch
+from _bench import machine_line, timed
 from sklearn.neighbors import KNeighborsClassifier
 
-import timm_rollout  # noqa: F401  (registers the models)
 from harness import metrics
-from harness.features import extract
 from timm_rollout.cli import CliParser, positive_int, run_cli
-from timm_rollout.device import resolve_amp, resolve_device
-
-CIFAR10 = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
-MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-
-
-def _images(n: int) -> tuple[torch.Tensor, str]:
-    if CIFAR10.is_dir():
-        from timm_rollout.data import load_image_set
-
-        return load_image_set(str(CIFAR10), "test").images[:n], "CIFAR-10 test"
-    return torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8), "random"
-
-
-def bench_extraction(n: int, batch_size: int) -> None:
-    images, source = _images(n)
-    device = resolve_device("auto")
-    amp = resolve_amp("auto", device)
-    print(f"(a) feature extraction: {len(images)} {source} images, batch {batch_size}, {device}, "
-          f"{amp or 'fp32'}, {torch.get_num_threads()} threads")
-    for name in ("vit_tiny_cifar_cls", "vit_tiny_cifar_rollout"):
-        model = timm.create_model(name, num_classes=10).to(device).eval()
-        extract(model, images[:batch_size], MEAN, STD, device=device, amp_dtype=amp, batch_size=batch_size)  # warm-up
-        batches = []
-        for start in range(0, len(images), batch_size):
-            chunk = images[start:start + batch_size]
-            t0 = time.perf_counter()
-            extract(model, chunk, MEAN, STD, device=device, amp_dtype=amp, batch_size=batch_size, desc=name)
-            batches.append((len(chunk), time.perf_counter() - t0))
-        seconds = sum(t for _, t in batches)
-        best = max(n / t for n, t in batches)
-        print(f"    {name:24s} {len(images) / seconds:7.0f} img/s overall, {best:7.0f} img/s best batch "
-              f"({seconds:.2f} s); full CIFAR-10 eval (60k images) needs ~{60_000 / best:.0f} s at the best rate")
 
 
 def _features(n: int, dim: int, classes: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -90,46 +53,38 @@ def _sklearn_loo(features, labels, k: int) -> float:
     return float((pred == labels).mean())
 
 
-def _timed(fn, *args) -> tuple[float, float]:
-    start = time.perf_counter()
-    value = fn(*args)
-    return value, time.perf_counter() - start
-
-
 def bench_metrics(queries: int, bank: int, dim: int) -> None:
     x, y = _features(queries + bank, dim, 10)
     xq, yq, xb, yb = x[:queries], y[:queries], x[queries:], y[queries:]
-    print(f"(b) metric stage: {queries} queries, {bank} bank features, dim {dim}, 10 classes")
+    print(f"metric stage: {queries} queries, {bank} bank features, dim {dim}, 10 classes")
     rows = [
         ("bank k-NN (k=20, T=0.07)", lambda: metrics.knn_bank(xb, yb, xq, yq, 20, 0.07),
          lambda: _sklearn_bank(xb, yb, xq, yq, 20, 0.07)),
         ("leave-one-out 5-NN", lambda: metrics.knn_loo(xq, yq, 5), lambda: _sklearn_loo(xq, yq, 5)),
     ]
     for label, ours, theirs in rows:
-        a, t_faiss = _timed(ours)
-        b, t_sklearn = _timed(theirs)
+        a, t_faiss = timed(ours)
+        b, t_sklearn = timed(theirs)
         agree = "agree" if abs(a - b) < 1e-3 else f"DIFFER ({a:.4f} vs {b:.4f})"
         print(f"    {label:26s} faiss {t_faiss:6.2f} s   sklearn {t_sklearn:6.2f} s   "
               f"ratio {t_sklearn / t_faiss:5.1f}x   accuracy {a:.4f} ({agree})")
     nb, nq = metrics.l2_normalize(xb), metrics.l2_normalize(xq)
     candidates = sorted({1, min(torch.get_num_threads(), os.cpu_count() or 1)})
-    times = {t: _timed(metrics.search, nb, nq, 20, t)[1] for t in candidates}
+    times = {t: timed(metrics.search, nb, nq, 20, t)[1] for t in candidates}
     print("    bank search alone by faiss threads: " + ", ".join(f"{t}: {s:.2f} s" for t, s in times.items())
           + f" (default here now: {metrics.default_threads()}, 1-min load {os.getloadavg()[0]:.1f})")
-    _, t_centroid = _timed(metrics.centroid_metrics, xq, yq)
-    _, t_sil = _timed(metrics.silhouette, xq, yq)
+    _, t_centroid = timed(metrics.centroid_metrics, xq, yq)
+    _, t_sil = timed(metrics.silhouette, xq, yq)
     print(f"    centroid metrics {t_centroid:.2f} s, silhouette {t_sil:.2f} s")
 
 
 def main(argv: list[str] | None = None) -> None:
     p = CliParser(prog="python scripts/bench_harness.py", description=__doc__.split("\n")[0])
-    p.add_argument("--images", type=positive_int, default=2048)
-    p.add_argument("--batch-size", type=positive_int, default=512)
     p.add_argument("--queries", type=positive_int, default=10_000)
     p.add_argument("--bank", type=positive_int, default=50_000)
     p.add_argument("--dim", type=positive_int, default=128)
     args = p.parse_args(argv)
-    bench_extraction(args.images, args.batch_size)
+    print(machine_line(torch.device("cpu")))
     bench_metrics(args.queries, args.bank, args.dim)
 
 

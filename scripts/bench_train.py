@@ -1,59 +1,18 @@
-"""Training throughput on this machine, side by side in one run (images/s, batch 128 by default):
+"""Training throughput on this machine, variants side by side in one run (images/s, batch 128 by default):
 
-(a) the full training loop of ``timm_rollout.train``, step for step: a class-balanced random batch of the
-    in-memory uint8 CIFAR images, batched crop+flip and normalisation (``Batches``), the model step
-    (``optimizer_step``: FastDropout, timm's explicit attention path, AdamW), scheduler update;
-(b) the bare model step of the same model on one batch already in memory;
-(a0) the same full loop without dropout;
-(b0) the same bare step with PyTorch's own ``nn.Dropout`` (what FastDropout saves);
-(f)/(e) the bare step of ``vit_tiny_cifar_cls`` with fused (SDPA) and explicit attention (why training on CPU
-    switches attention to the explicit path);
-(c) what a user gets from stock timm: the same architecture as a plain timm ``VisionTransformer`` (fused
-    attention, nn.Dropout), fed by a ``DataLoader`` over the Hugging Face data set with per-image PIL
-    transforms (RandomCrop(32, padding=4), RandomHorizontalFlip, ToTensor, Normalize).
+(a) the full training loop of ``timm_rollout.train``, step for step (``Batches``, ``optimizer_step``, scheduler);
+(a0) the same without dropout; (b) the bare model step on one batch in memory; (b0) the same with PyTorch's
+``nn.Dropout`` (what FastDropout saves); (f)/(e) the bare step of ``vit_tiny_cifar_cls`` with fused and explicit
+attention (why training on CPU runs the explicit path); (c) stock timm: a plain ``VisionTransformer`` fed by a
+``DataLoader`` with per-image PIL transforms. ``--compile MODE ...`` adds (a) through ``torch.compile``.
 
-They run round-robin, one step each per round, so they share whatever load the machine has; each is
-reported as the median over rounds of batch / step time (loader waits included for (c); on a GPU each step
-ends with a device synchronisation so it is timed whole). All in the precision ``--amp auto`` picks on
-``--device`` (fp16 gets a GradScaler); ``--bf16-steps N`` adds (b) and (c) in bf16 autocast (emulated, and
-slow, on CPUs without AVX512-BF16/AMX)::
-
-    python scripts/bench_train.py --steps 20 --bf16-steps 3
-    python scripts/bench_train.py --device cuda --batch-size 512 --steps 50
-
-``--ranks N`` (CPU) then compares two whole ``python -m timm_rollout.train`` runs of ``--steps`` updates each,
-alternated ``--repeats`` times: (a1) one process with all cores and batch B, (aN) ``torchrun`` with N
-single-thread processes and batch B/N each (the same global batch, learning rate and schedule). On small CPUs
-one thread per process beats intra-op threads: most of the step is ops too small to split well.
-
-``--concurrent 1 4 8`` then starts that many whole runs at once on ``--device`` (eager, batch B each, two epochs
-of ``3 * --steps`` updates, one process per run as ``study.py --jobs`` does) and prints the total images/s of
-epoch 2 and its ratio to the first count: how many small runs one GPU takes before it is full::
-
-    python scripts/bench_train.py --device cuda --steps 50 --concurrent 1 4 8
-
-``--pack N`` then times N seeds trained by one ``python -m timm_rollout.train --seed 0 .. N-1`` process (data
-loaded once, the runs one after another, as ``study.py --pack`` runs them) against N separate processes started
-together (``cores / N`` threads each), each two epochs of ``3 * --steps`` updates per run at batch B: total
-training images over the whole command's wall time (start-up, data loading and evaluation included, as a short
-study pays them), and in epoch 2 alone (training only, what a long study runs at).
-``--compile MODE ...`` adds (a) with the model through ``torch.compile`` in each mode (``reduce-overhead``: CUDA
-graphs), as ``train --compile --compile-mode MODE`` runs it; compilation and graph recording happen in the
-untimed warm-up rounds::
+They run round-robin (``_bench.race``), all in the precision ``--amp auto`` picks. Then, when asked: ``--ranks N``
+(CPU) one whole training process against ``torchrun`` with N single-thread processes; ``--concurrent N ...`` N
+whole runs sharing ``--device`` (one process each, as ``study.py --jobs N``); ``--profile`` (CUDA) where a step's
+time goes. ``--json PATH`` writes every figure with the machine's record, rewritten after each section
+(``complete`` false until the last). Commands and measured figures: scripts/README.md, Benchmarks::
 
     python scripts/bench_train.py --device cuda --steps 50 --compile default reduce-overhead --concurrent 1 8 32
-
-``--profile`` (CUDA) then profiles 20 steps each of (a) and of (a) in each ``--compile`` mode (``torch.profiler``):
-wall time against the GPU's kernel time per step (how busy the GPU is), kernels per step and the costliest
-kernels, the figures that say where the time goes when a goal is missed.
-
-``--json PATH`` writes every figure of the run with the machine's name (GPU, or CPU model and whether it has
-native bf16), ``ratio_vs_stock_timm_b128`` ((a)/(c) when the batch is 128), and with ``--pack``
-``serial_total_img_per_s`` and ``separate_total_img_per_s`` (and the epoch-2 figures ``*_epoch2_img_per_s``). It
-is rewritten after each section, with ``complete`` false until the last, so that a run cut off by a time limit
-keeps what it measured::
-
-    python scripts/bench_train.py --steps 20 --pack 2 --json results/bench/cpu.json
 """
 
 from __future__ import annotations
@@ -65,14 +24,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
+import _bench
 import datasets
 import timm
 import torch
 from timm.models.vision_transformer import VisionTransformer
-from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
 from torch import nn
 from torch.utils.data import DataLoader
@@ -82,33 +40,14 @@ from timm_rollout.atomic import write_json
 from timm_rollout.capture import set_fused_attention
 from timm_rollout.cli import CliParser, non_negative_int, positive_int, run_cli
 from timm_rollout.data import load_image_set, normalization_stats, resolve_dataset
-from timm_rollout.device import cpu_supports_bf16, device_arg, device_name, resolve_amp, resolve_device
+from timm_rollout.device import device_arg, resolve_amp, resolve_device
 from timm_rollout.errors import UserError
 from timm_rollout.models import _TINY_CIFAR
 from timm_rollout.progress import progress
 from timm_rollout.train.flags import COMPILE_MODES
 from timm_rollout.train.log import read_log
-from timm_rollout.train.step import Batches, optimizer_step
+from timm_rollout.train.step import Batches
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "cifar10"
-Step = Callable[[], int]  # runs one training step, returns the number of images
-
-
-def _model_step(model: nn.Module, dtype: torch.dtype | None, device: torch.device, compile_mode: str | None = None):
-    """The training step function for ``model`` and its AdamW optimizer (and GradScaler for fp16); the model
-    through ``torch.compile`` in ``compile_mode`` when one is given, as ``train --compile --compile-mode``."""
-    model.to(device).train()
-    opt = create_optimizer_v2(model, opt="adamw", lr=5e-4, weight_decay=1e-4)
-    net = torch.compile(model, mode=compile_mode) if compile_mode else model
-    loss_fn = nn.CrossEntropyLoss()
-    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
-    return (lambda x, y: optimizer_step(net, x, y, loss_fn, opt, device=device, amp_dtype=dtype,
-                                        scaler=scaler)), opt
-
-
-# Untimed rounds before the timed ones: compilation, and CUDA graphs, which reduce-overhead records only after a
-# compiled pass has run eagerly once.
-WARMUP_ROUNDS = 3
 NO_DROPOUT = {"pos_drop_rate": 0.0, "attn_drop_rate": 0.0, "proj_drop_rate": 0.0}
 
 
@@ -122,11 +61,11 @@ def ours(fast_dropout: bool = True, **kwargs) -> nn.Module:
     return model
 
 
-def full_loop(dataset: str, batch: int, dtype, device, compile_mode: str | None = None, **model_kwargs) -> Step:
+def full_loop(dataset: str, batch: int, dtype, device, compile_mode: str | None = None, **model_kwargs) -> _bench.Step:
     """(a): the training loop's per-step work on real images (see the module docstring)."""
     train = load_image_set(dataset, "train")
     mean, std = normalization_stats(dataset, train)
-    step, opt = _model_step(ours(**model_kwargs), dtype, device, compile_mode)
+    step, opt = _bench.model_step(ours(**model_kwargs), dtype, device, compile_mode)
     sched, _ = create_scheduler_v2(opt, sched="cosine", num_epochs=200, warmup_epochs=5, min_lr=5e-6,
                                    step_on_epochs=False, updates_per_epoch=390)
     batches = Batches(train.images.to(device), train.labels.to(device), mean, std)
@@ -144,23 +83,23 @@ def full_loop(dataset: str, batch: int, dtype, device, compile_mode: str | None 
     return run
 
 
-def profile_steps(steps: dict[str, Step], rounds: int, device: torch.device) -> dict[str, dict]:
+def profile_steps(steps: dict[str, _bench.Step], rounds: int, device: torch.device) -> dict[str, dict]:
     """Where a step's time goes, per variant: wall time per step against the GPU's kernel time per step (their
     ratio: how busy the GPU is), kernels per step and the costliest kernels (``torch.profiler``, ``rounds`` steps
     after the warm-up ones)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    found, sync = {}, (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    found = {}
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if device.type == "cuda" else [])]
     for name, run in steps.items():
-        for _ in range(WARMUP_ROUNDS):
+        for _ in range(_bench.WARMUP_ROUNDS):
             run()
-        sync()
+        _bench.sync(device)
         with profile(activities=activities) as prof:
             t = time.perf_counter()
             images = sum(run() for _ in range(rounds))
-            sync()
+            _bench.sync(device)
             wall = (time.perf_counter() - t) / rounds
         kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
         gpu = sum(e.self_device_time_total for e in kernels) / 1e6 / rounds
@@ -183,21 +122,7 @@ def cls_model(fused: bool) -> nn.Module:
     return model
 
 
-def bare(model: nn.Module, batch: int, dtype, device) -> Step:
-    """(b)/(b0): the model step on one normalised batch kept in memory."""
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
-    x, y = x.to(device), y.to(device)
-    step, _ = _model_step(model, dtype, device)
-
-    def run() -> int:
-        step(x, y)
-        return batch
-
-    return run
-
-
-def stock(dataset: str, batch: int, rounds: int, workers: int, dtype, device) -> Step:
+def stock(dataset: str, batch: int, rounds: int, workers: int, dtype, device) -> _bench.Step:
     """(c): stock timm ViT (fused attention, nn.Dropout) fed by a DataLoader with per-image PIL transforms."""
     mean, std = normalization_stats(dataset)
     tf = transforms.Compose([
@@ -205,12 +130,12 @@ def stock(dataset: str, batch: int, rounds: int, workers: int, dtype, device) ->
         transforms.Normalize(mean, std),
     ])
     ds = datasets.load_dataset(resolve_dataset(dataset).path, split="train").select(
-        range(batch * (rounds + WARMUP_ROUNDS)))
+        range(batch * (rounds + _bench.WARMUP_ROUNDS)))
     ds = ds.with_transform(lambda rows: {"x": [tf(img.convert("RGB")) for img in rows["img"]], "y": rows["label"]})
     loader = iter(DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True,
                              pin_memory=device.type == "cuda"))
     torch.manual_seed(0)
-    step, _ = _model_step(VisionTransformer(**_TINY_CIFAR, num_classes=10), dtype, device)
+    step, _ = _bench.model_step(VisionTransformer(**_TINY_CIFAR, num_classes=10), dtype, device)
 
     def run() -> int:
         item = next(loader)
@@ -220,30 +145,18 @@ def stock(dataset: str, batch: int, rounds: int, workers: int, dtype, device) ->
     return run
 
 
-def race(steps: dict[str, Step], rounds: int, desc: str, device: torch.device) -> dict[str, float]:
-    """Round-robin ``rounds`` timed rounds after ``WARMUP_ROUNDS`` untimed ones; median images/s per step."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(WARMUP_ROUNDS):
-        for run in steps.values():
-            run()
-    sync()
-    rates: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in progress(range(rounds), desc=desc, leave=False):
-        for name, run in steps.items():
-            t = time.perf_counter()
-            n = run()
-            sync()
-            rates[name].append(n / (time.perf_counter() - t))
-    return {k: statistics.median(v) for k, v in rates.items()}
+def train_cli(dataset: str, samples: int, batch: int, epochs: int, device: torch.device | str) -> list[str]:
+    """The ``timm_rollout.train`` flags of a short run of the default model: ``epochs`` over ``samples`` images."""
+    return ["-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset, "--epochs",
+            str(epochs), "--max-train-samples", str(samples), "--max-eval-samples", "100", "--batch-size", str(batch),
+            "--device", str(device), "--no-progress", "--overwrite"]
 
 
 def cli_rate(dataset: str, batch: int, steps: int, ranks: int, folder: Path) -> float:
     """Training images/s of one whole ``timm_rollout.train`` run of ``steps`` updates (from its log.csv), in one
     process (``ranks`` 1) or ``ranks`` single-thread torchrun processes sharing the global ``batch``."""
-    per_rank = batch // ranks
-    args = ["-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset, "--epochs", "1",
-            "--max-train-samples", str(batch * steps), "--max-eval-samples", "100", "--batch-size", str(per_rank),
-            "--warmup-epochs", "0", "--device", "cpu", "--no-progress", "--output", str(folder), "--overwrite"]
+    args = [*train_cli(dataset, batch * steps, batch // ranks, 1, "cpu"), "--warmup-epochs", "0", "--output",
+            str(folder)]
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc_per_node", str(ranks)]
     env = {**os.environ, **({"OMP_NUM_THREADS": "1"} if ranks > 1 else {})}
@@ -251,8 +164,8 @@ def cli_rate(dataset: str, batch: int, steps: int, ranks: int, folder: Path) -> 
     return read_log(folder / "log.csv")[-1]["img_per_s"]
 
 
-def compare_ranks(dataset: str, batch: int, steps: int, ranks: int, repeats: int) -> None:
-    """(a1) vs (aN), alternated ``repeats`` times; medians and their ratio."""
+def compare_ranks(dataset: str, batch: int, steps: int, ranks: int, repeats: int) -> dict[str, float]:
+    """(a1) vs (aN), alternated ``repeats`` times; medians (returned by process count) and their ratio."""
     rates: dict[int, list[float]] = {1: [], ranks: []}
     with tempfile.TemporaryDirectory(prefix="bench-ranks-") as tmp:
         for _ in progress(range(repeats), desc="train CLI", leave=False):
@@ -262,15 +175,14 @@ def compare_ranks(dataset: str, batch: int, steps: int, ranks: int, repeats: int
     print(f"{'(a1) timm_rollout.train, 1 process, batch ' + str(batch):<64} {one:8.1f} img/s")
     print(f"{f'(a{ranks}) torchrun, {ranks} x 1 thread, batch {batch // ranks} each':<64} {many:8.1f} img/s")
     print(f"ratio: (a{ranks})/(a1) = {many / one:.2f} (median of {repeats} alternated runs of {steps} updates)")
+    return {"1": one, str(ranks): many}
 
 
 def concurrent_rates(dataset: str, batch: int, steps: int, n: int, device: torch.device, folder: Path) -> list[float]:
     """Training images/s of each of ``n`` ``timm_rollout.train`` runs started together on ``device``, one process
     each with ``cores / n`` threads (as ``study.py --jobs n`` runs them): epoch 2 of ``steps`` updates, so that
     epoch 1 absorbs start-up and warm-up."""
-    args = [sys.executable, "-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset,
-            "--epochs", "2", "--max-train-samples", str(batch * steps), "--max-eval-samples", "100",
-            "--batch-size", str(batch), "--device", str(device), "--no-progress", "--save-every", "2", "--overwrite"]
+    args = [sys.executable, *train_cli(dataset, batch * steps, batch, 2, device), "--save-every", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
     runs = [folder / f"n{n}-{i}" for i in range(n)]
     procs = [subprocess.Popen([*args, "--seed", str(i), "--output", str(run)], env=env, stdout=subprocess.DEVNULL,
@@ -282,71 +194,24 @@ def concurrent_rates(dataset: str, batch: int, steps: int, n: int, device: torch
     return [read_log(run / "log.csv")[-1]["img_per_s"] for run in runs]
 
 
-def compare_concurrent(dataset: str, batch: int, steps: int, counts: list[int], device: torch.device) -> None:
-    """Total training images/s of 1, 4, 8 ... runs sharing the device, and each total's ratio to the first."""
+def compare_concurrent(dataset: str, batch: int, steps: int, counts: list[int], device: torch.device
+                       ) -> dict[str, float]:
+    """Total training images/s of 1, 4, 8 ... runs sharing the device (returned by run count), and each total's
+    ratio to the first."""
     with tempfile.TemporaryDirectory(prefix="bench-concurrent-") as tmp:
         totals = {n: sum(concurrent_rates(dataset, batch, steps, n, device, Path(tmp))) for n in counts}
     first = totals[counts[0]]
     for n, total in totals.items():
         label = f"{n} run{'s' * (n > 1)} at once, batch {batch} each, epoch 2 of {steps} updates"
         print(f"{label:<64} {total:8.1f} img/s in all ({total / first:.2f}x the {counts[0]}-run total)")
-
-
-def pack_rates(dataset: str, batch: int, steps: int, n: int, device: torch.device) -> dict[str, float]:
-    """Total training images/s of ``n`` seeds in one trainer process, one after another, and of ``n`` separate
-    processes started together, each run two epochs of ``steps`` updates at ``batch``: over the whole command's wall
-    time (start-up, data loading and evaluation included, as a short study pays them) and in epoch 2 alone (training
-    only, as a long study runs: :func:`epoch2_total`)."""
-    images = n * 2 * steps * batch
-    args = [sys.executable, "-m", "timm_rollout.train", "--model", "vit_tiny_cifar_rollout", "--dataset", dataset,
-            "--epochs", "2", "--max-train-samples", str(batch * steps), "--max-eval-samples", "100",
-            "--batch-size", str(batch), "--device", str(device), "--no-progress", "--save-every", "2", "--overwrite"]
-    threads = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // n))}
-    seeds = ["--seed", *map(str, range(n))]
-    rates, steady = {}, {}
-    with tempfile.TemporaryDirectory(prefix="bench-pack-") as tmp:
-        t = time.perf_counter()
-        subprocess.run([*args, *seeds, "--output", f"{tmp}/serial-s{{seed}}"], check=True, capture_output=True)
-        rates["serial"] = images / (time.perf_counter() - t)
-        steady["serial"] = epoch2_total([Path(f"{tmp}/serial-s{i}") for i in range(n)], together=False)
-        t = time.perf_counter()
-        procs = [subprocess.Popen([*args, "--seed", str(i), "--output", f"{tmp}/alone-{i}"], env=threads,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(n)]
-        if any(proc.wait() for proc in procs):
-            raise UserError("a separate training run of --pack failed; run it alone to see why")
-        rates["separate"] = images / (time.perf_counter() - t)
-        steady["separate"] = epoch2_total([Path(f"{tmp}/alone-{i}") for i in range(n)], together=True)
-    labels = {"serial": f"{n} seeds in one process, one after another, batch {batch} each",
-              "separate": f"{n} separate processes at once, batch {batch} each"}
-    for name, label in labels.items():
-        print(f"{label:<64} {rates[name]:8.1f} img/s in all, epoch 2 alone {steady[name]:8.1f}")
-    for key, figures in (("whole command", rates), ("epoch 2", steady)):
-        print(f"{key}: serial/separate = {figures['serial'] / figures['separate']:.2f}")
-    return {"serial_total_img_per_s": rates["serial"], "separate_total_img_per_s": rates["separate"],
-            "serial_epoch2_img_per_s": steady["serial"], "separate_epoch2_img_per_s": steady["separate"],
-            "members": n}
-
-
-def epoch2_total(runs: list[Path], together: bool) -> float:
-    """Images/s in all of ``runs`` in their epoch 2 (each ``log.csv`` row: the run's own training rate): the sum
-    when they trained at the same time (processes side by side), the rate of doing them one after another (equal
-    epochs: ``n / sum(1 / rate)``) otherwise."""
-    rates = [read_log(run / "log.csv")[-1]["img_per_s"] for run in runs]
-    return sum(rates) if together else len(rates) / sum(1 / r for r in rates)
-
-
-def machine_record(device: torch.device) -> dict[str, object]:
-    """What ran the benchmark: the GPU's name, or the CPU's model and whether it has native bf16."""
-    record: dict[str, object] = {"machine": device_name(device), "device": str(device), "torch": torch.__version__,
-                                 "timm": timm.__version__}
-    return record if device.type == "cuda" else {**record, "cpu_native_bf16": cpu_supports_bf16()}
+    return {str(n): total for n, total in totals.items()}
 
 
 def _check_args(args: argparse.Namespace, given: frozenset[str]) -> None:
     """Flags that only mean something with another are refused alone (never silently unused); ``given``: the
     flags typed (:class:`CliParser`)."""
-    if args.ranks == 1 or args.pack == 1:
-        raise UserError("--ranks and --pack compare N >= 2 processes or seeds with one; pass 2 or more (0: off)")
+    if args.ranks == 1:
+        raise UserError("--ranks compares N >= 2 processes with one; pass 2 or more (0: off)")
     if "repeats" in given and not args.ranks:
         raise UserError("--repeats counts the alternated runs of --ranks; add --ranks N or drop it")
 
@@ -355,13 +220,12 @@ def build_parser() -> CliParser:
     """The benchmark's flags; each optional comparison is off unless asked for."""
     p = CliParser(prog="python scripts/bench_train.py", description=__doc__.split("\n\n")[0],
                   removed={"--capture-runs": "time N separate processes with --concurrent N ..., and CUDA graphs with "
-                                             "--compile reduce-overhead"})
+                                             "--compile reduce-overhead",
+                           "--pack": "time N separate processes (study.py --jobs N) with --concurrent N ..."})
     p.checks.append(lambda args: _check_args(args, p.given))
-    p.add_argument("--dataset", default=str(SHARED) if SHARED.exists() else "cifar10-sample")
+    p.add_argument("--dataset", default=_bench.DATASET)
     p.add_argument("--batch-size", type=positive_int, default=128)
     p.add_argument("--steps", type=positive_int, default=20, help="timed rounds (one step of each variant per round)")
-    p.add_argument("--bf16-steps", type=non_negative_int, default=0,
-                   help="also time (b) and (c) in bf16 for this many rounds")
     p.add_argument("--loader-workers", type=non_negative_int, default=2, help="DataLoader workers for (c)")
     p.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--ranks", type=non_negative_int, default=0,
@@ -369,8 +233,6 @@ def build_parser() -> CliParser:
     p.add_argument("--repeats", type=positive_int, default=3, help="alternated CLI runs per variant with --ranks")
     p.add_argument("--concurrent", type=positive_int, nargs="+", default=[],
                    help="also time N train CLI runs sharing the device, for each N given (e.g. 1 4 8)")
-    p.add_argument("--pack", type=non_negative_int, default=0,
-                   help="also time N seeds in one train process vs N processes")
     p.add_argument("--compile", nargs="+", default=[], choices=COMPILE_MODES, metavar="MODE",
                    help=f"also time (a) through torch.compile in each mode given ({', '.join(COMPILE_MODES)})")
     p.add_argument("--profile", action="store_true",
@@ -395,16 +257,16 @@ def single_runs(args: argparse.Namespace, dtype: torch.dtype, precision: str,
     }
     compiled = {f"a:{mode}": full_loop(args.dataset, b, dtype, device, compile_mode=mode) for mode in args.compile}
     labels |= {key: f"(a) full loop, torch.compile mode={key[2:]} ({precision})" for key in compiled}
-    r = race({
+    r = _bench.race({
         **compiled,
         "a": full_loop(args.dataset, b, dtype, device),
         "a0": full_loop(args.dataset, b, dtype, device, **NO_DROPOUT),
-        "b": bare(ours(), b, dtype, device),
-        "b0": bare(ours(fast_dropout=False), b, dtype, device),
+        "b": _bench.bare_step(ours(), b, dtype, device),
+        "b0": _bench.bare_step(ours(fast_dropout=False), b, dtype, device),
         "c": stock(args.dataset, b, args.steps, args.loader_workers, dtype, device),
-        "f": bare(cls_model(True), b, dtype, device),
-        "e": bare(cls_model(False), b, dtype, device),
-    }, args.steps, precision, device)
+        "f": _bench.bare_step(cls_model(True), b, dtype, device),
+        "e": _bench.bare_step(cls_model(False), b, dtype, device),
+    }, args.steps, device, precision)
     for key, label in labels.items():
         print(f"{label:<64} {r[key]:8.1f} img/s")
     print(f"ratios ({precision}): (a)/(b) = {r['a'] / r['b']:.2f}, (a)/(c) = {r['a'] / r['c']:.2f}, "
@@ -423,31 +285,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.profile and device.type != "cuda":
         raise UserError("--profile times CUDA kernels; pass --device cuda (or drop it)")
     dtype = resolve_amp("auto", device)
-    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
     b = args.batch_size
-    print(f"{device_name(device)}, torch {torch.__version__}, batch {b}, median of {args.steps} rounds, "
-          f"--amp auto = {precision}")
-    record: dict[str, object] = {**machine_record(device), "batch_size": b, "steps": args.steps,
-                                 "precision": precision, "complete": False}
-    r, labels = single_runs(args, dtype, precision, device)
+    print(f"{_bench.machine_line(device)}; batch {b}, median of {args.steps} rounds, "
+          f"--amp auto = {_bench.precision(dtype)}")
+    record: dict[str, object] = {**_bench.machine_record(device), "batch_size": b, "steps": args.steps,
+                                 "precision": _bench.precision(dtype), "complete": False}
+    r, labels = single_runs(args, dtype, _bench.precision(dtype), device)
     record |= {"img_per_s": {labels[k]: v for k, v in r.items()},
                "ratio_vs_stock_timm_b128": r["a"] / r["c"] if b == 128 else None}
     save(args.json, record)
-    if args.bf16_steps:
-        n = args.bf16_steps
-        rb = race({"b": bare(ours(), b, torch.bfloat16, device),
-                   "c": stock(args.dataset, b, n, args.loader_workers, torch.bfloat16, device)}, n, "bf16", device)
-        print(f"{'(b) bare step, FastDropout (bf16)':<64} {rb['b']:8.1f} img/s")
-        print(f"{'(c) stock timm + PIL DataLoader (bf16)':<64} {rb['c']:8.1f} img/s")
-        print(f"bf16: (b)/(c) = {rb['b'] / rb['c']:.2f}; (a, {precision}) / (c, bf16) = {r['a'] / rb['c']:.2f}")
-        record["bf16_img_per_s"] = {"(b) bare step": rb["b"], "(c) stock timm": rb["c"]}
-        save(args.json, record)
     if args.ranks:
-        compare_ranks(args.dataset, b, args.steps * 3, args.ranks, args.repeats)
+        record["ranks_img_per_s"] = compare_ranks(args.dataset, b, args.steps * 3, args.ranks, args.repeats)
+        save(args.json, record)
     if args.concurrent:
-        compare_concurrent(args.dataset, b, args.steps * 3, args.concurrent, device)
-    if args.pack:
-        record |= pack_rates(args.dataset, b, args.steps * 3, args.pack, device)
+        record["concurrent_total_img_per_s"] = compare_concurrent(args.dataset, b, args.steps * 3, args.concurrent,
+                                                                  device)
         save(args.json, record)
     if args.profile:
         record["profile"] = profile_steps({

@@ -2,10 +2,8 @@
 
     python scripts/convert_checkpoint.py rollout.pth out/c10-rollout-orig --pooling rollout
 
-The file is read with ``torch.load(weights_only=True)``: plain tensors only, nothing is unpickled.
-Without ``--pooling`` the pooling is guessed from the file name ('rollout' -> rollout; 'cls',
-'baseline' or 'token' -> cls) and the guess is printed. Load the result with
-``import timm_rollout; timm.create_model("local-dir:out/c10-rollout-orig", pretrained=True)``.
+The file is read with ``torch.load(weights_only=True)``: plain tensors only, nothing is unpickled. Details:
+scripts/README.md.
 """
 
 from __future__ import annotations

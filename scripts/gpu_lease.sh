@@ -166,7 +166,7 @@ for dataset, out, extra in (("../cifar10-clutter256", "$DOSE", ["--also-eval", "
          "--device", "cuda"])
     for arm in args.arms:
         for seed in seeds:
-            flags = train_command(args, arm, [int(seed)], f"{out}/runs/{arm}-s{seed}")
+            flags = train_command(args, arm, int(seed), f"{out}/runs/{arm}-s{seed}")
             print(shlex.join(["python3", "-m", "timm_rollout.train", "--no-progress", *flags]))
 EOF
 )

@@ -2,10 +2,7 @@
 
     python scripts/make_cluttered.py --dataset ../shared/data/cifar10 --fragments 16 --output ../c10-clutter16
 
-Each image becomes the object on a larger canvas (default 64x64, filled with the source's mean colour) at a random
-position, among ``--fragments`` crops of images of other classes of the same split; columns ``image``, ``label``
-and ``bbox`` (``[x, y, w, h]``), one parquet file per split and a README data card. The same seed gives the same
-files byte for byte, and the same objects in the same places at any ``--fragments``.
+The construction, the files and the data card: scripts/README.md.
 """
 
 from __future__ import annotations

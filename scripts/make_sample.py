@@ -1,8 +1,6 @@
 """Build the small class-balanced CIFAR-10 sample shipped in the package (timm_rollout/data/cifar10_sample).
 
-It lets training, evaluation and the README's main command run offline on a fresh machine. Images are
-copied byte for byte (no re-encoding) from a CIFAR-10 copy in Hub layout, with the same ``img``/``label``
-features, as parquet files ``load_dataset`` reads::
+Images are copied byte for byte from a CIFAR-10 copy in Hub layout, as parquet files ``load_dataset`` reads::
 
     python scripts/make_sample.py --source ../shared/data/cifar10
 """

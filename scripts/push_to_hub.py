@@ -3,10 +3,7 @@
     python scripts/push_to_hub.py runs/c10-rollout --repo-id org/vit-tiny-cifar10-rollout --eval eval/c10-rollout
     python scripts/push_to_hub.py runs/c10-rollout --repo-id org/vit-tiny-cifar10-rollout --dry-run --output hub/
 
-The folder must load with ``timm.create_model("local-dir:RUN", pretrained=True)``; that model gives the
-card its architecture facts. ``--eval`` adds the harness metrics of ``EVAL/results.json``. ``--dry-run``
-writes the exact upload folder to ``--output`` and touches no network. Uploading needs a token with
-write access (``hf auth login`` or ``HF_TOKEN``).
+What goes into the card, and loading it back: scripts/README.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The front README's figure from committed study folders: test top-1 per epoch of one study's arms, and the
 paired differences in final test top-1 (95% t-intervals) of pairs of arms in every study given.
 
-    python scripts/summary_figure.py --curves results/cifar10-cpu \\
-        --studies results/cifar10-gpu-10ep results/cifar10-cpu \\
-        --pairs cls:gap cls:rollout gap:rollout gap:map --output results/summary.png
-
-A study folder is what ``scripts/study.py`` writes: ``study.json`` (its epochs), ``runs/<arm>-s<seed>/log.csv``
-and ``eval/<arm>-s<seed>/results.json``. Differences are ``other - base`` for ``base:other``, paired by seed with
-:func:`harness.compare.compare_groups`; a pair a study lacks is left out of that study's row.
+    python scripts/summary_figure.py --curves results/cifar10-cpu --studies results/cifar10-gpu-10ep \\
+        results/cifar10-cpu --pairs cls:gap cls:rollout gap:rollout gap:map --output results/summary.png
 """
 
 from __future__ import annotations

@@ -65,8 +65,8 @@ CASES = [
     (TRAIN, ["--capture"], "--capture was removed; for CUDA graphs use --compile --compile-mode reduce-overhead"),
     (TRAIN, ["--dropout-draws", "keyed"], "--dropout-draws was removed; drop it: dropout and drop-path masks come "
                                           "from torch's generators"),
-    (STUDY, ["--pack", "2", "--stack"], "--stack was removed; run seeds side by side as separate processes with "
-                                        "--jobs N"),
+    (STUDY, ["--stack"], "--stack was removed; run seeds side by side as separate processes with --jobs N"),
+    (STUDY, ["--pack", "2"], "--pack was removed; run seeds side by side as separate processes with --jobs N"),
     (STUDY, ["--capture"], "--capture was removed; for CUDA graphs pass --train-args '--compile --compile-mode "
                            "reduce-overhead'"),
     (TRAIN, ["--pool", "attention"], "argument --pool: invalid choice: 'attention'"),
@@ -121,7 +121,9 @@ CASES = [
     (SUMMARY, ["--pairs", "cls:gap", "gap"], "argument --pairs: 'gap': give a pair as BASE:OTHER"),
     (["scripts/make_sample.py", "--output", "{out}"], ["--train-per-class", "0"], "must be an integer >= 1, got 0"),
     (["scripts/bench_train.py"], ["--repeats", "2"], "--repeats counts the alternated runs of --ranks; add --ranks"),
-    (["scripts/bench_train.py"], ["--pack", "1"], "compare N >= 2 processes or seeds with one; pass 2 or more"),
+    (["scripts/bench_train.py"], ["--ranks", "1"], "--ranks compares N >= 2 processes with one; pass 2 or more"),
+    (["scripts/bench_train.py"], ["--pack", "2"], "--pack was removed; time N separate processes (study.py --jobs N) "
+                                                  "with --concurrent N ..."),
     (["scripts/bench_train.py"], ["--compile", "fast"], "argument --compile: invalid choice: 'fast'"),
     (["scripts/bench_models.py"], ["--steps", "0"], "argument --steps: must be an integer >= 1, got 0"),
 ]
@@ -165,7 +167,8 @@ def start(argv, err_path):
     code = 0
     try:
         sys.argv = list(argv)
-        if argv[0].endswith(".py"):  # a script of scripts/, as `python scripts/x.py` runs it
+        if argv[0].endswith(".py"):  # a script of scripts/, as `python scripts/x.py` runs it (its folder first)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
             runpy.run_path(argv[0], run_name="__main__")
         else:
             runpy.run_module(argv[0], run_name="__main__", alter_sys=True)

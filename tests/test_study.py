@@ -43,7 +43,7 @@ def _argv(out: Path, epochs: int = 1, arms: tuple[str, ...] = ARMS) -> list[str]
     return ["--dataset", "cifar10-sample", "--epochs", str(epochs), "--seeds", "0", "1", "--max-train-samples", "100",
             "--arms", *arms, "--train-args", "--batch-size 20 --model-kwargs depth=1 --warmup-epochs 0 "
             "--max-eval-samples 100 --no-progress --workers 1", "--eval-per-class", "5", "--bank-per-class", "10",
-            "--faithfulness-images", "4", "--heatmaps", "2", "--jobs", "2", "--pack", "2", "--device", "cpu",
+            "--faithfulness-images", "4", "--heatmaps", "2", "--jobs", "2", "--device", "cpu",
             "--commit", "--output", str(out)]
 
 
@@ -226,13 +226,6 @@ def test_arms_table_holds_learned_and_sharpened_pooling_outside_the_defaults():
     assert plan.arm_model(base, "map") == (base, ["global_pool=map"], [])
 
 
-def test_pack_groups_the_seeds_of_one_arm_into_jobs():
-    todo = [(arm, seed) for seed in (0, 1, 2) for arm in ("cls", "gap")]
-    assert jobs.packed(todo, 1) == [(arm, [seed]) for arm, seed in todo]
-    assert jobs.packed(todo, 2) == [("cls", [0, 1]), ("gap", [0, 1]), ("cls", [2]), ("gap", [2])]
-    assert jobs.packed(todo, 5) == [("cls", [0, 1, 2]), ("gap", [0, 1, 2])]
-
-
 def test_merge_model_kwargs_keeps_one_list():
     merge = plan.merge_model_kwargs
     assert merge(["--lr", "1e-3"], ()) == ["--lr", "1e-3"]
@@ -361,11 +354,11 @@ def test_every_trainer_flag_the_study_sets_is_guarded(base):
     """Every flag of the training command the study builds (each arm, on the tiny ViT and on a --model, with every
     study flag that adds one), read by the trainer's own parser, is one --train-args may not set."""
     args = study.build_parser().parse_args(["--dataset", "cifar10-sample", "--epochs", "2", "--output", "out",
-                                            "--max-train-samples", "50", "--pack", "2", "--seeds", "0", "1",
+                                            "--max-train-samples", "50", "--seeds", "0", "1",
                                             *(["--model", base] if base else []), "--train-args",
                                             "--model-kwargs img_size=32 patch_size=4 depth=1 --lr 1e-3"])
     for arm in plan.ARMS:
-        command = plan.train_command(args, arm, [0, 1], "runs/{arm}-s{seed}")
+        command = plan.train_command(args, arm, 1, f"runs/{arm}-s1")
         given, kwargs = plan.train_flags(command)
         assert given - {"model_kwargs", "lr"} <= plan.STUDY_SETS.keys(), arm
         assert {"model", "dataset", "epochs", "seed", "output", "resume", "device", "max_train_samples"} <= given, arm

@@ -22,9 +22,9 @@ from timm_rollout.records import (
     STUDY_FILE,
 )
 
-from .folder import check_identity
+from .folder import check_identity, layout
 from .jobs import check_commit, commit_paths, run_all
-from .plan import ARMS, DEFAULT_ARMS, POSTHOC, check_train_args, primary_arg
+from .plan import ARMS, DEFAULT_ARMS, check_train_args, primary_arg
 from .report import report_scope, write_report
 
 DESCRIPTION = ("The study in one command: train every pooling arm per seed with one recipe, evaluate every run, write "
@@ -34,6 +34,7 @@ def build_parser() -> CliParser:
     """The CLI; bad values are one-line errors before anything is recorded in ``study.json``."""
     p = CliParser(prog="python scripts/study.py", description=DESCRIPTION, checks=[check_train_args],
                   removed={"--stack": "run seeds side by side as separate processes with --jobs N",
+                           "--pack": "run seeds side by side as separate processes with --jobs N",
                            "--capture": "for CUDA graphs pass --train-args '--compile --compile-mode reduce-overhead'"})
     p.add_argument("--dataset", required=True, type=as_type(dataset_arg),
                    help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or folder")
@@ -70,9 +71,6 @@ def build_parser() -> CliParser:
                         "two studies, paired by seed; remembered by the folder")
     p.add_argument("--heatmaps", type=non_negative_int, default=6,
                    help="test images in the side-by-side heatmap grid (0: no grid)")
-    p.add_argument("--pack", type=positive_int, default=1,
-                   help="seeds of one arm trained in one trainer process, one after another (data loaded once); "
-                        "not part of the study's identity")
     p.add_argument("--jobs", type=positive_int, default=1,
                    help="runs side by side, the CPU cores split between them (and the GPUs, when several are visible)")
     p.add_argument("--commit", action="store_true",
@@ -97,8 +95,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     arms, seeds, commands = check_identity(args, out)
     if args.commit:  # on its own, before any run: the settings (and a named --primary) precede the results
         commit_paths([out / STUDY_FILE], f"study: settings and commands of {out.name} ({STUDY_FILE})")
-    runs = {(arm, seed): out / "runs" / f"{arm}-s{seed}" for seed in seeds for arm in ARMS}
-    evals = {(arm, seed): out / "eval" / f"{arm}-s{seed}" for seed in seeds for arm in (*ARMS, *POSTHOC)}
+    runs, evals = layout(out, seeds)
     # Seed by seed, so the arms of a seed finish close together and pair up early.
     todo = [] if args.report_only else [(arm, seed) for seed in args.seeds for arm in ARMS if arm in args.arms]
     run_all(args, todo, runs, evals)

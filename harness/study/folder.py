@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from timm_rollout.data import load_image_set
 from timm_rollout.errors import UserError
 from timm_rollout.records import RESULTS_FILE, RESUME_FILE, STUDY_FILE, SUMMARY_FILE
 
-from .plan import ARMS
+from .plan import ARMS, POSTHOC
 
 # Report settings a folder remembers once given: a later command inherits them, or must repeat them unchanged.
 REMEMBERED = ("also_eval", "primary", "interaction")
@@ -110,6 +111,14 @@ def data_fingerprints(folder: Path) -> set[str]:
     """The fingerprints of the data a study folder's evaluations read (its own ``eval/``, not ``--also-eval``'s)."""
     records = (json.loads(path.read_text(encoding="utf-8")) for path in folder.glob(f"eval/*/{RESULTS_FILE}"))
     return {found[0] for found in map(evaluated_images, records) if found is not None and found[0] is not None}
+
+
+def layout(out: Path, seeds: Sequence[int]) -> tuple[dict[tuple[str, int], Path], dict[tuple[str, int], Path]]:
+    """Where a study folder keeps each (arm, seed)'s run, ``runs/<arm>-s<seed>``, and its evaluation,
+    ``eval/<arm>-s<seed>`` (post-hoc readouts included)."""
+    runs = {(arm, seed): out / "runs" / f"{arm}-s{seed}" for seed in seeds for arm in ARMS}
+    evals = {(arm, seed): out / "eval" / f"{arm}-s{seed}" for seed in seeds for arm in (*ARMS, *POSTHOC)}
+    return runs, evals
 
 
 def also_folder(dataset: str, output: str | Path, arm: str, seed: int) -> Path:

@@ -1,6 +1,6 @@
-"""Running a study: each job trains one arm's seeds in one trainer process and evaluates every run
-(``harness.eval``, or ``harness.diagnose`` for an evaluation that lacks something), ``--jobs`` side by side, and
-``--commit`` commits each finished run with its evaluations."""
+"""Running a study: each job trains one run in its own trainer process and evaluates it (``harness.eval``, or
+``harness.diagnose`` for an evaluation that lacks something), ``--jobs`` side by side, and ``--commit`` commits each
+finished run with its evaluations."""
 
 from __future__ import annotations
 
@@ -48,16 +48,12 @@ def job_devices(device: str, jobs: int) -> list[str]:
     return [f"cuda:{i % count}" for i in range(jobs)] if count > 1 else [device] * jobs
 
 
-def train_runs(args: argparse.Namespace, arm: str, seeds: Sequence[int], runs: dict[tuple[str, int], Path]) -> None:
-    """Train the runs of ``arm`` for ``seeds`` in one trainer process (``--seed`` several, data loaded once), or
-    resume them; finished runs (summary.json) are left alone."""
-    todo = [seed for seed in seeds if not (runs[arm, seed] / SUMMARY_FILE).exists()]
-    for seed in (s for s in seeds if s not in todo):
-        print(f"= {runs[arm, seed]} finished, skipped")
-    if not todo:
+def train_run(args: argparse.Namespace, arm: str, seed: int, run: Path) -> None:
+    """Train (or resume) ``arm``'s run of ``seed`` into ``run``; a finished run (summary.json) is left alone."""
+    if (run / SUMMARY_FILE).exists():
+        print(f"= {run} finished, skipped")
         return
-    output = str(runs[arm, todo[0]].parent / f"{arm}-s{{seed}}")
-    _run([sys.executable, "-m", "timm_rollout.train", *train_command(args, arm, todo, output)], args.threads)
+    _run([sys.executable, "-m", "timm_rollout.train", *train_command(args, arm, seed, str(run))], args.threads)
 
 
 def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder: Path, pool: str | None = None,
@@ -138,54 +134,41 @@ def _commit_message(arm: str, seed: int, folder: Path, posthoc: Sequence[str]) -
     return f"study: {arm} seed {seed} ({shown}{extra})"
 
 
-def run_arm(args: argparse.Namespace, arm: str, seeds: Sequence[int], runs: dict[tuple[str, int], Path],
+def run_arm(args: argparse.Namespace, arm: str, seed: int, runs: dict[tuple[str, int], Path],
             evals: dict[tuple[str, int], Path]) -> None:
-    """Train one or more runs of ``arm`` (one trainer process), then evaluate each (for ``cls`` also its post-hoc
-    readouts) and commit each on its own when asked."""
-    train_runs(args, arm, seeds, runs)
+    """Train one run of ``arm``, then evaluate it (for ``cls`` also its post-hoc readouts) and commit it when
+    asked."""
+    run = runs[arm, seed]
+    train_run(args, arm, seed, run)
     model = arm_model(args.model, arm)[0]
-    for seed in seeds:
-        run = runs[arm, seed]
-        (run / RESUME_FILE).unlink(missing_ok=True)  # a finished run never resumes: its state would weigh on git
-        eval_run(args, model, seed, run, evals[arm, seed])
-        posthoc = [name for name in POSTHOC if arm == "cls"]
-        for name in posthoc:
-            eval_run(args, model, seed, run, evals[name, seed], pool=POSTHOC[name])
-        also = [(name, dataset, also_folder(dataset, args.output, name, seed)) for dataset in args.also_eval or ()
-                for name in (arm, *posthoc)]
-        for name, dataset, folder in also:
-            eval_run(args, model, seed, run, folder, pool=POSTHOC.get(name), dataset=dataset)
-        if args.commit:
-            commit_paths([run, evals[arm, seed], *(evals[name, seed] for name in posthoc), *(f for *_, f in also)],
-                         _commit_message(arm, seed, evals[arm, seed], [POSTHOC[name] for name in posthoc]))
-
-
-def packed(todo: Sequence[tuple[str, int]], pack: int) -> list[tuple[str, list[int]]]:
-    """``todo`` (arm, seed) as jobs of up to ``pack`` seeds of one arm, in the order of each job's first run."""
-    jobs: list[tuple[str, list[int]]] = []
-    for arm, seed in todo:
-        open_job = next((j for j in jobs if j[0] == arm and len(j[1]) < pack), None)
-        if open_job is None:
-            jobs.append((arm, [seed]))
-        else:
-            open_job[1].append(seed)
-    return jobs
+    (run / RESUME_FILE).unlink(missing_ok=True)  # a finished run never resumes: its state would weigh on git
+    eval_run(args, model, seed, run, evals[arm, seed])
+    posthoc = [name for name in POSTHOC if arm == "cls"]
+    for name in posthoc:
+        eval_run(args, model, seed, run, evals[name, seed], pool=POSTHOC[name])
+    also = [(name, dataset, also_folder(dataset, args.output, name, seed)) for dataset in args.also_eval or ()
+            for name in (arm, *posthoc)]
+    for name, dataset, folder in also:
+        eval_run(args, model, seed, run, folder, pool=POSTHOC.get(name), dataset=dataset)
+    if args.commit:
+        commit_paths([run, evals[arm, seed], *(evals[name, seed] for name in posthoc), *(f for *_, f in also)],
+                     _commit_message(arm, seed, evals[arm, seed], [POSTHOC[name] for name in posthoc]))
 
 
 def run_all(args: argparse.Namespace, todo: Sequence[tuple[str, int]], runs: dict[tuple[str, int], Path],
             evals: dict[tuple[str, int], Path]) -> None:
-    """Run ``todo`` (arm, seed) in order, as jobs of up to ``--pack`` seeds of one arm, ``--jobs`` side by side; a
-    job holds one device of :func:`job_devices` while it runs, so with several GPUs no two jobs share one."""
+    """Run ``todo`` (arm, seed) in order, ``--jobs`` side by side; a job holds one device of :func:`job_devices`
+    while it runs, so with several GPUs no two jobs share one."""
     slots: queue.Queue[str] = queue.Queue()
     for device in job_devices(args.device, args.jobs):
         slots.put(device)
 
-    def job(arm: str, seeds: list[int]) -> None:
+    def job(arm: str, seed: int) -> None:
         device = slots.get()
         try:
-            run_arm(argparse.Namespace(**{**vars(args), "device": device}), arm, seeds, runs, evals)
+            run_arm(argparse.Namespace(**{**vars(args), "device": device}), arm, seed, runs, evals)
         finally:
             slots.put(device)
 
     with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(lambda pair: job(*pair), packed(todo, args.pack)))
+        list(pool.map(lambda pair: job(*pair), todo))

@@ -122,17 +122,17 @@ def check_train_args(args: argparse.Namespace) -> None:
         raise UserError(f"--train-args: write {short[0]} out as --model-kwargs; the study merges it with each arm's "
                         "own")
     for arm in args.arms:
-        output = str(Path(args.output) / "runs" / f"{arm}-s{{seed}}")
+        output = str(Path(args.output) / "runs" / f"{arm}-s{args.seeds[0]}")
         try:
-            train_parser().parse_args(train_command(args, arm, args.seeds, output))
+            train_parser().parse_args(train_command(args, arm, args.seeds[0], output))
         except UserError as e:
             raise UserError(f"arm {arm} would not train: {e} (check --train-args)") from None
 
 
-def train_command(args: argparse.Namespace, arm: str, seeds: Sequence[int], output: str) -> list[str]:
-    """The ``timm_rollout.train`` flags that train (or resume) ``arm``'s runs of ``seeds`` into ``output``."""
+def train_command(args: argparse.Namespace, arm: str, seed: int, output: str) -> list[str]:
+    """The ``timm_rollout.train`` flags that train (or resume) ``arm``'s run of ``seed`` into ``output``."""
     model, kwargs, flags = arm_model(args.model, arm)
-    cmd = ["--model", model, "--dataset", args.dataset, "--epochs", str(args.epochs), "--seed", *map(str, seeds),
+    cmd = ["--model", model, "--dataset", args.dataset, "--epochs", str(args.epochs), "--seed", str(seed),
            "--output", output, "--resume", "--device", args.device,
            *merge_model_kwargs(shlex.split(args.train_args), kwargs), *flags]
     if args.max_train_samples is not None:

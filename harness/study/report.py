@@ -55,7 +55,7 @@ from timm_rollout.records import (
 from timm_rollout.train.log import read_log
 
 from .dose import contrast_metric, dose_section
-from .folder import also_folder, arm_of
+from .folder import also_folder, arm_of, layout
 from .plan import ARMS, POSTHOC, arm_model, backbone
 from .tables import (
     INTERACTION_NOTE,
@@ -166,8 +166,8 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
     arms, seeds = scope
     pairs = [(a, s) for a in arms for s in seeds]
     loaded = load_results([evals[pair] for pair in pairs])
-    added = [{**(curve_metrics(runs[pair], args.epochs) if pair[0] in ARMS else {}), **faithfulness_metrics(r),
-              **also_metrics(args, *pair, r)} for pair, r in zip(pairs, loaded, strict=True)]
+    added = [{**added_metrics(args, arm, runs[backbone(arm), seed], r), **also_metrics(args, arm, seed, r)}
+             for (arm, seed), r in zip(pairs, loaded, strict=True)]
     results = [{**r, "metrics": {**r["metrics"], **more}} for r, more in zip(loaded, added, strict=True)]
     extra = list(dict.fromkeys(m for more in added for m in more))
     shown = [*METRICS, *POOLING_DIAGNOSTICS, *LOCALISATION, *extra, *ORIGINAL_METRICS]
@@ -226,8 +226,8 @@ def dose_report(args: argparse.Namespace, seeds: Sequence[int]) -> list[str]:
     names = [Path(d).name for d in args.also_eval or ()]
     if len(names) < 2 or not args.primary:
         return []
-    folders = {(a, s, Path(d).name): also_folder(d, args.output, a, s) for a in args.primary for s in seeds
-               for d in args.also_eval}
+    folders = {(a, s, n): also_folder(d, args.output, a, s) for a in args.primary for s in seeds
+               for d, n in zip(args.also_eval, names, strict=True)}
     done = [s for s in seeds if all((folders[a, s, n] / RESULTS_FILE).is_file() for a in args.primary for n in names)]
     if not done:
         return []
@@ -326,15 +326,21 @@ def other_results(args: argparse.Namespace, other: Path, pairs: Sequence[tuple[s
                   ) -> dict[tuple[str, int], dict[str, Any]]:
     """The other study's evaluations of ``pairs`` (arm, seed) that exist, with the metrics this report adds to its
     own (learning curves, faithfulness)."""
+    runs, evals = layout(other, sorted({seed for _, seed in pairs}))
     found = {}
     for arm, seed in pairs:
-        folder, run = other / "eval" / f"{arm}-s{seed}", other / "runs" / f"{backbone(arm)}-s{seed}"
-        if (folder / RESULTS_FILE).is_file():
-            result = load_results([folder])[0]
-            added = {**(curve_metrics(run, args.epochs) if arm in ARMS and (run / LOG_FILE).is_file() else {}),
-                     **faithfulness_metrics(result)}
+        if (evals[arm, seed] / RESULTS_FILE).is_file():
+            result = load_results([evals[arm, seed]])[0]
+            added = added_metrics(args, arm, runs[backbone(arm), seed], result)
             found[arm, seed] = {**result, "metrics": {**result["metrics"], **added}}
     return found
+
+
+def added_metrics(args: argparse.Namespace, arm: str, run: Path, result: dict[str, Any]) -> dict[str, float]:
+    """The metrics the report adds to an evaluation's: the learning curves of a trained arm's run (its
+    ``log.csv``; ``run`` is the backbone's run) and the faithfulness scores."""
+    curves = curve_metrics(run, args.epochs) if arm in ARMS and (run / LOG_FILE).is_file() else {}
+    return {**curves, **faithfulness_metrics(result)}
 
 
 def notes_section(out: Path) -> list[str]:
