@@ -7,9 +7,7 @@ beside the repository; without either they skip, and ``-ra`` (in the pytest addo
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -55,32 +53,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(no_gpu)
         if item.get_closest_marker("slow") and not slow:
             item.add_marker(not_slow)
-
-
-@pytest.fixture
-def killed_at_evaluation(monkeypatch) -> Callable[[int], contextlib.AbstractContextManager]:
-    """``with killed_at_evaluation(n): train(...)``: the training command dies at its n-th evaluation, as if killed
-    there (after the previous epoch's save, before this epoch's); evaluations are themselves again after the block."""
-    import timm_rollout.train.loop as train_module
-
-    class Died(Exception):
-        pass
-
-    @contextlib.contextmanager
-    def kill(call: int) -> Iterator[None]:
-        evaluate, calls = train_module.validate, []
-
-        def evaluate_or_die(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == call:
-                raise Died
-            return evaluate(*args, **kwargs)
-
-        monkeypatch.setattr(train_module, "validate", evaluate_or_die)
-        try:
-            with pytest.raises(Died):
-                yield
-        finally:
-            monkeypatch.setattr(train_module, "validate", evaluate)
-
-    return kill

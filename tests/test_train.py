@@ -470,54 +470,10 @@ def test_compile_gives_the_eager_results_on_cpu(tmp_path: Path) -> None:
         assert compiled[0][key] == pytest.approx(eager[0][key], abs=tol), key
 
 
-@pytest.mark.parametrize("model", ["vit_tiny_cifar_cls", "vit_tiny_cifar_gap", "vit_tiny_cifar_rollout"])
-def test_several_seeds_in_one_command_equal_separate_runs(model: str, tmp_path: Path) -> None:
-    """--seed 3 4: each run is bit-identical to its own command (weights, log), in its own folder with its own
-    train_args.json; dropout on, so the two seeds' masks differ as their separate runs' do."""
-    run = [*TINY, *FP32, "--model", model, "--epochs", "1", "--max-train-samples", "128", "--model-kwargs", "depth=1",
-           "embed_dim=64", "attn_drop_rate=0.1", "proj_drop_rate=0.1"]
-    outs = train([*run, "--seed", "3", "4", "--output", str(tmp_path / "packed-s{seed}")])
-    assert outs == [tmp_path / "packed-s3", tmp_path / "packed-s4"]
-    for seed in (3, 4):
-        alone = train([*run, "--seed", str(seed), "--output", str(tmp_path / f"alone-s{seed}")])
-        packed = tmp_path / f"packed-s{seed}"
-        assert _same_weights(packed, alone)
-        assert _metrics(read_log(packed / "log.csv")) == _metrics(read_log(alone / "log.csv"))
-        saved = json.loads((packed / "train_args.json").read_text())
-        assert saved["seed"] == seed and saved["output"] == str(packed)
-    assert not _same_weights(tmp_path / "packed-s3", tmp_path / "packed-s4")
-    # a second command resumes each run on its own: finished runs stay as they are
-    before = (tmp_path / "packed-s3" / "model.safetensors").read_bytes()
-    train([*run, "--seed", "3", "4", "--output", str(tmp_path / "packed-s{seed}"), "--resume"])
-    assert (tmp_path / "packed-s3" / "model.safetensors").read_bytes() == before
-
-
-def test_several_seeds_need_one_folder_each(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match=r"several --seed values need \{seed\} in --output"):
+def test_several_seeds_in_one_command_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"--seed 0 1: one seed per run; train several as separate processes"):
         train([*TINY, "--seed", "0", "1", "--output", str(tmp_path / "run")])
-    with pytest.raises(UserError, match="repeats a seed"):
-        train([*TINY, "--seed", "0", "0", "--output", str(tmp_path / "run-s{seed}")])
     assert not any(tmp_path.iterdir())
-
-
-def test_a_killed_several_seed_command_resumes_every_run_from_its_last_epoch(tmp_path: Path, monkeypatch,
-                                                                              killed_at_evaluation) -> None:
-    """Seed 0 finishes, seed 1 dies after its first epoch; --resume skips seed 0 and trains seed 1's epochs 2-3:
-    both equal an uninterrupted command's runs."""
-    import timm_rollout.train.loop as train_module
-
-    flags = [*TINY_RUN, "--model", "vit_tiny_cifar_gap", "--max-train-samples", "128", "--seed", "0", "1"]
-    whole = train([*flags, "--output", str(tmp_path / "whole-s{seed}")])
-    with killed_at_evaluation(5):  # seed 1, epoch 2 (epoch 1 saved)
-        train([*flags, "--output", str(tmp_path / "run-s{seed}")])
-    assert (tmp_path / "run-s0" / "summary.json").exists() and len(read_log(tmp_path / "run-s1" / "log.csv")) == 1
-    evaluate, calls = train_module.validate, []
-    monkeypatch.setattr(train_module, "validate", lambda *a, **k: calls.append(1) or evaluate(*a, **k))
-    train([*flags, "--resume", "--output", str(tmp_path / "run-s{seed}")])
-    assert len(calls) == 2  # the finished run skipped, the other one's epochs 2 and 3 only
-    for seed, ref in zip((0, 1), whole, strict=True):
-        run = tmp_path / f"run-s{seed}"
-        assert _same_weights(run, ref) and _metrics(read_log(run / "log.csv")) == _metrics(read_log(ref / "log.csv"))
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -533,7 +489,6 @@ def test_attention_dropout_trains_on_the_explicit_path_on_every_device(device: s
     for rate, fused_on_gpu in (("0.1", False), ("0", True)):
         args = build_parser().parse_args(["--model", "vit_tiny_cifar_gap", "--dataset", "cifar10-sample", "--output",
                                           "unused", "--model-kwargs", "depth=2", f"attn_drop_rate={rate}"])
-        args.seed = 0  # one run's arguments, as the trainer hands them to each run
         model = _create_model(args, data, torch.device(device))
         flags = {block.attn.fused_attn for block in model.blocks}
         assert flags == {fused_on_gpu and device == "cuda"}

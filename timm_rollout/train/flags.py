@@ -45,7 +45,7 @@ SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", 
 def build_parser() -> CliParser:
     """The CLI; names follow timm's ``train.py`` where it has them. Bad values are one-line errors at parse time."""
     p = CliParser(prog="python -m timm_rollout.train", description=DESCRIPTION,
-                  checks=[_check_model_args], removed=REMOVED)
+                  checks=[_one_seed, _check_model_args], removed=REMOVED)
     p.checks.append(lambda args: _check_dependent_flags(args, p.given))
     _data_args(p.add_argument_group("data"))
     _model_args(p.add_argument_group("model"))
@@ -118,9 +118,9 @@ def _optimisation_args(g: argparse._ArgumentGroup) -> None:
 def _run_args(g: argparse._ArgumentGroup) -> None:
     """Output, seeds, device, precision and resume."""
     g.add_argument("--output", required=True, type=output_dir, help="output folder")
-    g.add_argument("--seed", type=seed_arg, nargs="+", default=[0],
-                   help="one seed, or several: their runs train one after another in this process, the data "
-                        "loaded once, into --output with {seed} replaced (e.g. runs/gap-s{seed})")
+    g.add_argument("--seed", type=seed_arg, nargs="+", default=[0], metavar="SEED",
+                   help="seed of the initialisation, data order, augmentation and subsets: one per run (several "
+                        "train faster as separate processes: scripts/study.py --seeds 0 1 2 --jobs 2); default 0")
     g.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="auto: bf16 where it pays, else fp32")
     g.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
     g.add_argument("--workers", type=positive_int, default=None,
@@ -149,6 +149,15 @@ def _optimizer_arg(name: str) -> str:
         hint = f"did you mean {', '.join(close)}?" if close else "see timm.optim.list_optimizers()"
         raise UserError(f"unknown optimizer {name!r}; {hint}") from None
     return name
+
+
+def _one_seed(args: argparse.Namespace) -> None:
+    """One run per command: several seeds are refused in one line naming the faster way (``args.seed`` an int)."""
+    if len(args.seed) > 1:
+        raise UserError(f"--seed {' '.join(map(str, args.seed))}: one seed per run; train several as separate "
+                        "processes side by side, e.g. scripts/study.py --seeds 0 1 2 --jobs 2 (faster in every "
+                        "measurement of scripts/README.md)")
+    args.seed = args.seed[0]
 
 
 def _check_model_args(args: argparse.Namespace) -> None:

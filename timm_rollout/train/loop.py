@@ -46,34 +46,18 @@ class NonFiniteLossError(UserError):
     """The training loss became NaN or infinite."""
 
 
-def train(argv: list[str] | None = None) -> Path | list[Path]:
-    """Run training from CLI-style arguments; returns the output folder (one per seed when given several)."""
+def train(argv: list[str] | None = None) -> Path:
+    """Run training from CLI-style arguments; returns the output folder."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    runs = seed_runs(args)
     d = init_distributed(args.device)
     threads = torch.get_num_threads()
-    loaded: dict[tuple, tuple] = {}
     try:
-        outs = [_train(run, parser, d, loaded) for run in runs]
-        return outs[0] if len(args.seed) == 1 else outs
+        return _train(args, parser, d)
     finally:
         torch.set_num_threads(threads)
         if d.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def seed_runs(args: argparse.Namespace) -> list[argparse.Namespace]:
-    """One run's arguments per ``--seed``, each with its own seed and output folder: exactly what a separate
-    command with that seed gets, so each run is bit-identical to it (and resumes on its own)."""
-    seeds = args.seed
-    if len(set(seeds)) < len(seeds):
-        raise UserError(f"--seed {' '.join(map(str, seeds))} repeats a seed; name each seed once")
-    if len(seeds) > 1 and "{seed}" not in args.output:
-        raise UserError("several --seed values need {seed} in --output, one run folder each "
-                        "(e.g. --output runs/gap-s{seed})")
-    return [argparse.Namespace(**{**vars(args), "seed": seed, "output": args.output.replace("{seed}", str(seed))})
-            for seed in seeds]
 
 
 @dataclass(eq=False)  # runs compare by identity
@@ -90,7 +74,7 @@ class Run:
     saved_epochs: int | None  # a resumed run's saved epoch count; None for a fresh run
 
 
-def _open(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, loaded: dict[tuple, tuple]) -> Run | None:
+def _open(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -> Run | None:
     """Check the flags, load the data, build the trainer and restore a resumed run, writing nothing (:func:`_begin`
     writes); None when the run in ``--output`` is finished and ``--epochs`` asks for no more."""
     out = Path(args.output)
@@ -109,13 +93,13 @@ def _open(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, lo
     if (args.mixup > 0 or args.cutmix > 0) and args.batch_size % 2:
         raise UserError(f"mixup/cutmix need an even --batch-size, got {args.batch_size}")
 
-    data = prepare_data(args, d, loaded)
+    data = prepare_data(args, d)
     if state == "resume":
         check_same_data(out, args, data)
     t = build_trainer(args, data, d)
     if state == "resume":
         restore(t, out / RESUME_FILE)
-    return Run(args, out, data, t, build_batches(args, data, d, loaded), data.eval.images.to(d.device),
+    return Run(args, out, data, t, build_batches(args, data, d), data.eval.images.to(d.device),
                data.eval.labels.to(d.device), saved_epochs if state == "resume" else None)
 
 
@@ -135,8 +119,8 @@ def _begin(run: Run, d: Dist) -> None:
         save_run(run.out, t, args, run.data, d)
 
 
-def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist, loaded: dict[tuple, tuple]) -> Path:
-    run = _open(args, parser, d, loaded)
+def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -> Path:
+    run = _open(args, parser, d)
     if run is None:
         return Path(args.output)
     _begin(run, d)

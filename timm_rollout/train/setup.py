@@ -106,16 +106,13 @@ def _default_eval_split(dataset: str) -> str:
     return found
 
 
-def _load_data(args: argparse.Namespace, loaded: dict[tuple, tuple]) -> tuple[ImageSet, ImageSet, tuple, tuple]:
-    """The run's splits and normalisation; ``loaded`` keeps the full splits for the other seeds of one command."""
+def _load_data(args: argparse.Namespace) -> tuple[ImageSet, ImageSet, tuple, tuple]:
+    """The run's splits and normalisation."""
     cols = {"image_column": args.image_column, "label_column": args.label_column}
-    key = (args.dataset, args.train_split, args.eval_split, args.image_column, args.label_column)
-    if key not in loaded:
-        train_set = load_image_set(args.dataset, args.train_split, **cols, split_flag="--train-split")
-        eval_split = args.eval_split or _default_eval_split(args.dataset)
-        loaded[key] = (train_set, load_image_set(args.dataset, eval_split, **cols, split_flag="--eval-split"),
-                       *normalization_stats(args.dataset, train_set))
-    train_set, eval_set, mean, std = loaded[key]
+    train_set = load_image_set(args.dataset, args.train_split, **cols, split_flag="--train-split")
+    eval_split = args.eval_split or _default_eval_split(args.dataset)
+    eval_set = load_image_set(args.dataset, eval_split, **cols, split_flag="--eval-split")
+    mean, std = normalization_stats(args.dataset, train_set)
     if args.pretrained_file:  # fine-tuning: the inputs the pretrained weights expect (their run's, else the model's)
         trained = pretrained_config(args.pretrained_file, args.model)
         mean, std = trained.get("mean", mean), trained.get("std", std)
@@ -127,9 +124,9 @@ def _load_data(args: argparse.Namespace, loaded: dict[tuple, tuple]) -> tuple[Im
     return train_set, eval_set, mean, std
 
 
-def prepare_data(args: argparse.Namespace, d: Dist, loaded: dict[tuple, tuple]) -> RunData:
+def prepare_data(args: argparse.Namespace, d: Dist) -> RunData:
     """Load the splits, check they fit the run's flags, and derive the sizes and settings they imply."""
-    train_set, eval_set, mean, std = _load_data(args, loaded)
+    train_set, eval_set, mean, std = _load_data(args)
     num_classes = args.num_classes or train_set.num_classes
     if int(train_set.labels.max()) >= num_classes:
         raise UserError(f"labels go up to {int(train_set.labels.max())} but --num-classes is {num_classes}; "
@@ -232,12 +229,9 @@ def build_trainer(args: argparse.Namespace, data: RunData, d: Dist) -> Trainer:
     return Trainer(model, net, optimizer, scheduler, ema, scaler, _criterion(args), evaluator)
 
 
-def build_batches(args: argparse.Namespace, data: RunData, d: Dist, loaded: dict[tuple, tuple]) -> Batches:
-    """Training batches (crop, flip, mixup/CutMix) from the train images moved once to the device (``loaded``)."""
+def build_batches(args: argparse.Namespace, data: RunData, d: Dist) -> Batches:
+    """Training batches (crop, flip, mixup/CutMix) from the train images moved once to the device."""
     mixup = (Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, label_smoothing=args.smoothing,
                    num_classes=data.num_classes) if args.mixup > 0 or args.cutmix > 0 else None)
-    key = ("on device", id(data.train), str(d.device))
-    if key not in loaded:
-        loaded[key] = (data.train, data.train.images.to(d.device), data.train.labels.to(d.device))
-    _, images, labels = loaded[key]
-    return Batches(images, labels, data.mean, data.std, args.crop_padding, data.hflip, mixup)
+    return Batches(data.train.images.to(d.device), data.train.labels.to(d.device), data.mean, data.std,
+                   args.crop_padding, data.hflip, mixup)
