@@ -2,15 +2,8 @@
 
     python -m harness.compare eval/c10-cls-s0 eval/c10-cls-s1 eval/c10-rollout-s0 eval/c10-rollout-s1 --output report/
 
-Runs that share a label (model name, the architecture its weights were trained as, data set and split) form a
-group. Runs of two groups are paired by training seed: ``seed`` in the ``train_args.json`` next to the
-evaluated checkpoint (``results["model"]["checkpoint"]``, resolved from the working directory) when it can be
-read, else the evaluation's ``results["config"]["seed"]`` (the study evaluates each run with its training seed).
-For each metric, the mean paired difference (group - first group) gets a 95% t-interval, a p-value and the
-minimum detectable effect (:mod:`harness.stats`); the primary metric is test top-1 (uncorrected), every other
-metric is secondary and its p-values are Holm-adjusted together within that comparison of two groups (there is no
-correction across comparisons). Accuracies also get McNemar's per-image test, pooled
-over the paired seeds, from each run's ``predictions.json.gz`` (or the ``predictions.json`` of older evaluations).
+Grouping, pairing by training seed, the statistics (:mod:`harness.stats`) and the refusals: harness/README.md,
+"Compare runs".
 """
 
 from __future__ import annotations

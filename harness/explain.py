@@ -4,10 +4,8 @@
         --dataset ../shared/data/cifar10 --index 17 --output fig/
     python -m harness.explain --model vit_small_patch16_224 --image photo.jpg --output fig/
 
-Panels: the input (de-normalised with the model's mean/std), the readout's attention at the last, first and
-middle layers, rollout with mean/max/min head fusion, rollout with discard ratios 0.5 and 0.9, Chefer's
-gradient-weighted rollout for the predicted (or ``--target-class``) class, attention flow (``--no-flow``
-skips it), and the rollout after each layer. Writes ``explain_<image>.png`` into ``--output``.
+Writes ``explain_<image>.png`` into ``--output``; the panels are listed in harness/README.md, "Explain a
+prediction".
 """
 
 from __future__ import annotations

@@ -3,14 +3,8 @@
     python -m harness.sweep results/cifar10-gpu-lr/lr*/eval/{cls,gap,rollout}-s* --param lr \\
         --output results/cifar10-gpu-lr
 
-Each evaluation folder is one run: its arm is its :func:`harness.compare.run_label`, its value of ``--param``
-is read from the ``train_args.json`` beside its checkpoint. The report holds, per arm and value, the mean ± sample
-std over seeds of every metric; each arm's best value (highest mean of ``--select``, default top-1); and the
-paired statistics (95% CI, p, MDE; :func:`harness.compare.compare_groups`) of every pair of arms, both at each
-arm's own best value and at one shared value (``--shared``, default: the value with the highest mean of
-``--select`` over all arms). Picking each arm's best value on the evaluated split favours every arm alike, by
-about the spread of its values' means; the shared-value comparison has no such selection. A figure shows the
-selection metric against the value per arm, with 95% intervals.
+Each evaluation is one run of an arm (:func:`harness.compare.run_label`) at its value of ``--param`` (its run's
+``train_args.json``); the report and figure are described in harness/README.md, "Sweep a training argument".
 """
 
 from __future__ import annotations
