@@ -112,9 +112,8 @@ def load_results(folders: Sequence[str | Path]) -> list[dict[str, Any]]:
 
 @functools.cache
 def default_pool(name: str) -> str | None:
-    """The ``global_pool`` a registered model is built with by default (built on the meta device); None for names
-    timm does not register (``hf-hub:``, ``local-dir:``), models the meta device cannot build and those that need
-    arguments (``timm_rollout_pooled``)."""
+    """The ``global_pool`` a registered model is built with by default (built on the meta device); None where
+    that cannot tell (``hf-hub:``, ``local-dir:``, a model that needs arguments or a real device)."""
     if not timm.is_model(name):
         return None
     try:
@@ -143,11 +142,9 @@ def run_label(result: dict[str, Any]) -> str:
 
 
 def run_folder(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> Path | None:
-    """The training run folder of an evaluated checkpoint: where the evaluation recorded it
-    (``results["model"]["checkpoint"]``, resolved from the working directory) when it holds ``train_args.json``,
-    else the folder of that name in the study layout beside the evaluation (``<evaluation>/../../runs/<name>``), else
-    in the first of ``runs`` (folders holding moved runs) that has it; the recorded folder when none does, None when
-    no checkpoint is recorded."""
+    """The training run folder of an evaluated checkpoint: the recorded one when it holds ``train_args.json``, else
+    the one of that name in the study layout (``<evaluation>/../../runs/<name>``) or in the first of ``runs`` that
+    has it; the recorded folder when none does, None when no checkpoint is recorded."""
     checkpoint = result.get("model", {}).get("checkpoint")
     if not checkpoint:
         return None
@@ -176,8 +173,7 @@ def run_seed(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> int | N
 
 def evaluated_images(result: dict[str, Any]) -> tuple | None:
     """What an evaluation read: the fingerprints of its data set split, of the images it scored and of its k-NN
-    bank, then the content hashes of the same three (None where not recorded); None for records without them.
-    Fingerprints follow the files' names and layout, content hashes the decoded pixels and labels."""
+    bank, then the content hashes of the same three (None where not recorded); None for records without them."""
     data = result.get("data") or {}
     if "subset_fingerprint" not in data:
         return None
@@ -198,12 +194,9 @@ def same_images(a: tuple, b: tuple) -> tuple[bool, bool]:
 
 def check_distinct(results: Sequence[dict[str, Any]], label: Callable[[dict[str, Any]], str] = run_label,
                    runs: Sequence[str | Path] = ()) -> None:
-    """Refuse an evaluation counted twice: the same folder passed twice, or two folders of one group (same
-    ``label``, default :func:`run_label`) with the same seed (:func:`run_seed`; a copied or repeated evaluation, or
-    two runs that cannot be told apart by seed), or with the same weights (sha256) of a training checkpoint (one run
-    evaluated twice with two ``--seed``s after its run folder is gone names two seeds), or, for records of a
-    published model without a seed, the same weights on the same images. A published model's evaluations with two
-    ``--seed``s are two subset draws, which pair by eval seed."""
+    """Refuse an evaluation counted twice in a group (``label``): the same folder, the same seed
+    (:func:`run_seed`), the same weights of a training checkpoint, or, for a published model without a seed, the
+    same weights on the same images (harness/README.md, "Compare runs")."""
     seen: dict[tuple, str] = {}
     for result in results:
         path = str(result.get("path", "?"))
@@ -384,16 +377,13 @@ def _delta(group: Group, base: Group, metric: str) -> str:
     return "-" if a is None or b is None else f"{a - b:+.4f}"
 
 
-def render_markdown(
-    groups: Sequence[Group], metrics: Sequence[str] = METRICS, title: str = "Evaluation comparison"
-) -> str:
+def render_markdown(groups: Sequence[Group], metrics: Sequence[str] = METRICS) -> str:
     """Markdown report: metric-by-group means (± sample std) with differences of means against the first group,
     then the paired statistics of every other group against the first, then the runs of each group."""
-    if not groups:
-        raise ValueError("nothing to render: no groups")
     base = groups[0]
     header = ["metric"] + [f"{g.label} (n={g.n})" for g in groups] + [f"Δ {g.label}" for g in groups[1:]]
-    lines = [f"# {title}", "", f"Differences are against **{base.label}**. Values: mean ± sample std over runs.", ""]
+    lines = ["# Evaluation comparison", "",
+             f"Differences are against **{base.label}**. Values: mean ± sample std over runs.", ""]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
     for metric in metrics:

@@ -157,11 +157,9 @@ def check_eval_matches(run_dir: str | os.PathLike, results: dict[str, Any]) -> N
 
 
 def describe_model(model: torch.nn.Module) -> dict[str, Any]:
-    """Architecture facts of a timm ViT for the card, read off the model: architecture, pooling and its options,
-    sizes, norm, activation, parameter count, and the name timm must know to rebuild it (``registered_name``:
-    a tiny model's, ``timm_rollout_pooled`` for a stock ViT pooled otherwise than it was built, None for a plain timm
-    model). ``class``
-    is the timm class it is (or derives from). A model that is no ViT (a CNN) gets :func:`_other_facts`."""
+    """Architecture facts of a timm model for the card, read off the model, with the name timm must know to
+    rebuild it (``registered_name``: None for a plain timm model) and the timm ``class`` it is or derives from;
+    a model that is no ViT (a CNN) gets :func:`_other_facts`."""
     stock = next(c for c in type(model).__mro__ if c.__module__.startswith("timm.") or c is torch.nn.Module)
     architecture = model.pretrained_cfg.get("architecture", stock.__name__)
     if attention_free(model) is not None:
@@ -294,11 +292,6 @@ def _phrase(args: dict[str, Any], parts: list[tuple[str, str]]) -> str | None:
 
 def _is_local(dataset: str) -> bool:
     return dataset.startswith((".", "/", "~")) or ("/" in dataset and Path(dataset).exists())
-
-
-def _dataset_id(dataset: str) -> str:
-    """Hub-style data set name: a local folder path is reduced to its folder name."""
-    return Path(dataset).name if _is_local(dataset) else dataset
 
 
 def _hub_dataset(train_args: dict[str, Any]) -> str | None:
@@ -490,7 +483,8 @@ def _evaluation(results: dict[str, Any]) -> str:
         found = [f"{m}{suffix}" for m in MAP_LABELS if f"{m}{suffix}" in metrics] if suffix != key else [key]
         rows += [f"| {k} | {_fmt(metrics[k])} | {definition.format(**params, map=k.removesuffix(suffix))} |"
                  for k in found if metrics.get(k) is not None]
-    data = {**data, "dataset": _dataset_id(str(data["dataset"]))} if data.get("dataset") else data
+    if data.get("dataset") and _is_local(str(data["dataset"])):  # a local folder: by its name
+        data = {**data, "dataset": Path(str(data["dataset"])).name}
     where = _phrase(data, [("dataset", "data set"), ("split", "split"), ("num_images", "images:")])
     text = "\n## Evaluation\n\n"
     text += "Metrics of `python -m harness.eval`" + (f" ({where})" if where else "") + ", "
@@ -566,23 +560,13 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
     return str(url)
 
 
-def _load_run_model(run: Path) -> torch.nn.Module:
-    """The run as ``timm.create_model("local-dir:...")`` builds it (:func:`~timm_rollout.loading.load_model`, which
-    also re-applies a recorded rollout pooling)."""
-    return load_model(f"local-dir:{run.resolve()}")[0]
-
-
 def write_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike, repo_id: str,
                         eval_dir: str | os.PathLike | None = None, selection: str | None = None,
                         ) -> tuple[list[Path], str]:
     """The upload folder of a training run for ``repo_id``: weights, config and a model card (with the metrics of
     ``eval_dir``'s results.json, which must have evaluated these weights; ``selection``: how this run was picked
-    among others, stated on the card). Returns its files and the architecture.
-
-    The run must load with ``timm.create_model("local-dir:<run>", pretrained=True)``; that model gives the card
-    its architecture facts. Warns on stderr about an unfinished run or a config whose normalisation differs
-    from training's.
-    """
+    among others). The card's architecture facts come from the run loaded as ``local-dir:``. Returns the files and
+    the architecture."""
     run = Path(run_dir)
     record = read_run(run)
     results = read_eval(eval_dir) if eval_dir else None
@@ -593,6 +577,6 @@ def write_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     mismatch = normalisation_mismatch(record["config"], record["train_args"])
     if mismatch:
         print(f"warning: {mismatch}; timm's transforms for this model will use config.json's", file=sys.stderr)
-    facts = describe_model(_load_run_model(run))
+    facts = describe_model(load_model(f"local-dir:{run.resolve()}")[0])
     card = model_card(repo_id, facts, record["train_args"], record["summary"], selection)
     return prepare_upload_folder(run, out_dir, render_card(card, repo_id, results)), facts["architecture"]
