@@ -45,6 +45,7 @@ __all__ = [
     "format_p",
     "load_results",
     "main",
+    "read_results",
     "render_comparison",
     "render_markdown",
     "run_folder",
@@ -52,6 +53,7 @@ __all__ = [
     "run_seed",
     "same_images",
     "summarise",
+    "train_args",
 ]
 
 METRICS = ("top1", "top5", "linear_probe", "knn_loo", "knn_bank", "intra", "inter", "ratio", "silhouette")
@@ -92,22 +94,26 @@ class MetricComparison:
     per_image_p_holm: float | None = None
 
 
+def read_results(folder: str | Path) -> dict[str, Any]:
+    """``results.json`` of an evaluation folder (or the file itself); one-line errors for a missing, invalid or
+    foreign file."""
+    path = Path(folder) if Path(folder).suffix == ".json" else Path(folder) / RESULTS_FILE
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path.parent} has no {RESULTS_FILE}; run python -m harness.eval --output {path.parent} "
+                        "first") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); re-run python -m harness.eval for it") from None
+    if "metrics" not in result or "model" not in result:
+        raise UserError(f"{path} is not a harness.eval results.json (no metrics/model); re-run the evaluation")
+    return result
+
+
 def load_results(folders: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """``results.json`` of each evaluation folder (or the file itself), with its path under ``"path"``."""
-    loaded = []
-    for folder in folders:
-        path = Path(folder)
-        path = path / RESULTS_FILE if path.is_dir() else path
-        try:
-            result = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise UserError(f"no results.json at {path}; pass folders written by python -m harness.eval") from None
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} is not valid JSON ({e}); re-run python -m harness.eval for it") from None
-        if "metrics" not in result or "model" not in result:
-            raise UserError(f"{path} is not a harness.eval results.json (no metrics/model); re-run the evaluation")
-        loaded.append({**result, "path": str(path.parent)})
-    return loaded
+    """:func:`read_results` of each folder, with the folder under ``"path"``."""
+    return [{**read_results(f), "path": str(Path(f).parent if Path(f).suffix == ".json" else Path(f))}
+            for f in folders]
 
 
 @functools.cache
@@ -157,18 +163,21 @@ def run_folder(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> Path 
     return next((f for f in found if (f / ARGS_FILE).is_file()), recorded)
 
 
-def run_seed(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> int | None:
-    """Training seed of a run: ``train_args.json`` of its run folder (:func:`run_folder`, ``runs``: folders holding
-    moved runs) if readable, else the eval seed."""
+def train_args(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> dict[str, Any] | None:
+    """The ``train_args.json`` of an evaluated run (:func:`run_folder`, ``runs``: folders holding moved runs); None
+    where there is none to read."""
     folder = run_folder(result, runs)
-    if folder is not None:
-        try:
-            seed = json.loads((folder / ARGS_FILE).read_text(encoding="utf-8")).get("seed")
-        except (OSError, json.JSONDecodeError, AttributeError):
-            seed = None
-        if isinstance(seed, int):
-            return seed
-    return result.get("config", {}).get("seed")
+    try:
+        saved = json.loads((folder / ARGS_FILE).read_text(encoding="utf-8")) if folder is not None else None
+    except (OSError, json.JSONDecodeError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def run_seed(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> int | None:
+    """Training seed of a run: its :func:`train_args` if readable, else the eval seed."""
+    seed = (train_args(result, runs) or {}).get("seed")
+    return seed if isinstance(seed, int) else result.get("config", {}).get("seed")
 
 
 def evaluated_images(result: dict[str, Any]) -> tuple | None:

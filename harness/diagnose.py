@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from harness import eval as harness_eval
+from harness.compare import read_results
 from harness.features import box_localisation, pooling_diagnostics
 from harness.localisation import LOCALISATION, POSITION_NULLS
 from harness.metrics import POOLING_DIAGNOSTICS
@@ -139,9 +140,7 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     was added (empty: nothing was missing). ``device`` overrides the evaluation's ``--device``; ``runs`` is the
     folder holding the evaluated checkpoint now (found by its name), for evaluations made elsewhere."""
     path = Path(folder) / RESULTS_FILE
-    if not path.is_file():
-        raise UserError(f"{folder} holds no {RESULTS_FILE}; pass folders written by python -m harness.eval")
-    results = json.loads(path.read_text(encoding="utf-8"))
+    results = read_results(path)
     args = argparse.Namespace(**results["args"])
     _locate(folder, args, runs)
     start, dev = time.perf_counter(), resolve_device(device or args.device)

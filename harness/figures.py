@@ -61,10 +61,8 @@ def shared_range(maps: Sequence[torch.Tensor]) -> tuple[float, float]:
 
 
 def upsample_patch_map(values: torch.Tensor, grid: Sequence[int], size: Sequence[int]) -> np.ndarray:
-    """(P,) patch values over a (rows, cols) ``grid`` -> (H, W) float32 map of ``size``, for any grid: the patches
-    row-major, as timm orders patch tokens (prefix tokens such as [CLS] and registers left out), pixel (y, x) taking
-    the value of patch (y * rows // H, x * cols // W), so each patch fills exactly the block of pixels it covers
-    (``size`` = ``grid`` gives the grid itself). The one way every figure turns patch values into a picture."""
+    """(P,) patch values, row-major over a (rows, cols) ``grid`` as timm orders patch tokens -> (H, W) float32 map
+    of ``size`` in which each patch fills exactly the block of pixels it covers: how every figure draws patches."""
     rows, cols = (int(g) for g in grid)
     if values.numel() != rows * cols:
         raise ValueError(f"{values.numel()} patch values do not fill a {rows}x{cols} patch grid")
@@ -90,9 +88,8 @@ MAP_CMAP = "inferno"
 
 
 def draw_map(ax, values: np.ndarray, vrange: tuple[float, float], **imshow: object):
-    """Draw an (H, W) map on its own, opaque, on the colour range ``vrange``, each array cell as its own block
-    (nearest, unless ``imshow`` says otherwise): every colour is the colour bar's for its value (a map blended over
-    the image would mix in the image's colours). Returns the ``AxesImage``."""
+    """Draw an (H, W) map on its own, opaque, on the colour range ``vrange``, each cell as its own block: every
+    colour is the colour bar's for its value. Returns the ``AxesImage``."""
     return ax.imshow(values, cmap=MAP_CMAP, vmin=vrange[0], vmax=vrange[1], **{"interpolation": "nearest", **imshow})
 
 
@@ -120,16 +117,10 @@ def plot_heatmaps(
     *,
     grid: Sequence[int],
 ) -> Path:
-    """One row per image: the image, then each named map beside it, drawn by :func:`draw_map` (columns in the
-    order of ``maps``, named on top).
-
-    ``images`` are uint8 (B, 3, H, W) (the de-normalised inputs); maps are (B, P) over the (rows, cols) patch
-    ``grid`` (:func:`upsample_patch_map`), drawn on the :func:`relative_to_uniform` scale with one colour range and
-    one colour bar for the whole figure.
-    ``pred_names``: one prediction per image, or per map name when the columns come from different models.
-    ``boxes``: (B, 4) object boxes ``[x, y, w, h]``, outlined on every panel of their row.
-    The layout is fixed in inches (no tight_layout pass over dozens of axes), so a large grid renders quickly.
-    """
+    """One row per uint8 (3, H, W) image: the image, then each named (B, P) map over the patch ``grid`` beside it,
+    on the :func:`relative_to_uniform` scale with one colour range and colour bar. ``pred_names``: one prediction
+    per image, or per map name when the columns come from different models; ``boxes``: (B, 4) ``[x, y, w, h]``
+    outlined on every panel of their row. The layout is fixed in inches (no tight_layout over dozens of axes)."""
     per_column = isinstance(pred_names, Mapping)
     maps = {name: relative_to_uniform(values) for name, values in maps.items()}
     vmin, vmax = shared_range(list(maps.values()))

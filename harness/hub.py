@@ -21,6 +21,7 @@ from huggingface_hub import HfApi, constants, get_token
 from timm.layers import to_2tuple
 from timm.models._hub import generate_readme
 
+from harness.compare import read_results
 from harness.metrics import METRIC_DEFAULTS, METRIC_DEFINITIONS
 from timm_rollout import online
 from timm_rollout.atomic import atomic_path, write_text
@@ -34,7 +35,6 @@ from timm_rollout.records import (
     ARGS_FILE,
     CARD_FILE,
     CONFIG_FILE,
-    RESULTS_FILE,
     SUMMARY_FILE,
     WEIGHTS_FILE,
     data_card_title,
@@ -49,7 +49,6 @@ __all__ = [
     "model_card",
     "normalisation_mismatch",
     "prepare_upload_folder",
-    "read_eval",
     "read_run",
     "render_card",
     "upload_folder",
@@ -136,14 +135,6 @@ def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     if found["train_args"] and found["train_args"].get("dataset_resolved"):  # newer records: relative to the run
         found["train_args"]["dataset_resolved"] = resolve_recorded(found["train_args"]["dataset_resolved"], run)
     return {"config": _read_json(run / CONFIG_FILE, "model export"), **found}
-
-
-def read_eval(eval_dir: str | os.PathLike) -> dict[str, Any]:
-    """``results.json`` of a harness evaluation folder."""
-    path = Path(eval_dir) / RESULTS_FILE
-    if not path.is_file():
-        raise UserError(f"{eval_dir} has no results.json; run python -m harness.eval --output {eval_dir} first")
-    return _read_json(path, "evaluation")
 
 
 def check_eval_matches(run_dir: str | os.PathLike, results: dict[str, Any]) -> None:
@@ -569,7 +560,7 @@ def write_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     the architecture."""
     run = Path(run_dir)
     record = read_run(run)
-    results = read_eval(eval_dir) if eval_dir else None
+    results = read_results(eval_dir) if eval_dir else None
     if results is not None:
         check_eval_matches(run, results)
     if record["summary"] is None:

@@ -184,12 +184,9 @@ def _mask_values(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor], fracti
 def localisation_metrics(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor], boxes: torch.Tensor,
                          image_size: Sequence[int], grid: Sequence[int], masks: torch.Tensor | None = None,
                          context_hits: torch.Tensor | None = None) -> dict[str, float | None]:
-    """The :data:`LOCALISATION` metrics, means over the images: ``pooling`` (N, P) the weights with which the model
-    pools its patch tokens (rows sum to 1), ``maps`` the saliency maps by name (keys of
-    :data:`~timm_rollout.explain.MAP_LABELS`, (N, P) each), ``boxes`` (N, 4) of images of ``image_size``;
-    ``masks`` (N, H, W) uint8 content masks, when the images have them (else the mask metrics are None);
-    ``context_hits`` (N,) float the top-1 hit (0 or 1) on each image's :func:`context_only`, if every object
-    could be taken out (else ``context_top1`` is None)."""
+    """The :data:`LOCALISATION` metrics, means over the images, of the (N, P) ``pooling`` weights (rows sum to 1)
+    and saliency ``maps`` by name, against (N, 4) ``boxes`` and, where given, (N, H, W) content ``masks`` and the
+    (N,) top-1 ``context_hits`` on each image's :func:`context_only` (else those metrics are None)."""
     coverage = box_coverage(boxes, image_size, grid)
     inside = centres_inside(boxes, image_size, grid)
     uniform = torch.full_like(coverage, 1.0 / coverage.shape[-1])

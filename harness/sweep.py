@@ -9,7 +9,6 @@ Each evaluation is one run of an arm (:func:`harness.compare.run_label`) at its 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ from harness.compare import (
     run_folder,
     run_label,
     summarise,
+    train_args,
 )
 from timm_rollout.atomic import save_figure, write_text
 from timm_rollout.cli import CliParser, existing_path, output_dir, run_cli
@@ -43,14 +43,11 @@ SWEEP_FIGURE = "sweep.png"
 
 
 def train_arg(result: dict[str, Any], key: str, runs: Sequence[str | Path] = ()) -> Any:
-    """The training argument ``key`` of an evaluated run, from the ``train_args.json`` of its run folder
-    (:func:`harness.compare.run_folder`, moved runs looked up in ``runs``)."""
-    folder = run_folder(result, runs)
-    try:
-        saved = json.loads(((folder or Path("?")) / ARGS_FILE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    """The training argument ``key`` of an evaluated run (:func:`harness.compare.train_args`)."""
+    saved, folder = train_args(result, runs), run_folder(result, runs)
+    if saved is None:
         raise UserError(f"{result.get('path')}: no readable {ARGS_FILE} in its run folder {folder}; run from the "
-                        "directory the evaluation ran in, or pass --runs FOLDER holding the run folders") from None
+                        "directory the evaluation ran in, or pass --runs FOLDER holding the run folders")
     if key not in saved:
         raise UserError(f"{folder / ARGS_FILE} has no training argument {key!r}; pass --param with a key it has "
                         f"(e.g. lr, weight_decay, batch_size)")
