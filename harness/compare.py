@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -322,8 +322,7 @@ def compare_groups(base: Group, other: Group, metrics: Sequence[str] = METRICS,
     p_holm = stats.holm([rows[i].delta.p if rows[i].delta else None for i in secondary])
     img_holm = stats.holm([rows[i].per_image.p if rows[i].per_image else None for i in secondary])
     for k, i in enumerate(secondary):
-        rows[i] = MetricComparison(rows[i].metric, rows[i].seeds, rows[i].delta, p_holm[k], rows[i].per_image,
-                                   img_holm[k])
+        rows[i] = replace(rows[i], p_holm=p_holm[k], per_image_p_holm=img_holm[k])
     return rows
 
 

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from harness import metrics
-from harness.faithfulness import evaluate_faithfulness, plot_faithfulness
+from harness.faithfulness import evaluate_faithfulness
 from harness.features import (
     PoolingDiagnostics,
     box_localisation,
@@ -33,7 +33,7 @@ from harness.features import (
     pooling_diagnostics,
     saliency_maps,
 )
-from harness.figures import plot_cosine_matrix, plot_heatmaps
+from harness.figures import plot_cosine_matrix, plot_faithfulness, plot_heatmaps
 from harness.localisation import LOCALISATION
 from harness.predictions import write_predictions
 from timm_rollout.atomic import atomic_path, write_json

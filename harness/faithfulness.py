@@ -12,17 +12,14 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from matplotlib.figure import Figure
 from scipy import stats
 from torch import nn
 
 from harness.features import saliency_maps
-from timm_rollout.atomic import save_figure
 from timm_rollout.capture import fused_attention, record_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast, inference_batch_size
@@ -36,7 +33,6 @@ __all__ = [
     "evaluate_faithfulness",
     "faithfulness_curves",
     "paired_score",
-    "plot_faithfulness",
     "random_ranks",
     "ranks",
     "removal_probabilities",
@@ -222,11 +218,6 @@ def _curves(model, tokens, fill, orders, pred, clean, empty, mode, **kw) -> dict
     return out
 
 
-def _mean_curve(curves: torch.Tensor, fractions: np.ndarray) -> dict[str, Any]:
-    return {"auc": float(_auc(curves, fractions).mean()),
-            "curve": [round(v, 5) for v in curves.mean(dim=0).tolist()]}
-
-
 def _fill_summary(curves: dict[str, dict[str, torch.Tensor]], maps: Sequence[str], seeds: Sequence[int],
                   clean: torch.Tensor, empty: torch.Tensor, fractions: np.ndarray, min_drop: float) -> dict[str, Any]:
     """Mean curves and AUCs of every map and of the random orders, and each map's paired score."""
@@ -248,8 +239,8 @@ def _fill_summary(curves: dict[str, dict[str, torch.Tensor]], maps: Sequence[str
     for name in maps:
         entry = summary["maps"][name] = {}
         for kind in ("deletion", "insertion"):
-            mean = _mean_curve(curves[name][kind], fractions)
-            entry[f"{kind}_auc"], entry[f"{kind}_curve"] = mean["auc"], mean["curve"]
+            entry[f"{kind}_auc"] = float(_auc(curves[name][kind], fractions).mean())
+            entry[f"{kind}_curve"] = [round(v, 5) for v in curves[name][kind].mean(dim=0).tolist()]
             summary["paired"].setdefault(name, {})[kind] = paired_score(
                 _auc(curves[name][kind], fractions), random_auc[kind], clean.numpy(), empty.numpy(), min_drop)
     summary["maps"]["random"] = summary["maps"].pop("random")  # random last, after the maps
@@ -351,42 +342,3 @@ def evaluate_faithfulness(
                    "wall_time_s": round(seconds, 2),
                    "forward_passes_per_second": round(passes["total_forward"] / seconds, 1)})
     return result
-
-
-def _legend(name: str, summary: Mapping[str, Any], paired: Mapping[str, Any], curve: str) -> str:
-    label = f"{LABELS.get(name, name)} (AUC {summary[f'{curve}_auc']:.3f}"
-    score = paired.get(name, {}).get(curve)
-    if score and score["ci95"]:
-        lo, hi = score["ci95"]
-        label += f"; paired {score['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
-    return label + ")"
-
-
-def plot_faithfulness(result: Mapping[str, Any], path: str | Path, title: str = "Faithfulness") -> Path:
-    """Deletion and insertion curves (random: mean ± std over seeds), one row per fill; AUCs, paired scores."""
-    fractions = np.array(result["fractions"]) * 100
-    fills = result["fills"]
-    fig = Figure(figsize=(12, 4.6 * len(fills)))
-    axes = fig.subplots(len(fills), 2, squeeze=False)
-    for row, block in zip(axes, fills.values(), strict=True):
-        for ax, curve, verb in zip(row, ("deletion", "insertion"), ("removed", "revealed"), strict=True):
-            for name, summary in block["maps"].items():
-                mean = np.array(summary[f"{curve}_curve"])
-                style = "--" if name == "random" else "-"
-                ax.plot(fractions, mean, style, marker="o", markersize=3,
-                        label=_legend(name, summary, block["paired"], curve))
-                if name == "random":
-                    spread = np.array(summary[f"{curve}_curve_std"])
-                    ax.fill_between(fractions, mean - spread, mean + spread, alpha=0.25,
-                                    color=ax.lines[-1].get_color())
-            better = "lower" if curve == "deletion" else "higher"
-            ax.set_title(f"{curve}, {block['fill']}: {better} is better", fontsize=10)
-            ax.set_xlabel(f"patches {verb} (%, most salient first)")
-            ax.set_ylabel("probability of the original prediction")
-            ax.set_ylim(0, 1)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-    timing = f", {result['wall_time_s']:.0f} s" if "wall_time_s" in result else ""
-    fig.suptitle(f"{title}: {result['num_images']} images, {result['num_patches']} patches{timing}")
-    fig.tight_layout()
-    return save_figure(fig, path)

@@ -114,11 +114,6 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
         raise UserError(f"{path} is not valid JSON ({e}); re-create the {what}") from None
 
 
-def _section(results: dict[str, Any], key: str) -> dict[str, Any]:
-    """``results[key]`` when the harness nests it there, else the flat ``results``."""
-    return results[key] if isinstance(results.get(key), dict) else results
-
-
 def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     """The files of a training output folder that the card uses: config, train_args, summary (optional ones None)."""
     run = Path(run_dir)
@@ -139,7 +134,7 @@ def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 def check_eval_matches(run_dir: str | os.PathLike, results: dict[str, Any]) -> None:
     """Refuse an evaluation whose recorded weights hash differs from the run's ``model.safetensors``."""
-    recorded = _section(results, "model").get("sha256")
+    recorded = results["model"].get("sha256")
     if recorded and recorded != sha256_file(Path(run_dir) / WEIGHTS_FILE):
         raise UserError(
             f"results.json evaluated other weights (sha256 {str(recorded)[:12]}...) than {run_dir}/{WEIGHTS_FILE}; "
@@ -465,8 +460,8 @@ hf-hub:{repo_id} --dataset {dataset}`.
 
 
 def _evaluation(results: dict[str, Any]) -> str:
-    metrics, data = _section(results, "metrics"), _section(results, "data")
-    config = {k: v for k, v in _section(results, "config").items() if k in METRIC_DEFAULTS and v is not None}
+    metrics, data = results["metrics"], results.get("data", {})
+    config = {k: v for k, v in results.get("config", {}).items() if k in METRIC_DEFAULTS and v is not None}
     params = {**METRIC_DEFAULTS, **config}
     rows = []
     for key, definition in METRIC_DEFINITIONS.items():  # a <map>_ key defines that metric of every saliency map

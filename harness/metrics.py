@@ -8,8 +8,6 @@ exact (faiss ``IndexFlatIP`` on float32). Definitions: harness/README.md, "Metri
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import faiss
 import numpy as np
@@ -38,7 +36,6 @@ __all__ = [
     "centroids",
     "cosine_matrix",
     "default_threads",
-    "faiss_threads",
     "knn_bank",
     "knn_bank_predictions",
     "knn_loo",
@@ -73,18 +70,6 @@ def _numpy(x: ArrayLike) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
-@contextmanager
-def faiss_threads(threads: int) -> Iterator[None]:
-    """Run faiss with ``threads`` OpenMP threads, then restore the previous count: faiss shares torch's OpenMP
-    runtime, so leaving it changed would silently slow later forward passes."""
-    previous = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(threads)
-    try:
-        yield
-    finally:
-        faiss.omp_set_num_threads(previous)
-
-
 def default_threads() -> int:
     """faiss OpenMP threads: one per core torch uses, but 1 while the 1-minute load exceeds the cores (threads
     waiting at every barrier made two threads 2x slower than one on a busy 2-core machine)."""
@@ -110,10 +95,14 @@ def search(
     indices), each (Q, k), best first."""
     if k > bank.shape[0]:
         raise ValueError(f"k={k} neighbours requested from a bank of {bank.shape[0]} features")
-    with faiss_threads(threads or default_threads()):
+    previous = faiss.omp_get_max_threads()  # restored after: faiss shares torch's threads, which it would slow
+    faiss.omp_set_num_threads(threads or default_threads())
+    try:
         index = faiss.IndexFlatIP(bank.shape[1])
         index.add(bank)
         return index.search(queries, k)
+    finally:
+        faiss.omp_set_num_threads(previous)
 
 
 def _vote(neighbour_labels: np.ndarray, weights: np.ndarray, num_classes: int) -> np.ndarray:
