@@ -41,6 +41,7 @@ __all__ = [
     "correct_per_image",
     "evaluated_images",
     "format_ci",
+    "format_mean",
     "format_number",
     "format_p",
     "load_results",
@@ -372,12 +373,15 @@ STATISTICS_NOTE = (
 )
 
 
-def _cell(group: Group, metric: str) -> str:
+def format_mean(group: Group, metric: str) -> str:
+    """A cell of a group's mean ± sample std of ``metric`` (the mean alone with one run, ``-`` without any)."""
     mean, std = group.mean.get(metric), group.std.get(metric)
-    if mean is None:
-        return "-"
-    text = f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"
-    return f"{text} (n={group.count[metric]})" if group.count[metric] != group.n else text
+    return "-" if mean is None else f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"
+
+
+def _cell(group: Group, metric: str) -> str:
+    text = format_mean(group, metric)
+    return f"{text} (n={group.count[metric]})" if text != "-" and group.count[metric] != group.n else text
 
 
 def _delta(group: Group, base: Group, metric: str) -> str:

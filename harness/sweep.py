@@ -25,6 +25,7 @@ from harness.compare import (
     check_distinct,
     ci_half_widths,
     compare_groups,
+    format_mean,
     load_results,
     render_comparison,
     run_folder,
@@ -134,8 +135,7 @@ def render_sweep(arms: dict[str, dict[Any, Group]], param: str, metrics: Sequenc
 def _cell(group: Group | None, metric: str, bold: bool) -> str:
     if group is None or group.mean.get(metric) is None:
         return "-"
-    std = group.std.get(metric)
-    text = f"{group.mean[metric]:.4f}" + ("" if std is None else f" ± {std:.4f}") + f" (n={group.count[metric]})"
+    text = f"{format_mean(group, metric)} (n={group.count[metric]})"
     return f"**{text}**" if bold else text
 
 

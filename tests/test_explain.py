@@ -286,14 +286,14 @@ def test_explaining_a_boxed_data_set_image_outlines_its_box_on_every_panel(tmp_p
     import datasets
     from timm.models import save_for_hf
 
-    import harness.explain as explain_cli
+    from harness import figures
     from timm_rollout.clutter import ClutterRecipe, make_cluttered
 
     make_cluttered("cifar10-sample", tmp_path / "c4", ClutterRecipe(fragments=4, seed=0), per_class=1)
     save_for_hf(tiny("vit_tiny_cifar_cls", depth=1, img_size=64, patch_size=8), tmp_path / "run",
                 safe_serialization=True, model_args=dict(depth=1, img_size=64, patch_size=8))
     outlined = []
-    monkeypatch.setattr(explain_cli, "draw_box", lambda ax, box: outlined.append(box.tolist()))
+    monkeypatch.setattr(figures, "draw_box", lambda ax, box: outlined.append(box.tolist()))
     result = main(["--model", f"local-dir:{tmp_path / 'run'}", "--dataset", str(tmp_path / "c4"), "--index", "3",
                    "--no-flow", "--device", "cpu", "--output", str(tmp_path / "out")])
     want = datasets.load_dataset(str(tmp_path / "c4"), split="test")[3]["bbox"]
