@@ -28,7 +28,6 @@ from timm_rollout.progress import progress, tqdm
 
 __all__ = [
     "FILLS",
-    "MAP_LABELS",
     "embed_patches",
     "evaluate_faithfulness",
     "faithfulness_curves",
