@@ -2,17 +2,8 @@
 
     python -m harness.compare eval/c10-cls-s0 eval/c10-cls-s1 eval/c10-rollout-s0 eval/c10-rollout-s1 --output report/
 
-Runs that share a label (model name, the architecture its weights were trained as, data set and split) form a
-group (a ``local-dir:RUN`` model is named as the architecture it was trained as, so it groups with ``--model ARCH
---checkpoint RUN``). Runs of two groups are paired by training seed: ``seed`` in the ``train_args.json`` next to
-the evaluated checkpoint (``results["model"]["checkpoint"]``, or the folder of a ``local-dir:`` model, resolved
-from the working directory) when it can be read, else the evaluation's ``results["config"]["seed"]`` (the study
-evaluates each run with its training seed). For each metric, the mean paired difference (group - first group)
-gets a 95% t-interval, a p-value and the minimum detectable effect (:mod:`harness.stats`); the primary metric is
-test top-1 (uncorrected), every other metric is secondary and its p-values are Holm-adjusted together within that
-comparison of two groups (there is no correction across comparisons). Accuracies also get McNemar's per-image
-test, pooled over the paired seeds, from each run's ``predictions.json.gz`` (or the ``predictions.json`` of older
-evaluations).
+Grouping, pairing by training seed, the statistics (:mod:`harness.stats`) and the refusals: harness/README.md,
+"Compare runs". A ``local-dir:RUN`` model is named as the architecture it was trained as and paired by RUN's seed.
 """
 
 from __future__ import annotations
@@ -20,7 +11,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +41,12 @@ __all__ = [
     "correct_per_image",
     "evaluated_images",
     "format_ci",
+    "format_mean",
     "format_number",
     "format_p",
     "load_results",
     "main",
+    "read_results",
     "render_comparison",
     "render_markdown",
     "run_folder",
@@ -61,6 +54,7 @@ __all__ = [
     "run_seed",
     "same_images",
     "summarise",
+    "train_args",
 ]
 
 METRICS = ("top1", "top5", "linear_probe", "knn_loo", "knn_bank", "intra", "inter", "ratio", "silhouette")
@@ -101,29 +95,32 @@ class MetricComparison:
     per_image_p_holm: float | None = None
 
 
+def read_results(folder: str | Path) -> dict[str, Any]:
+    """``results.json`` of an evaluation folder (or the file itself); one-line errors for a missing, invalid or
+    foreign file."""
+    path = Path(folder) if Path(folder).suffix == ".json" else Path(folder) / RESULTS_FILE
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path.parent} has no {RESULTS_FILE}; run python -m harness.eval --output {path.parent} "
+                        "first") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e}); re-run python -m harness.eval for it") from None
+    if "metrics" not in result or "model" not in result:
+        raise UserError(f"{path} is not a harness.eval results.json (no metrics/model); re-run the evaluation")
+    return result
+
+
 def load_results(folders: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """``results.json`` of each evaluation folder (or the file itself), with its path under ``"path"``."""
-    loaded = []
-    for folder in folders:
-        path = Path(folder)
-        path = path / RESULTS_FILE if path.is_dir() else path
-        try:
-            result = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise UserError(f"no results.json at {path}; pass folders written by python -m harness.eval") from None
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} is not valid JSON ({e}); re-run python -m harness.eval for it") from None
-        if "metrics" not in result or "model" not in result:
-            raise UserError(f"{path} is not a harness.eval results.json (no metrics/model); re-run the evaluation")
-        loaded.append({**result, "path": str(path.parent)})
-    return loaded
+    """:func:`read_results` of each folder, with the folder under ``"path"``."""
+    return [{**read_results(f), "path": str(Path(f).parent if Path(f).suffix == ".json" else Path(f))}
+            for f in folders]
 
 
 @functools.cache
 def default_pool(name: str) -> str | None:
-    """The ``global_pool`` a registered model is built with by default (built on the meta device); None for names
-    timm does not register (``hf-hub:``, ``local-dir:``), models the meta device cannot build and those that need
-    arguments (``timm_rollout_pooled``)."""
+    """The ``global_pool`` a registered model is built with by default (built on the meta device); None where
+    that cannot tell (``hf-hub:``, ``local-dir:``, a model that needs arguments or a real device)."""
     if not timm.is_model(name):
         return None
     try:
@@ -169,11 +166,9 @@ def _checkpoint(result: dict[str, Any]) -> str | None:
 
 
 def run_folder(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> Path | None:
-    """The training run folder of an evaluated checkpoint: where the evaluation recorded it (:func:`_checkpoint`,
-    resolved from the working directory) when it holds ``train_args.json``,
-    else the folder of that name in the study layout beside the evaluation (``<evaluation>/../../runs/<name>``), else
-    in the first of ``runs`` (folders holding moved runs) that has it; the recorded folder when none does, None when
-    no checkpoint is recorded."""
+    """The training run folder of an evaluated checkpoint (:func:`_checkpoint`): the recorded one when it holds
+    ``train_args.json``, else the one of that name in the study layout (``<evaluation>/../../runs/<name>``) or in the
+    first of ``runs`` that has it; the recorded folder when none does, None when no checkpoint is recorded."""
     checkpoint = _checkpoint(result)
     if not checkpoint:
         return None
@@ -186,24 +181,26 @@ def run_folder(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> Path 
     return next((f for f in found if (f / ARGS_FILE).is_file()), recorded)
 
 
-def run_seed(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> int | None:
-    """Training seed of a run: ``train_args.json`` of its run folder (:func:`run_folder`, ``runs``: folders holding
-    moved runs) if readable, else the eval seed."""
+def train_args(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> dict[str, Any] | None:
+    """The ``train_args.json`` of an evaluated run (:func:`run_folder`, ``runs``: folders holding moved runs); None
+    where there is none to read."""
     folder = run_folder(result, runs)
-    if folder is not None:
-        try:
-            seed = json.loads((folder / ARGS_FILE).read_text(encoding="utf-8")).get("seed")
-        except (OSError, json.JSONDecodeError, AttributeError):
-            seed = None
-        if isinstance(seed, int):
-            return seed
-    return result.get("config", {}).get("seed")
+    try:
+        saved = json.loads((folder / ARGS_FILE).read_text(encoding="utf-8")) if folder is not None else None
+    except (OSError, json.JSONDecodeError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def run_seed(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> int | None:
+    """Training seed of a run: its :func:`train_args` if readable, else the eval seed."""
+    seed = (train_args(result, runs) or {}).get("seed")
+    return seed if isinstance(seed, int) else result.get("config", {}).get("seed")
 
 
 def evaluated_images(result: dict[str, Any]) -> tuple | None:
     """What an evaluation read: the fingerprints of its data set split, of the images it scored and of its k-NN
-    bank, then the content hashes of the same three (None where not recorded); None for records without them.
-    Fingerprints follow the files' names and layout, content hashes the decoded pixels and labels."""
+    bank, then the content hashes of the same three (None where not recorded); None for records without them."""
     data = result.get("data") or {}
     if "subset_fingerprint" not in data:
         return None
@@ -224,12 +221,9 @@ def same_images(a: tuple, b: tuple) -> tuple[bool, bool]:
 
 def check_distinct(results: Sequence[dict[str, Any]], label: Callable[[dict[str, Any]], str] = run_label,
                    runs: Sequence[str | Path] = ()) -> None:
-    """Refuse an evaluation counted twice: the same folder passed twice, or two folders of one group (same
-    ``label``, default :func:`run_label`) with the same seed (:func:`run_seed`; a copied or repeated evaluation, or
-    two runs that cannot be told apart by seed), or with the same weights (sha256) of a training checkpoint (one run
-    evaluated twice with two ``--seed``s after its run folder is gone names two seeds), or, for records of a
-    published model without a seed, the same weights on the same images. A published model's evaluations with two
-    ``--seed``s are two subset draws, which pair by eval seed."""
+    """Refuse an evaluation counted twice in a group (``label``): the same folder, the same seed
+    (:func:`run_seed`), the same weights of a training checkpoint, or, for a published model without a seed, the
+    same weights on the same images (harness/README.md, "Compare runs")."""
     seen: dict[tuple, str] = {}
     for result in results:
         path = str(result.get("path", "?"))
@@ -346,8 +340,7 @@ def compare_groups(base: Group, other: Group, metrics: Sequence[str] = METRICS,
     p_holm = stats.holm([rows[i].delta.p if rows[i].delta else None for i in secondary])
     img_holm = stats.holm([rows[i].per_image.p if rows[i].per_image else None for i in secondary])
     for k, i in enumerate(secondary):
-        rows[i] = MetricComparison(rows[i].metric, rows[i].seeds, rows[i].delta, p_holm[k], rows[i].per_image,
-                                   img_holm[k])
+        rows[i] = replace(rows[i], p_holm=p_holm[k], per_image_p_holm=img_holm[k])
     return rows
 
 
@@ -397,12 +390,15 @@ STATISTICS_NOTE = (
 )
 
 
-def _cell(group: Group, metric: str) -> str:
+def format_mean(group: Group, metric: str) -> str:
+    """A cell of a group's mean ± sample std of ``metric`` (the mean alone with one run, ``-`` without any)."""
     mean, std = group.mean.get(metric), group.std.get(metric)
-    if mean is None:
-        return "-"
-    text = f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"
-    return f"{text} (n={group.count[metric]})" if group.count[metric] != group.n else text
+    return "-" if mean is None else f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"
+
+
+def _cell(group: Group, metric: str) -> str:
+    text = format_mean(group, metric)
+    return f"{text} (n={group.count[metric]})" if text != "-" and group.count[metric] != group.n else text
 
 
 def _delta(group: Group, base: Group, metric: str) -> str:
@@ -410,16 +406,13 @@ def _delta(group: Group, base: Group, metric: str) -> str:
     return "-" if a is None or b is None else f"{a - b:+.4f}"
 
 
-def render_markdown(
-    groups: Sequence[Group], metrics: Sequence[str] = METRICS, title: str = "Evaluation comparison"
-) -> str:
+def render_markdown(groups: Sequence[Group], metrics: Sequence[str] = METRICS) -> str:
     """Markdown report: metric-by-group means (± sample std) with differences of means against the first group,
     then the paired statistics of every other group against the first, then the runs of each group."""
-    if not groups:
-        raise ValueError("nothing to render: no groups")
     base = groups[0]
     header = ["metric"] + [f"{g.label} (n={g.n})" for g in groups] + [f"Δ {g.label}" for g in groups[1:]]
-    lines = [f"# {title}", "", f"Differences are against **{base.label}**. Values: mean ± sample std over runs.", ""]
+    lines = ["# Evaluation comparison", "",
+             f"Differences are against **{base.label}**. Values: mean ± sample std over runs.", ""]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
     for metric in metrics:

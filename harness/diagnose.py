@@ -2,22 +2,11 @@
 
     python -m harness.diagnose results/cifar10-cpu/eval/*-s*
 
-For each evaluation folder, whatever its ``results.json`` lacks of what ``harness.eval`` records now is added,
-computed exactly as ``harness.eval`` computes it, in the precision the evaluation ran in: the pooling diagnostics
-(:data:`harness.metrics.POOLING_DIAGNOSTICS`); on a data set with boxes, the position nulls
-(``position_prior_mass``, ``pooling_fixed_object_mass``, ``<map>_fixed_box_mass``) and, with content masks, the mask
-localisation metrics (``pooling_fill_mass``, ``content_chance``, ...), the box metrics recomputed with them equal to
-the recorded ones; and the content hashes of the evaluated images and of the k-NN bank, which pair evaluations of
-the same data however its files were written. The evaluation's own arguments (``results["args"]``) select the same
-images and load the same model, read out the same way. Refused, nothing written, when the weights' sha256 differs
-from what the evaluation recorded, or when the selected images cannot be shown to be the evaluated ones: the same
-datasets fingerprint, the content hash the evaluation or its training run (``train_args.json``) recorded for that
-split (reproduced labels and top-1 predictions are no proof: a changed pixel rarely changes them). Run it from the
-directory the evaluations ran in: their paths are relative to it, or, for evaluations made on another machine, name
-the folder that now holds their checkpoints with ``--runs`` (a checkpoint, or the folder of a ``--model
-local-dir:PATH``, is looked up there by its folder name; the sha256 check still applies; evaluations without local
-weights are refused with it). Folders that have everything are skipped; an updated one records what was added and
-by which code (``diagnosed``).
+Whatever a ``results.json`` lacks of what ``harness.eval`` records now (pooling diagnostics, position nulls, mask
+metrics, content hashes) is computed exactly as ``harness.eval`` computes it, from the evaluation's own arguments
+and in its precision. Refused, nothing written, when the weights or the images cannot be shown to be the evaluated
+ones (harness/README.md, "Bring existing evaluations up to date"). An updated record says what was added and by
+which code (``diagnosed``).
 """
 
 from __future__ import annotations
@@ -31,6 +20,7 @@ from typing import Any
 import torch
 
 from harness import eval as harness_eval
+from harness.compare import read_results
 from harness.features import box_localisation, pooling_diagnostics
 from harness.localisation import LOCALISATION, POSITION_NULLS
 from harness.metrics import POOLING_DIAGNOSTICS
@@ -75,19 +65,6 @@ def lacks_mask_metrics(metrics: dict[str, Any]) -> bool:
     """Whether an evaluation's metrics lack a mask metric: one of :data:`MASK_METRICS` is None, or
     ``context_top1`` (which may be None: not every object could be taken out) was never recorded."""
     return any(metrics.get(k) is None for k in MASK_METRICS) or "context_top1" not in metrics
-
-
-def _relocate(args: argparse.Namespace, runs: Path, folder: str | Path) -> None:
-    """Point an evaluation's local weights (``--checkpoint``, a ``local-dir:`` model, or both) at the folders of
-    the same names in ``runs``; an evaluation without local weights (a Hub or untrained model) is refused."""
-    found = False
-    if args.checkpoint:
-        args.checkpoint, found = str(runs / Path(args.checkpoint).name), True
-    if args.model.startswith("local-dir:"):
-        args.model, found = f"local-dir:{runs / Path(args.model.removeprefix('local-dir:')).name}", True
-    if not found:
-        raise UserError(f"{folder} evaluated {args.model} without local weights, so --runs has nothing to find for "
-                        "it; drop --runs or run it on its own")
 
 
 def _run_content(args: argparse.Namespace, folder: str | Path, dataset: str, split: str,
@@ -142,9 +119,16 @@ def _local_dir(args: argparse.Namespace) -> str | None:
 
 
 def _locate(folder: str | Path, args: argparse.Namespace, runs: str | Path | None) -> None:
-    """Point the evaluation's local weights at ``runs`` when given; refuse weights that are not there."""
+    """Point the evaluation's local weights (``--checkpoint``, a ``local-dir:`` model, or both) at the folders of
+    the same names in ``runs`` when given; refuse weights that are not there, and ``runs`` without local weights."""
     if runs is not None:
-        _relocate(args, Path(runs), folder)
+        if not (args.checkpoint or _local_dir(args)):
+            raise UserError(f"{folder} evaluated {args.model} without local weights, so --runs has nothing to find "
+                            "for it; drop --runs or run it on its own")
+        if args.checkpoint:
+            args.checkpoint = str(Path(runs) / Path(args.checkpoint).name)
+        if _local_dir(args):
+            args.model = f"local-dir:{Path(runs) / Path(_local_dir(args)).name}"
     for where in (p for p in (args.checkpoint, _local_dir(args)) if p):
         if not Path(where).exists():
             raise UserError(f"{folder} evaluated {where}, which is not there from {Path.cwd()}; run this command "
@@ -156,9 +140,7 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     was added (empty: nothing was missing). ``device`` overrides the evaluation's ``--device``; ``runs`` is the
     folder holding the evaluated checkpoint now (found by its name), for evaluations made elsewhere."""
     path = Path(folder) / RESULTS_FILE
-    if not path.is_file():
-        raise UserError(f"{folder} holds no {RESULTS_FILE}; pass folders written by python -m harness.eval")
-    results = json.loads(path.read_text(encoding="utf-8"))
+    results = read_results(path)
     args = argparse.Namespace(**results["args"])
     _locate(folder, args, runs)
     start, dev = time.perf_counter(), resolve_device(device or args.device)

@@ -3,10 +3,8 @@
     python -m harness.eval --model vit_tiny_cifar_rollout --checkpoint runs/c10-rollout \\
         --dataset cifar10 --bank-split train --heatmaps 8 --output eval/c10-rollout
 
-Writes ``results.json`` (metrics + provenance), ``predictions.json.gz`` (per-image predictions, to compare
-runs image by image: :mod:`harness.predictions`), ``cosine_matrix.png``, ``heatmaps.png`` and, with
-``--save-features``, ``features.safetensors`` into ``--output``; ``--faithfulness`` adds deletion/insertion
-curves of the saliency maps (``results.json["faithfulness"]``, ``faithfulness.png``).
+Writes ``results.json``, ``predictions.json.gz`` and the figures into ``--output`` (harness/README.md, "Output
+files").
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from harness import metrics
-from harness.faithfulness import evaluate_faithfulness, plot_faithfulness
+from harness.faithfulness import evaluate_faithfulness
 from harness.features import (
     PoolingDiagnostics,
     box_localisation,
@@ -35,7 +33,7 @@ from harness.features import (
     pooling_diagnostics,
     saliency_maps,
 )
-from harness.figures import plot_cosine_matrix, plot_heatmaps
+from harness.figures import plot_cosine_matrix, plot_faithfulness, plot_heatmaps
 from harness.localisation import LOCALISATION
 from harness.predictions import write_predictions
 from timm_rollout.atomic import atomic_path, write_json
@@ -90,7 +88,6 @@ __all__ = ["build_parser", "diagnostic_metrics", "evaluate", "main", "posthoc_re
 POST_HOC_POOLS = tuple(k for k in READOUTS if k != "map")  # a learned attention pool cannot be added post hoc
 # The flags that ask for parts reading attention (a model without it is refused them): dest -> flag.
 ATTENTION_FLAGS = {"pool": "--pool", "faithfulness": "--faithfulness", "heatmaps": "--heatmaps"}
-
 
 
 def build_parser() -> CliParser:
@@ -236,8 +233,8 @@ def _check_head(info: dict[str, Any], data: ImageSet) -> None:
 
 def posthoc_readout(model: torch.nn.Module, pool: str | None) -> str:
     """``--pool``: read a trained model out with ``pool`` (None: its own pooling) through
-    :func:`timm_rollout.set_pooling`, on any timm ViT, refusing what a post-hoc readout cannot be (the model's
-    learned attention pool, or a norm after pooling) with a one-line :class:`UserError`; returns the pooling."""
+    :func:`timm_rollout.set_pooling`, refusing a learned attention pool or a norm after pooling; returns the
+    pooling."""
     own = pool_name(model)
     if pool is None or pool == own:
         return own
@@ -330,8 +327,6 @@ class Selection:
 
 def _select(args: argparse.Namespace) -> Selection:
     """Load the evaluated split and pick its classes and images; one-line errors for selections that cannot work."""
-    if args.bank_split == args.split:
-        raise UserError(f"--bank-split {args.bank_split} is the evaluated split; use another split (e.g. train)")
     full = load_image_set(args.dataset, args.split, image_column=args.image_column, label_column=args.label_column,
                           boxes=True)
     class_ids = select_classes(full.class_names, args.classes, args.num_classes)
@@ -367,9 +362,8 @@ def _load(args: argparse.Namespace, full: ImageSet, device: torch.device) -> tup
 
 
 def _say_readout(info: dict[str, Any], pool: str | None) -> None:
-    """One line when the weights are read out otherwise than they were trained: another architecture of the same
-    backbone (a rollout checkpoint as ``vit_tiny_cifar_cls``) or another pooling (``--pool``), i.e. a post-hoc
-    readout, not the trained model."""
+    """One note when the weights are read out otherwise than they were trained (another architecture of the same
+    backbone, or ``--pool``): a post-hoc readout, not the trained model."""
     trained = info.get("checkpoint_architecture")
     if trained and trained != info.get("architecture"):
         print(f"note: the weights were trained as {trained} and are read out as {info['architecture']} (pool "
@@ -409,26 +403,19 @@ def _left_out(model: torch.nn.Module, data: ImageSet, args: argparse.Namespace) 
     return {"reason": reason, "parts": parts}
 
 
-def _without_attention(model, info: dict, data: ImageSet, kwargs: dict[str, Any],
-                       clock: Stopwatch) -> dict[str, float | None]:
-    """The localisation metrics of a model without attention, where the split has boxes: None, but for
-    ``context_top1`` (a top-1, on the images with the objects taken out, where they have content masks)."""
-    if data.boxes is None:
-        return {}
-    hits = None
-    if data.masks is not None:
-        with clock.stage("localisation"):
-            hits = context_hits(model, data.images, data.labels, data.masks, info["mean"], info["std"], **kwargs)
-    return {**dict.fromkeys(LOCALISATION), "context_top1": None if hits is None else float(hits.mean())}
-
-
 def _pooling(model, info: dict, data: ImageSet, batch_size: int, device, amp_dtype, clock: Stopwatch,
              attention: bool = True) -> tuple[PoolingDiagnostics | None, dict[str, float | None]]:
     """The pooling diagnostics, and where the split has object boxes harness.localisation's metrics (else none);
-    without ``attention`` none of them (:func:`_without_attention`)."""
+    without ``attention`` none of them, but for ``context_top1`` (where the split has content masks)."""
     kwargs = {"device": device, "amp_dtype": amp_dtype, "batch_size": batch_size}
     if not attention:
-        return None, _without_attention(model, info, data, kwargs, clock)
+        if data.boxes is None:
+            return None, {}
+        hits = None
+        if data.masks is not None:
+            with clock.stage("localisation"):
+                hits = context_hits(model, data.images, data.labels, data.masks, info["mean"], info["std"], **kwargs)
+        return None, {**dict.fromkeys(LOCALISATION), "context_top1": None if hits is None else float(hits.mean())}
     with clock.stage("pooling_diagnostics"):
         diagnostics = pooling_diagnostics(model, data.images, info["mean"], info["std"], **kwargs)
     if data.boxes is None:
@@ -504,8 +491,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
 def _save_features(path: Path, model: str, data: ImageSet, feats: torch.Tensor, bank: ImageSet | None,
                    bank_feats: torch.Tensor | None) -> None:
-    """``features.safetensors``: the evaluated split's float32 features and int64 labels and, with a bank, the
-    bank's (``bank_features``, ``bank_labels``), so every metric can be recomputed from the file."""
+    """``features.safetensors``: features and labels of the evaluated images and of the bank, if any."""
     tensors = {"features": feats, "labels": data.labels}
     metadata = {"model": model, "dataset": portable_path(data.dataset, path.parent), "split": data.split}
     if bank is not None:
@@ -517,9 +503,8 @@ def _save_features(path: Path, model: str, data: ImageSet, feats: torch.Tensor, 
 
 def _figures(model, info: dict, data: ImageSet, cosine: tuple[np.ndarray, list[str]], args, device, amp_dtype,
              clock: Stopwatch, maps: bool = True) -> tuple[list[str], dict[str, Any] | None]:
-    """The cosine matrix, heatmaps (with ``maps``: the model has attention) and (``--faithfulness``)
-    deletion/insertion figures; returns their names and the faithfulness results, measured on the first
-    ``--faithfulness-images`` evaluated images."""
+    """The cosine matrix, heatmaps (with ``maps``: the model has attention) and ``--faithfulness``: the figures'
+    names and the faithfulness results."""
     out = Path(args.output)
     with clock.stage("figures"):
         figures = [plot_cosine_matrix(*cosine, out / COSINE_FILE,
@@ -559,8 +544,7 @@ def _environment_record(device: torch.device, amp_dtype: torch.dtype | None, fai
 
 
 def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None, out: Path) -> dict[str, Any]:
-    """results.json's ``data``: what was evaluated (provenance and per-class counts) and the bank. A local data set
-    folder is named relative to ``out``, so the record holds no folder of the machine it ran on."""
+    """results.json's ``data``: what was evaluated and the bank; a local data set folder relative to ``out``."""
     full, data = sel.full, sel.data
     counts = torch.bincount(data.labels, minlength=full.num_classes)
     return {

@@ -4,10 +4,8 @@
         --dataset ../shared/data/cifar10 --index 17 --output fig/
     python -m harness.explain --model vit_small_patch16_224 --image photo.jpg --output fig/
 
-Panels: the input (de-normalised with the model's mean/std), the readout's attention at the last, first and
-middle layers, rollout with mean/max/min head fusion, rollout with discard ratios 0.5 and 0.9, Chefer's
-gradient-weighted rollout for the predicted (or ``--target-class``) class, attention flow (``--no-flow``
-skips it), and the rollout after each layer. Writes ``explain_<image>.png`` into ``--output``.
+Writes ``explain_<image>.png`` into ``--output``; the panels are listed in harness/README.md, "Explain a
+prediction".
 """
 
 from __future__ import annotations
@@ -19,20 +17,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from matplotlib.figure import Figure
 from PIL import Image, UnidentifiedImageError
 from timm.data import create_transform, resolve_data_config
 
-from harness.figures import (
-    BOX_NOTE,
-    UNIFORM_SCALE_LABEL,
-    draw_box,
-    draw_map,
-    relative_to_uniform,
-    shared_range,
-    upsample_patch_map,
-)
-from timm_rollout.atomic import save_figure
+from harness.figures import plot_explanation
 from timm_rollout.cli import (
     CliParser,
     ParseKwargs,
@@ -46,14 +34,12 @@ from timm_rollout.cli import (
 from timm_rollout.data import dataset_arg, load_image_set
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import UserError
-from timm_rollout.explain import Explanation, explain
+from timm_rollout.explain import explain
 from timm_rollout.loading import build_meta, check_input_size, check_model, load_model
 from timm_rollout.masks import BoxColumnError
 from timm_rollout.pooling import attention_free
 
-__all__ = ["build_parser", "denormalize", "main", "plot_explanation", "prepare_image"]
-
-COLUMNS = 5
+__all__ = ["build_parser", "denormalize", "main", "prepare_image"]
 
 
 def build_parser() -> CliParser:
@@ -151,46 +137,6 @@ def _load_input(args: argparse.Namespace) -> tuple[Image.Image, str, str, list[s
 
 def _class_name(names: list[str] | None, index: int) -> str:
     return f"{names[index]} ({index})" if names and index < len(names) else str(index)
-
-
-def _panel(fig: Figure, ax, size: tuple[int, int], values: torch.Tensor, grid: tuple[int, int], title: str,
-           vrange: tuple[float, float]) -> None:
-    """One map on the input's pixel grid (its patches as blocks, placed where they are in the image), opaque, with
-    its colour bar."""
-    im = draw_map(ax, upsample_patch_map(values, grid, size), vrange)  # its patches on the image's pixels
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label(UNIFORM_SCALE_LABEL, fontsize=7)
-    ax.set_title(title, fontsize=8)
-    ax.set_xticks([])
-    ax.set_yticks([])
-
-
-def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: str, path: str | Path,
-                     box: torch.Tensor | None = None) -> Path:
-    """One figure: the input, every map of ``ex`` (image 0) and its rollout build-up, each with a colour bar; all
-    maps on the scale of :func:`~harness.figures.relative_to_uniform`, each with its own colour range (0 to its
-    largest value, at least 2: :func:`~harness.figures.shared_range`); ``box`` (the object's
-    ``[x, y, w, h]`` in the input's pixels) outlined on every panel."""
-    panels = [(name, values[0]) for name, values in ex.maps.items()]
-    panels += [(f"rollout through layer {i + 1}", ex.buildup[0, i]) for i in range(ex.buildup.shape[1])]
-    panels = [(name, relative_to_uniform(values.float().cpu())) for name, values in panels]
-    rows = -(-(len(panels) + 1) // COLUMNS)
-    fig = Figure(figsize=(3.2 * COLUMNS, 3.0 * rows))
-    axes = fig.subplots(rows, COLUMNS, squeeze=False).ravel()
-    axes[0].imshow(rgb, interpolation="nearest")
-    axes[0].set_title(input_title, fontsize=8)
-    axes[0].set_xlabel("x (pixels)", fontsize=7)
-    axes[0].set_ylabel("y (pixels)", fontsize=7)
-    for ax, (name, values) in zip(axes[1:], panels, strict=False):
-        _panel(fig, ax, rgb.shape[:2], values, ex.grid, name, shared_range([values]))
-    for ax in axes[len(panels) + 1:]:
-        ax.axis("off")
-    if box is not None:
-        for ax in axes[:len(panels) + 1]:
-            draw_box(ax, box)
-        title += f" ({BOX_NOTE})"
-    fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))  # keep the suptitle clear of the panels
-    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

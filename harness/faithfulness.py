@@ -1,34 +1,9 @@
 """Faithfulness of saliency maps: patch-level deletion and insertion curves, paired against random orders.
 
-For each image, patches are ranked by a map (most salient first; ties broken at random with a seeded
-generator, never by patch index). The *deletion* curve removes the top k patches, the *insertion* curve
-removes all but the top k, for k = 0, 10%, ..., 100% of the patches (``round(i * P / 10)``). Two ways to
-remove a patch:
-
-- ``mean`` fill: the patch gets the model's per-channel mean colour (0 after normalisation). Patches are
-  embedded independently, so this is done on the patch tokens: a removed patch's token is the embedding of
-  an all-mean-colour patch (computed once), then position embeddings are added as usual.
-- ``drop``: the patch token leaves the sequence. Position embeddings are added to every token first, then
-  the removed patch tokens are dropped before the blocks; the readout covers the kept tokens (the patch
-  mean or the rollout weights over the kept patches; with no patch left, a pooling over patches is the
-  empty sum, 0).
-
-Each point is the softmax probability of the class predicted on the intact image; each curve's area is the
-trapezoid over the fraction of patches (0..1). Maps: :data:`timm_rollout.explain.MAP_LABELS` (each explains
-the model's own readout), and random orders (one per seed) as the baseline.
-
-Paired score, per image and per map and curve: ``(AUC_map - mean over seeds of AUC_random) / (p_intact -
-p_all_removed)``. The denominator is the probability the model loses when every patch is removed; images
-where it loses less than ``min_drop`` (default 0.05) carry no usable signal (the curves span almost no
-range, or removing everything raises the probability) and are left out of the score, counted under
-``excluded``. The score's mean over the remaining images is reported with a 95% t-interval (scipy) over
-images. A faithful map has a negative deletion score and a positive insertion score.
-
-Forward passes per image and fill: 9 inner points per curve; the 0% and 100% points are the intact
-prediction (from the maps' own forward pass) and the all-removed input (one pass for all images). A
-map's insertion curve is the deletion curve of its reversed order. A random order's insertion curve is
-read from the deletion passes of the same permutation (the reverse of a uniform random order is one
-too), so each seed costs 9 passes and its deletion and insertion AUCs are equal by construction.
+Definitions (the two removals, the score, the paired score) are in harness/README.md, "Faithfulness". Cost: a
+map's insertion curve is the deletion curve of its reversed order; a random order's insertion curve is read from
+the deletion passes of the same permutation (its reverse is a uniform random order too), so each seed costs one
+set of passes and its deletion and insertion AUCs are equal by construction.
 """
 
 from __future__ import annotations
@@ -37,17 +12,14 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from matplotlib.figure import Figure
 from scipy import stats
 from torch import nn
 
 from harness.features import saliency_maps
-from timm_rollout.atomic import save_figure
 from timm_rollout.capture import fused_attention, record_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast, inference_batch_size
@@ -56,12 +28,10 @@ from timm_rollout.progress import progress, tqdm
 
 __all__ = [
     "FILLS",
-    "MAP_LABELS",
     "embed_patches",
     "evaluate_faithfulness",
     "faithfulness_curves",
     "paired_score",
-    "plot_faithfulness",
     "random_ranks",
     "ranks",
     "removal_probabilities",
@@ -163,13 +133,9 @@ def removal_probabilities(
     dtype: torch.dtype | None = None,
     bar: tqdm | None = None,
 ) -> list[torch.Tensor]:
-    """Probability of ``target`` (B,) with the top-k patches of each order removed, per k in its counts.
-
-    ``orders``: ranks (B, P) each; ``counts[o]``: the k values of order ``o``. Returns one (B, len(counts[o]))
-    tensor per order. ``tokens`` (B, P, D) and ``fill`` (1, P, D) come from :func:`embed_patches`; ``mode`` is
-    ``'mean'`` or ``'drop'`` (module docstring). Work is grouped by k, so a batch's dropped sequences share
-    one length and batches stay full across orders and images.
-    """
+    """Probability of ``target`` (B,) with the top-k patches of each order (ranks (B, P)) removed, one (B,
+    len(counts[o])) tensor per order ``o``. Work is grouped by k, so a batch's dropped sequences share one length
+    and batches stay full across orders and images."""
     if mode not in FILLS:
         raise ValueError(f"unknown fill {mode!r}; use one of {', '.join(FILLS)}")
     model.eval()
@@ -206,10 +172,8 @@ def _auc(curves: torch.Tensor, fractions: np.ndarray) -> np.ndarray:
 
 def paired_score(map_auc: np.ndarray, random_auc: np.ndarray, p_intact: np.ndarray, p_removed: np.ndarray,
                  min_drop: float = 0.05) -> dict[str, Any]:
-    """Mean over images of ``(map_auc - random_auc) / (p_intact - p_removed)`` with a 95% t-interval.
-
-    Images with ``p_intact - p_removed < min_drop`` are left out (counted in ``excluded``).
-    """
+    """Mean over images of ``(map_auc - random_auc) / (p_intact - p_removed)`` with a 95% t-interval; images with
+    ``p_intact - p_removed < min_drop`` are left out (counted in ``excluded``)."""
     drop = np.asarray(p_intact, dtype=np.float64) - np.asarray(p_removed, dtype=np.float64)
     ok = drop >= min_drop
     v = (np.asarray(map_auc, dtype=np.float64) - np.asarray(random_auc, dtype=np.float64))[ok] / drop[ok]
@@ -253,11 +217,6 @@ def _curves(model, tokens, fill, orders, pred, clean, empty, mode, **kw) -> dict
     return out
 
 
-def _mean_curve(curves: torch.Tensor, fractions: np.ndarray) -> dict[str, Any]:
-    return {"auc": float(_auc(curves, fractions).mean()),
-            "curve": [round(v, 5) for v in curves.mean(dim=0).tolist()]}
-
-
 def _fill_summary(curves: dict[str, dict[str, torch.Tensor]], maps: Sequence[str], seeds: Sequence[int],
                   clean: torch.Tensor, empty: torch.Tensor, fractions: np.ndarray, min_drop: float) -> dict[str, Any]:
     """Mean curves and AUCs of every map and of the random orders, and each map's paired score."""
@@ -279,8 +238,8 @@ def _fill_summary(curves: dict[str, dict[str, torch.Tensor]], maps: Sequence[str
     for name in maps:
         entry = summary["maps"][name] = {}
         for kind in ("deletion", "insertion"):
-            mean = _mean_curve(curves[name][kind], fractions)
-            entry[f"{kind}_auc"], entry[f"{kind}_curve"] = mean["auc"], mean["curve"]
+            entry[f"{kind}_auc"] = float(_auc(curves[name][kind], fractions).mean())
+            entry[f"{kind}_curve"] = [round(v, 5) for v in curves[name][kind].mean(dim=0).tolist()]
             summary["paired"].setdefault(name, {})[kind] = paired_score(
                 _auc(curves[name][kind], fractions), random_auc[kind], clean.numpy(), empty.numpy(), min_drop)
     summary["maps"]["random"] = summary["maps"].pop("random")  # random last, after the maps
@@ -311,12 +270,9 @@ def faithfulness_curves(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """Deletion/insertion curves, AUCs and paired scores of named (B, P) ``maps`` against random orders.
-
-    ``x``: normalised images (B, 3, H, W); ``logits``: the model's logits on them, which fix the class
-    tracked and the 0% point. Map ties are broken with ``tie_seed``; one random order per ``seeds`` entry.
-    ``batch_size`` defaults to :func:`~timm_rollout.device.inference_batch_size`.
-    """
+    """Deletion/insertion curves, AUCs and paired scores of named (B, P) ``maps`` against random orders (one per
+    ``seeds`` entry) for normalised images ``x``; ``logits`` (the model's on ``x``) fix the class tracked and the 0%
+    point; map ties are broken with ``tie_seed``."""
     if not seeds:
         raise ValueError("give at least one seed for the random baseline")
     device = torch.device(device)
@@ -360,29 +316,22 @@ def evaluate_faithfulness(
     std: Sequence[float],
     *,
     batch_size: int | None = None,
-    map_batch_size: int = 128,
     seeds: Sequence[int] = (1, 2, 3),
     tie_seed: int = 0,
-    fills: Sequence[str] = tuple(FILLS),
-    min_drop: float = 0.05,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """Curves, AUCs and paired scores of the harness's maps for uint8 ``images`` (N, 3, H, W).
-
-    ``mean``/``std`` are the model's normalisation (removed patches get the mean colour). ``labels`` only
-    give the accuracy of the original predictions, for context. Returns a JSON-ready dict with wall time and
-    the number of forward passes.
-    """
+    """:func:`faithfulness_curves` of the harness's maps for uint8 ``images`` (N, 3, H, W), normalised with the
+    model's ``mean``/``std``; ``labels`` only give the original top-1, for context. JSON-ready, with wall time."""
     if len(images) == 0:
         raise ValueError("no images to score")
     start_time = time.perf_counter()
     device = torch.device(device)
     model.eval()
     x = normalize(images, mean, std)
-    found = saliency_maps(model, x, device=device, amp_dtype=dtype, batch_size=map_batch_size)
-    result = faithfulness_curves(model, x, found.logits, found.maps, seeds=seeds, tie_seed=tie_seed, fills=fills,
-                                 min_drop=min_drop, batch_size=batch_size, device=device, dtype=dtype)
+    found = saliency_maps(model, x, device=device, amp_dtype=dtype)
+    result = faithfulness_curves(model, x, found.logits, found.maps, seeds=seeds, tie_seed=tie_seed,
+                                 batch_size=batch_size, device=device, dtype=dtype)
     seconds = time.perf_counter() - start_time
     n = len(x)
     passes = result["forward_passes"]
@@ -392,42 +341,3 @@ def evaluate_faithfulness(
                    "wall_time_s": round(seconds, 2),
                    "forward_passes_per_second": round(passes["total_forward"] / seconds, 1)})
     return result
-
-
-def _legend(name: str, summary: Mapping[str, Any], paired: Mapping[str, Any], curve: str) -> str:
-    label = f"{LABELS.get(name, name)} (AUC {summary[f'{curve}_auc']:.3f}"
-    score = paired.get(name, {}).get(curve)
-    if score and score["ci95"]:
-        lo, hi = score["ci95"]
-        label += f"; paired {score['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
-    return label + ")"
-
-
-def plot_faithfulness(result: Mapping[str, Any], path: str | Path, title: str = "Faithfulness") -> Path:
-    """Deletion and insertion curves (random: mean ± std over seeds), one row per fill; AUCs, paired scores."""
-    fractions = np.array(result["fractions"]) * 100
-    fills = result["fills"]
-    fig = Figure(figsize=(12, 4.6 * len(fills)))
-    axes = fig.subplots(len(fills), 2, squeeze=False)
-    for row, block in zip(axes, fills.values(), strict=True):
-        for ax, curve, verb in zip(row, ("deletion", "insertion"), ("removed", "revealed"), strict=True):
-            for name, summary in block["maps"].items():
-                mean = np.array(summary[f"{curve}_curve"])
-                style = "--" if name == "random" else "-"
-                ax.plot(fractions, mean, style, marker="o", markersize=3,
-                        label=_legend(name, summary, block["paired"], curve))
-                if name == "random":
-                    spread = np.array(summary[f"{curve}_curve_std"])
-                    ax.fill_between(fractions, mean - spread, mean + spread, alpha=0.25,
-                                    color=ax.lines[-1].get_color())
-            better = "lower" if curve == "deletion" else "higher"
-            ax.set_title(f"{curve}, {block['fill']}: {better} is better", fontsize=10)
-            ax.set_xlabel(f"patches {verb} (%, most salient first)")
-            ax.set_ylabel("probability of the original prediction")
-            ax.set_ylim(0, 1)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-    timing = f", {result['wall_time_s']:.0f} s" if "wall_time_s" in result else ""
-    fig.suptitle(f"{title}: {result['num_images']} images, {result['num_patches']} patches{timing}")
-    fig.tight_layout()
-    return save_figure(fig, path)

@@ -1,9 +1,8 @@
 """Forward passes for evaluation: pooled features + logits in batches, and the saliency maps of the harness.
 
-Features are the model's pooled representation, ``forward_head(forward_features(x), pre_logits=True)``;
-logits are its classifier applied to those same features (one forward pass, which matters for the rollout
-model: its pooling consumes the attention recorded during ``forward_features``). Both follow the model's
-current ``global_pool``, which ``harness.eval --pool`` assigns for a post-hoc readout.
+Features are ``forward_head(forward_features(x), pre_logits=True)`` and the logits the classifier on those same
+features: one pass, so a rollout-pooled model pools by the attention of that pass. Both follow the model's current
+``global_pool`` (``harness.eval --pool`` sets it for a post-hoc readout).
 """
 
 from __future__ import annotations
@@ -53,30 +52,22 @@ def extract(
     batch_size: int | None = None,
     desc: str = "features",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pooled features (N, D) and logits (N, C), float32 on CPU, for uint8 (N, 3, H, W) ``images``.
-
-    Images are normalised batch by batch on ``device`` with the model's mean/std, so the float copy of the
-    whole set never exists. ``batch_size`` defaults to :func:`~timm_rollout.device.inference_batch_size`.
-    """
+    """Pooled features (N, D) and logits (N, C), float32 on CPU, for uint8 (N, 3, H, W) ``images``, normalised batch
+    by batch on ``device`` (the float copy of the whole set never exists)."""
     model.eval()
     batch_size = batch_size or inference_batch_size(device)
-    n = images.shape[0]
-    features = logits = None
-    with progress(total=n, desc=desc, unit="img", leave=False) as bar:
-        for start in range(0, n, batch_size):
+    features, logits = [], []
+    with progress(total=len(images), desc=desc, unit="img", leave=False) as bar:
+        for start in range(0, len(images), batch_size):
             batch = images[start:start + batch_size].to(device, non_blocking=True)
-            x = normalize(batch, mean, std).contiguous()
             with autocast(device, amp_dtype):
-                pooled, out = _forward(model, x)
-            if features is None:
-                features = torch.empty(n, pooled.shape[1], dtype=torch.float32)
-                logits = torch.empty(n, out.shape[1], dtype=torch.float32)
-            features[start:start + len(batch)] = pooled.float().cpu()
-            logits[start:start + len(batch)] = out.float().cpu()
+                pooled, out = _forward(model, normalize(batch, mean, std).contiguous())
+            features.append(pooled.float().cpu())
+            logits.append(out.float().cpu())
             bar.update(len(batch))
-    if features is None:
+    if not features:
         raise ValueError("no images to extract features from")
-    return features, logits
+    return torch.cat(features), torch.cat(logits)
 
 
 @dataclass
@@ -93,9 +84,7 @@ class SaliencyMaps:
 
 def patch_pooling_weights(model: nn.Module, p: AttentionPass) -> torch.Tensor:
     """(B, P) weights with which ``model`` pools its patch tokens in the pass ``p``, summing to 1: the readout over
-    the patches, renormalised (rollout: its own rollout weights; avg: uniform; map: its pool's attention, mean over
-    heads); for [CLS] pooling, which reads no patch, the weights rollout pooling would use post hoc, as the pooling
-    diagnostics define them (:func:`~timm_rollout.rollout.pooling_weights` with the model's rollout options)."""
+    the patches, renormalised; for [CLS] pooling, which reads no patch, the post-hoc rollout pooling weights."""
     if p.readout_name == READOUTS["token"]:
         return pooling_weights(p.attentions, p.num_prefix_tokens, *rollout_options(model))
     return patch_weights(p.readout, p.num_prefix_tokens)
@@ -141,11 +130,8 @@ def box_localisation(
     labels: torch.Tensor | None = None,
 ) -> dict[str, float | None]:
     """:func:`harness.localisation.localisation_metrics` of uint8 (N, 3, H, W) ``images`` with their (N, 4)
-    ``boxes`` (and (N, H, W) content ``masks``, if any): the model's patch pooling weights and saliency maps from
-    one forward + backward per batch, images normalised 8 batches at a time (the float copy of the whole set never
-    exists). With masks and (N,) ``labels``, also the top-1 on the images with the objects taken out
-    (:func:`~harness.localisation.context_only`), where every object could be (else None: a mean over the rest
-    would drop whole classes and move the chance level)."""
+    ``boxes`` (and (N, H, W) content ``masks`` and (N,) ``labels`` for the mask metrics and ``context_top1``), from
+    one forward + backward per batch, images normalised 8 batches at a time."""
     chunk = 8 * batch_size
     found = [saliency_maps(model, normalize(images[start:start + chunk], mean, std), device=device,
                            amp_dtype=amp_dtype, batch_size=batch_size)
@@ -214,10 +200,8 @@ def pooling_diagnostics(
     amp_dtype: torch.dtype | None = None,
     batch_size: int | None = None,
 ) -> PoolingDiagnostics | None:
-    """The rollout diagnostics (:mod:`timm_rollout.rollout`) of uint8 (N, 3, H, W) ``images``: the rollout pooling
-    weights of each image (the model's own rollout options, see :func:`~timm_rollout.rollout.rollout_options`; for
-    other poolings the weights rollout pooling would use post hoc) against its final patch tokens,
-    ``forward_features(x)``.
+    """The rollout diagnostics (:mod:`timm_rollout.rollout`) of uint8 (N, 3, H, W) ``images``: each image's rollout
+    pooling weights (the model's own rollout options; post hoc for other poolings) against its final patch tokens.
     None for a model without a class token (no [CLS] row to roll out)."""
     if getattr(model, "cls_token", None) is None:
         return None

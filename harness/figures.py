@@ -1,4 +1,4 @@
-"""PNG figures of an evaluation: centroid cosine matrix, saliency heatmap grid, and a run comparison chart."""
+"""Every PNG figure of the harness and the study: cosine matrix, heatmaps, explanations, faithfulness, comparisons."""
 
 from __future__ import annotations
 
@@ -6,17 +6,20 @@ import math
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from matplotlib.figure import Figure
 
 from timm_rollout.atomic import save_figure
+from timm_rollout.explain import Explanation
 from timm_rollout.train.log import epoch_axis, seeds_phrase
 
 __all__ = ["BOX_NOTE", "MAP_CMAP", "UNIFORM_SCALE_LABEL", "draw_box", "draw_map", "plot_comparison",
-           "plot_cosine_matrix", "plot_heatmaps", "plot_object_weights", "plot_pooling_diagnostics",
-           "plot_training_curves", "recorded_grid", "relative_to_uniform", "shared_range", "upsample_patch_map"]
+           "plot_cosine_matrix", "plot_explanation", "plot_faithfulness", "plot_heatmaps", "plot_object_weights",
+           "plot_pooling_diagnostics", "plot_training_curves", "recorded_grid", "relative_to_uniform", "shared_range",
+           "upsample_patch_map"]
 
 # Colour-bar label of maps drawn on the scale of relative_to_uniform.
 UNIFORM_SCALE_LABEL = "weight x number of patches (1 = uniform)"
@@ -62,10 +65,8 @@ def shared_range(maps: Sequence[torch.Tensor]) -> tuple[float, float]:
 
 
 def upsample_patch_map(values: torch.Tensor, grid: Sequence[int], size: Sequence[int]) -> np.ndarray:
-    """(P,) patch values over a (rows, cols) ``grid`` -> (H, W) float32 map of ``size``, for any grid: the patches
-    row-major, as timm orders patch tokens (prefix tokens such as [CLS] and registers left out), pixel (y, x) taking
-    the value of patch (y * rows // H, x * cols // W), so each patch fills exactly the block of pixels it covers
-    (``size`` = ``grid`` gives the grid itself). The one way every figure turns patch values into a picture."""
+    """(P,) patch values, row-major over a (rows, cols) ``grid`` as timm orders patch tokens -> (H, W) float32 map
+    of ``size`` in which each patch fills exactly the block of pixels it covers: how every figure draws patches."""
     rows, cols = (int(g) for g in grid)
     if values.numel() != rows * cols:
         raise ValueError(f"{values.numel()} patch values do not fill a {rows}x{cols} patch grid")
@@ -91,10 +92,17 @@ MAP_CMAP = "inferno"
 
 
 def draw_map(ax, values: np.ndarray, vrange: tuple[float, float], **imshow: object):
-    """Draw an (H, W) map on its own, opaque, on the colour range ``vrange``, each array cell as its own block
-    (nearest, unless ``imshow`` says otherwise): every colour is the colour bar's for its value (a map blended over
-    the image would mix in the image's colours). Returns the ``AxesImage``."""
+    """Draw an (H, W) map on its own, opaque, on the colour range ``vrange``, each cell as its own block: every
+    colour is the colour bar's for its value. Returns the ``AxesImage``."""
     return ax.imshow(values, cmap=MAP_CMAP, vmin=vrange[0], vmax=vrange[1], **{"interpolation": "nearest", **imshow})
+
+
+def _map_panel(fig: Figure, ax, values: torch.Tensor, grid: Sequence[int], size: Sequence[int],
+               vrange: tuple[float, float], title: str, fontsize: int = 8) -> None:
+    """One (P,) patch map drawn by :func:`draw_map` on ``size`` pixels, titled, with its own colour bar."""
+    im = draw_map(ax, upsample_patch_map(values, grid, size), vrange)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label(UNIFORM_SCALE_LABEL, fontsize=7)
+    ax.set_title(title, fontsize=fontsize)
 
 
 BOX_COLOUR = "cyan"
@@ -121,17 +129,11 @@ def plot_heatmaps(
     *,
     grid: Sequence[int],
 ) -> Path:
-    """One row per image: the image, then each named map beside it, drawn by :func:`draw_map` (columns in the
-    order of ``maps``, named on top).
-
-    ``images`` are uint8 (B, 3, H, W) (the de-normalised inputs); maps are (B, P) over the (rows, cols) patch
-    ``grid`` (:func:`upsample_patch_map`), on the :func:`relative_to_uniform` scale. Each column has its own colour
-    range (:func:`shared_range` of its maps, so one peaked map does not flatten the others, while a near-uniform
-    map still looks near-uniform) and its own colour bar below it.
-    ``pred_names``: one prediction per image, or per map name when the columns come from different models.
-    ``boxes``: (B, 4) object boxes ``[x, y, w, h]``, outlined on every panel of their row.
-    The layout is fixed in inches (no tight_layout pass over dozens of axes), so a large grid renders quickly.
-    """
+    """One row per uint8 (3, H, W) image: the image, then each named (B, P) map over the patch ``grid`` beside it,
+    on the :func:`relative_to_uniform` scale, each column on its own colour range (:func:`shared_range` of its maps)
+    with its own colour bar below it. ``pred_names``: one prediction per image, or per map name when the columns
+    come from different models; ``boxes``: (B, 4) ``[x, y, w, h]`` outlined on every panel of their row. The layout
+    is fixed in inches (no tight_layout over dozens of axes)."""
     per_column = isinstance(pred_names, Mapping)
     maps = {name: relative_to_uniform(values) for name, values in maps.items()}
     b, _, h, w = images.shape
@@ -230,10 +232,8 @@ def plot_pooling_diagnostics(records: Mapping[str, Sequence[dict]], path: str | 
     for j, arm in enumerate(arms):
         ax = fig.add_subplot(grid[1, j])
         patches = recorded_grid(records[arm][0])
-        im = draw_map(ax, upsample_patch_map(means[arm], patches, patches), (vmin, vmax))
-        ax.set_title(f"{arm}\nmean weights over the images", fontsize=9)
+        _map_panel(fig, ax, means[arm], patches, patches, (vmin, vmax), f"{arm}\nmean weights over the images", 9)
         ax.set(xlabel="patch column", ylabel="patch row")
-        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04).set_label(UNIFORM_SCALE_LABEL, fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     return save_figure(fig, path)
@@ -306,4 +306,75 @@ def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], pat
     several = any(len(per_seed) > 1 for per_seed in logs.values())
     fig.suptitle(f"{title} (thin lines: single seeds)" if several else title)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return save_figure(fig, path)
+
+
+EXPLANATION_COLUMNS = 5
+
+
+def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: str, path: str | Path,
+                     box: torch.Tensor | None = None) -> Path:
+    """One figure: the input, every map of ``ex`` (image 0) and its rollout build-up, each with a colour bar; all
+    maps on the scale of :func:`relative_to_uniform`, each on its own colour range (:func:`shared_range`); ``box``
+    (the object's ``[x, y, w, h]`` in the input's pixels) outlined on every panel."""
+    panels = [(name, values[0]) for name, values in ex.maps.items()]
+    panels += [(f"rollout through layer {i + 1}", ex.buildup[0, i]) for i in range(ex.buildup.shape[1])]
+    panels = [(name, relative_to_uniform(values.float().cpu())) for name, values in panels]
+    rows = -(-(len(panels) + 1) // EXPLANATION_COLUMNS)
+    fig = Figure(figsize=(3.2 * EXPLANATION_COLUMNS, 3.0 * rows))
+    axes = fig.subplots(rows, EXPLANATION_COLUMNS, squeeze=False).ravel()
+    axes[0].imshow(rgb, interpolation="nearest")
+    axes[0].set_title(input_title, fontsize=8)
+    axes[0].set_xlabel("x (pixels)", fontsize=7)
+    axes[0].set_ylabel("y (pixels)", fontsize=7)
+    for ax, (name, values) in zip(axes[1:], panels, strict=False):
+        _map_panel(fig, ax, values, ex.grid, rgb.shape[:2], shared_range([values]), name)
+        ax.set(xticks=[], yticks=[])
+    for ax in axes[len(panels) + 1:]:
+        ax.axis("off")
+    if box is not None:
+        for ax in axes[:len(panels) + 1]:
+            draw_box(ax, box)
+        title += f" ({BOX_NOTE})"
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.45 / fig.get_figheight()))  # keep the suptitle clear of the panels
+    return save_figure(fig, path)
+
+
+def _legend(label: str, auc: float, score: Mapping[str, Any] | None) -> str:
+    """A curve's legend entry: its AUC and, for a map, its paired score with the 95% interval."""
+    if score and score["ci95"]:
+        lo, hi = score["ci95"]
+        return f"{label} (AUC {auc:.3f}; paired {score['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}])"
+    return f"{label} (AUC {auc:.3f})"
+
+
+def plot_faithfulness(result: Mapping[str, Any], path: str | Path, title: str = "Faithfulness") -> Path:
+    """Deletion and insertion curves (random: mean ± std over seeds), one row per fill; AUCs, paired scores."""
+    fractions = np.array(result["fractions"]) * 100
+    fills = result["fills"]
+    fig = Figure(figsize=(12, 4.6 * len(fills)))
+    axes = fig.subplots(len(fills), 2, squeeze=False)
+    for row, block in zip(axes, fills.values(), strict=True):
+        for ax, curve, verb in zip(row, ("deletion", "insertion"), ("removed", "revealed"), strict=True):
+            for name, summary in block["maps"].items():
+                mean = np.array(summary[f"{curve}_curve"])
+                style = "--" if name == "random" else "-"
+                ax.plot(fractions, mean, style, marker="o", markersize=3,
+                        label=_legend(result["labels"].get(name, name), summary[f"{curve}_auc"],
+                                      block["paired"].get(name, {}).get(curve)))
+                if name == "random":
+                    spread = np.array(summary[f"{curve}_curve_std"])
+                    ax.fill_between(fractions, mean - spread, mean + spread, alpha=0.25,
+                                    color=ax.lines[-1].get_color())
+            better = "lower" if curve == "deletion" else "higher"
+            ax.set_title(f"{curve}, {block['fill']}: {better} is better", fontsize=10)
+            ax.set_xlabel(f"patches {verb} (%, most salient first)")
+            ax.set_ylabel("probability of the original prediction")
+            ax.set_ylim(0, 1)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    timing = f", {result['wall_time_s']:.0f} s" if "wall_time_s" in result else ""
+    fig.suptitle(f"{title}: {result['num_images']} images, {result['num_patches']} patches{timing}")
+    fig.tight_layout()
     return save_figure(fig, path)

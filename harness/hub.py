@@ -21,6 +21,7 @@ from huggingface_hub import HfApi, constants, get_token
 from timm.layers import to_2tuple
 from timm.models._hub import generate_readme
 
+from harness.compare import read_results
 from harness.metrics import METRIC_DEFAULTS, METRIC_DEFINITIONS
 from timm_rollout import online
 from timm_rollout.atomic import atomic_path, write_text
@@ -34,7 +35,6 @@ from timm_rollout.records import (
     ARGS_FILE,
     CARD_FILE,
     CONFIG_FILE,
-    RESULTS_FILE,
     SUMMARY_FILE,
     WEIGHTS_FILE,
     data_card_title,
@@ -49,7 +49,6 @@ __all__ = [
     "model_card",
     "normalisation_mismatch",
     "prepare_upload_folder",
-    "read_eval",
     "read_run",
     "render_card",
     "upload_folder",
@@ -115,11 +114,6 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
         raise UserError(f"{path} is not valid JSON ({e}); re-create the {what}") from None
 
 
-def _section(results: dict[str, Any], key: str) -> dict[str, Any]:
-    """``results[key]`` when the harness nests it there, else the flat ``results``."""
-    return results[key] if isinstance(results.get(key), dict) else results
-
-
 def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     """The files of a training output folder that the card uses: config, train_args, summary (optional ones None)."""
     run = Path(run_dir)
@@ -138,17 +132,9 @@ def read_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     return {"config": _read_json(run / CONFIG_FILE, "model export"), **found}
 
 
-def read_eval(eval_dir: str | os.PathLike) -> dict[str, Any]:
-    """``results.json`` of a harness evaluation folder."""
-    path = Path(eval_dir) / RESULTS_FILE
-    if not path.is_file():
-        raise UserError(f"{eval_dir} has no results.json; run python -m harness.eval --output {eval_dir} first")
-    return _read_json(path, "evaluation")
-
-
 def check_eval_matches(run_dir: str | os.PathLike, results: dict[str, Any]) -> None:
     """Refuse an evaluation whose recorded weights hash differs from the run's ``model.safetensors``."""
-    recorded = _section(results, "model").get("sha256")
+    recorded = results["model"].get("sha256")
     if recorded and recorded != sha256_file(Path(run_dir) / WEIGHTS_FILE):
         raise UserError(
             f"results.json evaluated other weights (sha256 {str(recorded)[:12]}...) than {run_dir}/{WEIGHTS_FILE}; "
@@ -157,11 +143,9 @@ def check_eval_matches(run_dir: str | os.PathLike, results: dict[str, Any]) -> N
 
 
 def describe_model(model: torch.nn.Module) -> dict[str, Any]:
-    """Architecture facts of a timm ViT for the card, read off the model: architecture, pooling and its options,
-    sizes, norm, activation, parameter count, and the name timm must know to rebuild it (``registered_name``:
-    a tiny model's, ``timm_rollout_pooled`` for a stock ViT pooled otherwise than it was built, None for a plain timm
-    model). ``class``
-    is the timm class it is (or derives from). A model that is no ViT (a CNN) gets :func:`_other_facts`."""
+    """Architecture facts of a timm model for the card, read off the model, with the name timm must know to
+    rebuild it (``registered_name``: None for a plain timm model) and the timm ``class`` it is or derives from;
+    a model that is no ViT (a CNN) gets :func:`_other_facts`."""
     stock = next(c for c in type(model).__mro__ if c.__module__.startswith("timm.") or c is torch.nn.Module)
     architecture = model.pretrained_cfg.get("architecture", stock.__name__)
     if attention_free(model) is not None:
@@ -294,11 +278,6 @@ def _phrase(args: dict[str, Any], parts: list[tuple[str, str]]) -> str | None:
 
 def _is_local(dataset: str) -> bool:
     return dataset.startswith((".", "/", "~")) or ("/" in dataset and Path(dataset).exists())
-
-
-def _dataset_id(dataset: str) -> str:
-    """Hub-style data set name: a local folder path is reduced to its folder name."""
-    return Path(dataset).name if _is_local(dataset) else dataset
 
 
 def _hub_dataset(train_args: dict[str, Any]) -> str | None:
@@ -481,8 +460,8 @@ hf-hub:{repo_id} --dataset {dataset}`.
 
 
 def _evaluation(results: dict[str, Any]) -> str:
-    metrics, data = _section(results, "metrics"), _section(results, "data")
-    config = {k: v for k, v in _section(results, "config").items() if k in METRIC_DEFAULTS and v is not None}
+    metrics, data = results["metrics"], results.get("data", {})
+    config = {k: v for k, v in results.get("config", {}).items() if k in METRIC_DEFAULTS and v is not None}
     params = {**METRIC_DEFAULTS, **config}
     rows = []
     for key, definition in METRIC_DEFINITIONS.items():  # a <map>_ key defines that metric of every saliency map
@@ -490,7 +469,8 @@ def _evaluation(results: dict[str, Any]) -> str:
         found = [f"{m}{suffix}" for m in MAP_LABELS if f"{m}{suffix}" in metrics] if suffix != key else [key]
         rows += [f"| {k} | {_fmt(metrics[k])} | {definition.format(**params, map=k.removesuffix(suffix))} |"
                  for k in found if metrics.get(k) is not None]
-    data = {**data, "dataset": _dataset_id(str(data["dataset"]))} if data.get("dataset") else data
+    if data.get("dataset") and _is_local(str(data["dataset"])):  # a local folder: by its name
+        data = {**data, "dataset": Path(str(data["dataset"])).name}
     where = _phrase(data, [("dataset", "data set"), ("split", "split"), ("num_images", "images:")])
     text = "\n## Evaluation\n\n"
     text += "Metrics of `python -m harness.eval`" + (f" ({where})" if where else "") + ", "
@@ -566,26 +546,16 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
     return str(url)
 
 
-def _load_run_model(run: Path) -> torch.nn.Module:
-    """The run as ``timm.create_model("local-dir:...")`` builds it (:func:`~timm_rollout.loading.load_model`, which
-    also re-applies a recorded rollout pooling)."""
-    return load_model(f"local-dir:{run.resolve()}")[0]
-
-
 def write_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike, repo_id: str,
                         eval_dir: str | os.PathLike | None = None, selection: str | None = None,
                         ) -> tuple[list[Path], str]:
     """The upload folder of a training run for ``repo_id``: weights, config and a model card (with the metrics of
     ``eval_dir``'s results.json, which must have evaluated these weights; ``selection``: how this run was picked
-    among others, stated on the card). Returns its files and the architecture.
-
-    The run must load with ``timm.create_model("local-dir:<run>", pretrained=True)``; that model gives the card
-    its architecture facts. Warns on stderr about an unfinished run or a config whose normalisation differs
-    from training's.
-    """
+    among others). The card's architecture facts come from the run loaded as ``local-dir:``. Returns the files and
+    the architecture."""
     run = Path(run_dir)
     record = read_run(run)
-    results = read_eval(eval_dir) if eval_dir else None
+    results = read_results(eval_dir) if eval_dir else None
     if results is not None:
         check_eval_matches(run, results)
     if record["summary"] is None:
@@ -593,6 +563,6 @@ def write_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     mismatch = normalisation_mismatch(record["config"], record["train_args"])
     if mismatch:
         print(f"warning: {mismatch}; timm's transforms for this model will use config.json's", file=sys.stderr)
-    facts = describe_model(_load_run_model(run))
+    facts = describe_model(load_model(f"local-dir:{run.resolve()}")[0])
     card = model_card(repo_id, facts, record["train_args"], record["summary"], selection)
     return prepare_upload_folder(run, out_dir, render_card(card, repo_id, results)), facts["architecture"]

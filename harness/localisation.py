@@ -1,45 +1,10 @@
 """Does a pooling find the object? Patch weights and saliency maps scored against each image's object box.
 
-Pure functions of boxes and (N, P) patch maps. A box is ``[x, y, w, h]`` in pixels of the image (COCO order) and
-covers the region [x, x + w) x [y, y + h), pixel i spanning [i, i + 1), so an integer box covers w x h pixels.
-Patches are row-major over the (rows, cols) grid, as timm orders patch tokens.
-
-- coverage c_p (:func:`box_coverage`): the fraction of patch p's area inside the box;
-- object mass of weights w summing to 1 (:func:`object_mass`): sum_p w_p c_p, the share of the pooled feature
-  drawn from the object; uniform weights give the box's share of the image area (chance level);
-- inside / outside (:func:`weight_inside_outside`): the mean of P w_p over the covered and the uncovered area,
-  on the weight x P scale of the heatmaps (1 = uniform);
-- box mass of a saliency map (:func:`box_mass`): the object mass of the map's shares (:func:`map_shares`);
-- position prior (:func:`fixed_map` of the coverage): an image-blind map equal to the mean object coverage per patch
-  over the evaluated images (normalised to sum to 1), the same for every image. Its object mass
-  (``position_prior_mass``) is what knowing only where objects usually are scores: where objects are placed
-  uniformly, their coverage peaks in the centre, so this null sits above uniform weights;
-- fixed-map mass: the object mass of a model's weights (or a saliency map's shares) averaged over the evaluated
-  images and used as one fixed map for all of them (``pooling_fixed_object_mass``, ``<map>_fixed_box_mass``). A
-  weight's object mass minus its fixed-map mass is the part that depends on the image;
-- pointing game (:func:`pointing_hits`, after Zhang et al. 2016 at patch resolution and without tolerance): a
-  hit when the map's maximal patch has its centre inside the box; ties count as the fraction of tied patches
-  whose centres are inside (the expected hit under a random tie break, never decided by patch index).
-
-Where the images have content masks (0 flat fill, 1 clutter, 2 object per pixel, as ``make_cluttered.py`` writes
-them), :func:`mask_fractions` gives each patch's share of fill f_p, clutter k_p and object o_p pixels, and:
-
-- fill mass (:func:`object_mass` of f): the weight on the empty canvas;
-- content chance: the object mass of the *content pooling* u_p = (1 - f_p) / sum_q (1 - f_q), which weights each
-  patch by its non-fill pixels: what avoiding the empty canvas alone scores, a stricter null than uniform weights;
-- object share (:func:`object_share`): sum_p w_p o_p / sum_p w_p (o_p + k_p), the weight on the object as a share
-  of the weight on any content; the content pooling's object share is its chance level;
-- context top-1: the model's top-1 on the images with the object taken out (:func:`context_only`): each object
-  pixel replaced by the same pixel of another image of the same class that shows no object there. The clutter
-  kept is cut from the other classes, as around the object, so a model that reads the label off the context (for
-  instance which classes the clutter lacks) scores above chance (1 / classes on a class-balanced split); one that
-  reads the object scores chance. The pixels come from the evaluated images; where some object cannot be taken
-  out (no image of its class shows that pixel free), the metric is None rather than a mean over the rest.
-
-Foreground masks (0 background, 1 object; :mod:`timm_rollout.masks` reads their background as ``BACKGROUND``)
-do not tell fill from clutter: there the object share counts every non-object pixel as content (so it is the
-weight on the object's pixels), and the metrics that need the fill (fill masses, content chance) are None once
-an evaluated image has such background, rather than a mean over the rest.
+Pure functions of boxes, content masks and (N, P) patch maps; the metrics are defined in harness/README.md
+("Metrics", from ``pooling_object_mass`` on). A box is ``[x, y, w, h]`` in pixels (COCO order) covering [x, x + w)
+x [y, y + h), pixel i spanning [i, i + 1); patches are row-major over the (rows, cols) grid, as timm orders patch
+tokens. A metric that cannot be computed on every evaluated image (no object taken out, no fill told from clutter
+by foreground masks) is None rather than a mean over the rest.
 """
 
 from __future__ import annotations
@@ -202,7 +167,7 @@ def _mean(values: torch.Tensor) -> float | None:
 
 def _mask_values(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor], fractions: torch.Tensor,
                  coverage: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The per-image values of the mask metrics (see the module docstring)."""
+    """The per-image values of the mask metrics."""
     content = content_weights(fractions)
     values = {"content_chance": object_mass(content, coverage),
               "pooling_fill_mass": object_mass(pooling, fractions[..., FILL]),
@@ -219,12 +184,9 @@ def _mask_values(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor], fracti
 def localisation_metrics(pooling: torch.Tensor, maps: Mapping[str, torch.Tensor], boxes: torch.Tensor,
                          image_size: Sequence[int], grid: Sequence[int], masks: torch.Tensor | None = None,
                          context_hits: torch.Tensor | None = None) -> dict[str, float | None]:
-    """The :data:`LOCALISATION` metrics, means over the images: ``pooling`` (N, P) the weights with which the model
-    pools its patch tokens (rows sum to 1), ``maps`` the saliency maps by name (keys of
-    :data:`~timm_rollout.explain.MAP_LABELS`, (N, P) each), ``boxes`` (N, 4) of images of ``image_size``;
-    ``masks`` (N, H, W) uint8 content masks, when the images have them (else the mask metrics are None);
-    ``context_hits`` (N,) float the top-1 hit (0 or 1) on each image's :func:`context_only`, if every object
-    could be taken out (else ``context_top1`` is None)."""
+    """The :data:`LOCALISATION` metrics, means over the images, of the (N, P) ``pooling`` weights (rows sum to 1)
+    and saliency ``maps`` by name, against (N, 4) ``boxes`` and, where given, (N, H, W) content ``masks`` and the
+    (N,) top-1 ``context_hits`` on each image's :func:`context_only` (else those metrics are None)."""
     coverage = box_coverage(boxes, image_size, grid)
     inside = centres_inside(boxes, image_size, grid)
     uniform = torch.full_like(coverage, 1.0 / coverage.shape[-1])

@@ -1,16 +1,13 @@
 """Representation metrics as pure functions of (features, labels): k-NN accuracy, linear probe, centroid
-geometry, silhouette.
+geometry, silhouette; their definitions for the model cards (:data:`METRIC_DEFINITIONS`).
 
-Every function L2-normalises its inputs first, so cosine similarity is an inner product. Neighbour searches
-are exact (faiss ``IndexFlatIP`` on float32). Accuracies come with per-image predictions (``*_predictions``,
-``topk_hits``) so runs can be compared image by image.
+Every function L2-normalises its inputs first, so cosine similarity is an inner product; neighbour searches are
+exact (faiss ``IndexFlatIP`` on float32). Definitions: harness/README.md, "Metrics".
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import faiss
 import numpy as np
@@ -39,7 +36,6 @@ __all__ = [
     "centroids",
     "cosine_matrix",
     "default_threads",
-    "faiss_threads",
     "knn_bank",
     "knn_bank_predictions",
     "knn_loo",
@@ -64,8 +60,6 @@ KNN_K, BANK_K, TEMPERATURE = 5, 20, 0.07
 METRIC_DEFAULTS = {"k": KNN_K, "bank_k": BANK_K, "temperature": TEMPERATURE}
 # How uniform the rollout pooling weights of a backbone are (timm_rollout.rollout), means over the images.
 POOLING_DIAGNOSTICS = ("rollout_effective_patches", "rollout_cosine_to_mean")
-# LOCALISATION (harness.localisation): where the pooling weights and saliency maps fall against the object's box,
-# means over the images; only for splits with boxes.
 # scikit-learn LogisticRegression settings of the linear probe (fixed, no search: deterministic and fast).
 LINEAR_PROBE = {"C": 1.0, "solver": "lbfgs", "max_iter": 1000, "tol": 1e-4}
 
@@ -76,28 +70,9 @@ def _numpy(x: ArrayLike) -> np.ndarray:
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
 
-@contextmanager
-def faiss_threads(threads: int) -> Iterator[None]:
-    """Run faiss with ``threads`` OpenMP threads, then restore the previous count.
-
-    When torch is imported before faiss, both use torch's OpenMP runtime, so ``faiss.omp_set_num_threads``
-    also sets torch's intra-op threads: leaving it changed would silently slow later forward passes.
-    """
-    previous = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(threads)
-    try:
-        yield
-    finally:
-        faiss.omp_set_num_threads(previous)
-
-
 def default_threads() -> int:
-    """faiss OpenMP threads: one per core torch uses, but 1 while the machine is oversubscribed.
-
-    faiss's OpenMP threads wait for each other at every barrier; when other processes already keep the cores
-    busy (1-minute load above the core count), two threads measured 2x slower than one on a shared 2-core
-    machine, while one thread loses at most the parallel speed-up on an idle one.
-    """
+    """faiss OpenMP threads: one per core torch uses, but 1 while the 1-minute load exceeds the cores (threads
+    waiting at every barrier made two threads 2x slower than one on a busy 2-core machine)."""
     cores = os.cpu_count() or 1
     if os.getloadavg()[0] > cores:
         return 1
@@ -116,16 +91,18 @@ def l2_normalize(features: ArrayLike) -> np.ndarray:
 def search(
     bank: np.ndarray, queries: np.ndarray, k: int, threads: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-``k`` inner-product search of ``queries`` in ``bank`` (both normalised float32).
-
-    Returns (similarities, indices), each (Q, k), best first. ``threads`` defaults to :func:`default_threads`.
-    """
+    """Exact top-``k`` inner-product search of ``queries`` in ``bank`` (both normalised float32): (similarities,
+    indices), each (Q, k), best first."""
     if k > bank.shape[0]:
         raise ValueError(f"k={k} neighbours requested from a bank of {bank.shape[0]} features")
-    with faiss_threads(threads or default_threads()):
+    previous = faiss.omp_get_max_threads()  # restored after: faiss shares torch's threads, which it would slow
+    faiss.omp_set_num_threads(threads or default_threads())
+    try:
         index = faiss.IndexFlatIP(bank.shape[1])
         index.add(bank)
         return index.search(queries, k)
+    finally:
+        faiss.omp_set_num_threads(previous)
 
 
 def _vote(neighbour_labels: np.ndarray, weights: np.ndarray, num_classes: int) -> np.ndarray:
@@ -144,11 +121,8 @@ def _majority(neighbour_labels: np.ndarray, sims: np.ndarray, num_classes: int) 
 
 
 def _drop_self(ids: np.ndarray, sims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Remove each query's own index from its k+1 neighbours (by index, never by similarity).
-
-    Exact duplicates tie with the query, so the query may fall out of its own k+1 list; such rows drop
-    their last neighbour instead, keeping k.
-    """
+    """Remove each query's own index from its k+1 neighbours (by index: exact duplicates tie with the query, which
+    may then fall out of its own list; such rows drop their last neighbour instead)."""
     n = ids.shape[0]
     drop = ids == np.arange(n)[:, None]
     drop[~drop.any(axis=1), -1] = True
@@ -163,10 +137,8 @@ def accuracy(predictions: ArrayLike, labels: ArrayLike) -> float:
 
 
 def knn_loo_predictions(features: ArrayLike, labels: ArrayLike, k: int = KNN_K) -> np.ndarray:
-    """Leave-one-out k-NN prediction of each point within one set: cosine similarity, majority vote of the
-    ``k`` nearest other points, ties to the class with the larger summed similarity. A point is never its own
-    neighbour.
-    """
+    """Leave-one-out k-NN prediction of each point within one set: majority vote of its ``k`` nearest other
+    points (cosine), ties to the class with the larger summed similarity."""
     x = l2_normalize(features)
     y = _numpy(labels).astype(np.int64)
     if x.shape[0] <= k:
@@ -186,8 +158,7 @@ def knn_bank_predictions(
     temperature: float = TEMPERATURE,
 ) -> np.ndarray:
     """DINO-style weighted k-NN prediction of each query: its ``k`` nearest bank features (cosine) vote for
-    their class with weight ``exp(similarity / temperature)``.
-    """
+    their class with weight ``exp(similarity / temperature)``."""
     bank = l2_normalize(bank_features)
     queries = l2_normalize(query_features)
     yb = _numpy(bank_labels).astype(np.int64)
@@ -210,9 +181,7 @@ def knn_bank(
 
 def whitening(features: np.ndarray, floor: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
     """PCA whitening of ``features`` (N, D): their mean and the (D, D) map ``(x - mean) @ W`` that gives unit
-    covariance. Eigenvalues below ``floor`` times the largest are raised to it, so near-constant dimensions are
-    not blown up.
-    """
+    covariance, eigenvalues floored at ``floor`` times the largest (near-constant dimensions are not blown up)."""
     mean = features.mean(axis=0, dtype=np.float64)
     eigval, eigvec = np.linalg.eigh(np.cov(features - mean, rowvar=False))
     eigval = np.maximum(eigval, floor * max(float(eigval.max()), 1e-12))
@@ -221,15 +190,9 @@ def whitening(features: np.ndarray, floor: float = 1e-6) -> tuple[np.ndarray, np
 
 def linear_probe_predictions(bank_features: ArrayLike, bank_labels: ArrayLike, query_features: ArrayLike,
                              threads: int | None = None) -> np.ndarray:
-    """Class predicted for each query by a linear probe trained on the frozen bank features.
-
-    Features are L2-normalised (as for every metric), then centred and whitened with the bank's covariance
-    (:func:`whitening`); a multinomial scikit-learn ``LogisticRegression`` with :data:`LINEAR_PROBE` (L2 penalty
-    C = 1, lbfgs, at most 1000 iterations, tol 1e-4, no randomness) is fitted on the bank. Whitening makes the
-    problem well conditioned: on correlated features lbfgs needs several times fewer iterations and reaches the
-    optimum it otherwise stops short of. BLAS/OpenMP threads are capped at ``threads`` (default
-    :func:`default_threads`): oversubscribed threads made the fit 8x slower on a busy CPU.
-    """
+    """Class predicted for each query by a :data:`LINEAR_PROBE` logistic regression fitted on the bank's features,
+    whitened with the bank's statistics (:func:`whitening`: lbfgs then converges in several times fewer
+    iterations). BLAS threads are capped (default :func:`default_threads`): oversubscribed, the fit ran 8x slower."""
     bank = l2_normalize(bank_features)
     queries = l2_normalize(query_features)
     with threadpool_limits(threads or default_threads()):
@@ -253,9 +216,8 @@ def centroids(features: ArrayLike, labels: ArrayLike) -> tuple[np.ndarray, np.nd
 
 
 def angles(x: np.ndarray, direction: np.ndarray) -> np.ndarray:
-    """Angle (radians) between each unit row of ``x`` and the unit vector ``direction``: the geodesic distance
-    on the unit sphere, atan2(|x - (x.u)u|, x.u), accurate near 0 where arccos is not.
-    """
+    """Angle (radians) between each unit row of ``x`` and the unit vector ``direction``: atan2(|x - (x.u)u|,
+    x.u), accurate near 0 where arccos is not."""
     cos = x @ direction
     sin = np.linalg.norm(x - cos[:, None] * direction[None], axis=1)
     return np.arctan2(sin, cos)
@@ -268,6 +230,16 @@ def lone_classes(labels: ArrayLike) -> np.ndarray:
     return classes[counts == 1]
 
 
+def _classes(features: ArrayLike, labels: ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Normalised float64 features, int64 labels, the classes present and their centroids; at least two classes."""
+    x = l2_normalize(features).astype(np.float64)
+    y = _numpy(labels).astype(np.int64)
+    classes, cents = centroids(x, y)
+    if len(classes) < 2:
+        raise ValueError("centroid metrics need at least two classes")
+    return x, y, classes, cents
+
+
 def _intra(x: np.ndarray, y: np.ndarray, classes: np.ndarray, spread) -> float | None:
     """Mean over the classes with two or more images of ``spread(their features, class index)``; None without any."""
     lone = set(lone_classes(y).tolist())
@@ -276,19 +248,9 @@ def _intra(x: np.ndarray, y: np.ndarray, classes: np.ndarray, spread) -> float |
 
 
 def centroid_metrics(features: ArrayLike, labels: ArrayLike) -> dict[str, float | None]:
-    """Class geometry on the unit sphere, both distances as angles (radians), so the ratio has no unit.
-
-    A class's direction is the renormalised mean of its normalised features. ``intra``: mean over classes of the
-    mean angle between a class's features and its direction (lower: tighter), over the classes with at least two
-    images (:func:`lone_classes` are left out). ``inter``: mean over class pairs (all classes) of the angle between
-    their directions. ``ratio``: inter / intra (larger: better separated); shrinking every angle of a layout by the
-    same factor leaves it unchanged. ``intra`` and ``ratio`` are None when no class has two images.
-    """
-    x = l2_normalize(features).astype(np.float64)
-    y = _numpy(labels).astype(np.int64)
-    classes, cents = centroids(x, y)
-    if len(classes) < 2:
-        raise ValueError("centroid metrics need at least two classes")
+    """``intra``, ``inter`` and their ``ratio``: class geometry as angles (radians) on the unit sphere;
+    ``intra`` and ``ratio`` None when no class has two images (:func:`lone_classes` are left out of ``intra``)."""
+    x, y, classes, cents = _classes(features, labels)
     dirs = cents / np.maximum(np.linalg.norm(cents, axis=1, keepdims=True), 1e-12)
     intra = _intra(x, y, classes, lambda xc, i: angles(xc, dirs[i]).mean())
     a, b = np.triu_indices(len(classes), k=1)
@@ -297,18 +259,9 @@ def centroid_metrics(features: ArrayLike, labels: ArrayLike) -> dict[str, float 
 
 
 def original_centroid_metrics(features: ArrayLike, labels: ArrayLike) -> dict[str, float | None]:
-    """The original study's geometry, only to set our numbers beside its table; it mixes units.
-
-    ``intra_original``: mean over classes (those with at least two images, as for ``intra``) of the mean Euclidean
-    distance of a class's normalised features to its centroid (not renormalised). ``inter_original``: mean over
-    class pairs of the cosine distance (1 - cosine similarity) of centroids, about half the squared angle.
-    ``ratio_original``: their quotient, which shrinks when a layout shrinks.
-    """
-    x = l2_normalize(features).astype(np.float64)
-    y = _numpy(labels).astype(np.int64)
-    classes, cents = centroids(x, y)
-    if len(classes) < 2:
-        raise ValueError("centroid metrics need at least two classes")
+    """The original study's geometry (``*_original``), only to set our numbers beside its table; it mixes units:
+    Euclidean distances to the centroid within classes, cosine distances between centroids."""
+    x, y, classes, cents = _classes(features, labels)
     intra = _intra(x, y, classes, lambda xc, i: np.linalg.norm(xc - cents[i], axis=1).mean())
     pairs = np.triu_indices(len(classes), k=1)
     inter = float((1.0 - cosine_matrix(cents)[pairs]).mean())
@@ -326,11 +279,8 @@ def cosine_matrix(vectors: ArrayLike) -> np.ndarray:
 def silhouette(
     features: ArrayLike, labels: ArrayLike, seed: int = 0, sample_size: int = SILHOUETTE_SAMPLE_SIZE
 ) -> tuple[float, int | None]:
-    """scikit-learn's silhouette score (Euclidean on normalised features).
-
-    Above ``sample_size`` points it scores a seeded random sample of that size. Returns (score, sample size
-    used, or None when every point was scored).
-    """
+    """scikit-learn's silhouette score (Euclidean on normalised features), on a seeded sample of ``sample_size``
+    above that many points: (score, the sample size, None when every point was scored)."""
     x = l2_normalize(features)
     y = _numpy(labels).astype(np.int64)
     sample = sample_size if x.shape[0] > sample_size else None

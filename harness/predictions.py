@@ -1,10 +1,5 @@
-"""An evaluation's per-image predictions on disk: gzip-compressed compact JSON, read back in either format.
-
-``predictions.json.gz`` holds one JSON object: ``index`` (each evaluated image's position in the split),
-``label``, ``predicted`` (metric -> the class it predicted per image: ``top1``, ``linear_probe``, ``knn_loo``,
-``knn_bank``, those that ran) and ``top5_hit`` (0/1 per image). ``zcat predictions.json.gz`` or
-``json.load(gzip.open(...))`` reads it. Evaluations written before the compression hold the same object in a
-plain ``predictions.json``; :func:`read_predictions` reads either.
+"""An evaluation's per-image predictions on disk: gzip-compressed compact JSON (``predictions.json.gz``, its
+content in harness/README.md, "Output files"), or the plain ``predictions.json`` of older evaluations.
 """
 
 from __future__ import annotations

@@ -3,19 +3,12 @@
     python -m harness.sweep results/cifar10-gpu-lr/lr*/eval/{cls,gap,rollout}-s* --param lr \\
         --output results/cifar10-gpu-lr
 
-Each evaluation folder is one run: its arm is its :func:`harness.compare.run_label`, its value of ``--param``
-is read from the ``train_args.json`` beside its checkpoint. The report holds, per arm and value, the mean ± sample
-std over seeds of every metric; each arm's best value (highest mean of ``--select``, default top-1); and the
-paired statistics (95% CI, p, MDE; :func:`harness.compare.compare_groups`) of every pair of arms, both at each
-arm's own best value and at one shared value (``--shared``, default: the value with the highest mean of
-``--select`` over all arms). Picking each arm's best value on the evaluated split favours every arm alike, by
-about the spread of its values' means; the shared-value comparison has no such selection. A figure shows the
-selection metric against the value per arm, with 95% intervals.
+Each evaluation is one run of an arm (:func:`harness.compare.run_label`) at its value of ``--param`` (its run's
+``train_args.json``); the report and figure are described in harness/README.md, "Sweep a training argument".
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,11 +25,13 @@ from harness.compare import (
     check_distinct,
     ci_half_widths,
     compare_groups,
+    format_mean,
     load_results,
     render_comparison,
     run_folder,
     run_label,
     summarise,
+    train_args,
 )
 from timm_rollout.atomic import save_figure, write_text
 from timm_rollout.cli import CliParser, existing_path, output_dir, run_cli
@@ -49,14 +44,11 @@ SWEEP_FIGURE = "sweep.png"
 
 
 def train_arg(result: dict[str, Any], key: str, runs: Sequence[str | Path] = ()) -> Any:
-    """The training argument ``key`` of an evaluated run, from the ``train_args.json`` of its run folder
-    (:func:`harness.compare.run_folder`, moved runs looked up in ``runs``)."""
-    folder = run_folder(result, runs)
-    try:
-        saved = json.loads(((folder or Path("?")) / ARGS_FILE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    """The training argument ``key`` of an evaluated run (:func:`harness.compare.train_args`)."""
+    saved, folder = train_args(result, runs), run_folder(result, runs)
+    if saved is None:
         raise UserError(f"{result.get('path')}: no readable {ARGS_FILE} in its run folder {folder}; run from the "
-                        "directory the evaluation ran in, or pass --runs FOLDER holding the run folders") from None
+                        "directory the evaluation ran in, or pass --runs FOLDER holding the run folders")
     if key not in saved:
         raise UserError(f"{folder / ARGS_FILE} has no training argument {key!r}; pass --param with a key it has "
                         f"(e.g. lr, weight_decay, batch_size)")
@@ -143,8 +135,7 @@ def render_sweep(arms: dict[str, dict[Any, Group]], param: str, metrics: Sequenc
 def _cell(group: Group | None, metric: str, bold: bool) -> str:
     if group is None or group.mean.get(metric) is None:
         return "-"
-    std = group.std.get(metric)
-    text = f"{group.mean[metric]:.4f}" + ("" if std is None else f" ± {std:.4f}") + f" (n={group.count[metric]})"
+    text = f"{format_mean(group, metric)} (n={group.count[metric]})"
     return f"**{text}**" if bold else text
 
 

@@ -286,14 +286,14 @@ def test_explaining_a_boxed_data_set_image_outlines_its_box_on_every_panel(tmp_p
     import datasets
     from timm.models import save_for_hf
 
-    import harness.explain as explain_cli
+    from harness import figures
     from timm_rollout.clutter import ClutterRecipe, make_cluttered
 
     make_cluttered("cifar10-sample", tmp_path / "c4", ClutterRecipe(fragments=4, seed=0), per_class=1)
     save_for_hf(tiny("vit_tiny_cifar_cls", depth=1, img_size=64, patch_size=8), tmp_path / "run",
                 safe_serialization=True, model_args=dict(depth=1, img_size=64, patch_size=8))
     outlined = []
-    monkeypatch.setattr(explain_cli, "draw_box", lambda ax, box: outlined.append(box.tolist()))
+    monkeypatch.setattr(figures, "draw_box", lambda ax, box: outlined.append(box.tolist()))
     result = main(["--model", f"local-dir:{tmp_path / 'run'}", "--dataset", str(tmp_path / "c4"), "--index", "3",
                    "--no-flow", "--device", "cpu", "--output", str(tmp_path / "out")])
     want = datasets.load_dataset(str(tmp_path / "c4"), split="test")[3]["bbox"]
@@ -318,19 +318,17 @@ def test_map_panels_show_the_map_alone_in_the_colour_bars_colours(tmp_path, monk
     """heatmaps.png and harness.explain's figure: every map panel holds one opaque image, the map, on the colour
     bar's colour map and range, so a panel's colours read off the bar (a map blended over the photo would not);
     the photo has its own panel. The rendered pixel at a patch is the bar's colour for its value."""
-    from harness import explain as harness_explain
     from harness import figures
 
     drawn = []
-    for module in (figures, harness_explain):
-        monkeypatch.setattr(module, "save_figure", lambda fig, path: drawn.append(fig))
+    monkeypatch.setattr(figures, "save_figure", lambda fig, path: drawn.append(fig))
     gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=gen)
     maps = {"rollout": torch.rand(2, 64, generator=gen), "attention": torch.rand(2, 64, generator=gen)}
     figures.plot_heatmaps(images, maps, ["a", "b"], ["a", "a"], tmp_path / "h.png", "heatmaps", grid=(8, 8))
     ex = E.Explanation(maps={k: v[:1] for k, v in maps.items()}, buildup=torch.rand(1, 2, 64, generator=gen),
                        logits=torch.zeros(1, 3), target=torch.zeros(1, dtype=torch.int64), grid=(8, 8), readout="cls")
-    harness_explain.plot_explanation(ex, images[0].permute(1, 2, 0).numpy(), "explain", "input", tmp_path / "e.png")
+    figures.plot_explanation(ex, images[0].permute(1, 2, 0).numpy(), "explain", "input", tmp_path / "e.png")
     for fig, photos in zip(drawn, (2, 1), strict=True):
         shown = [ax.get_images() for ax in fig.axes if ax.get_images()]
         assert all(len(images) == 1 for images in shown)

@@ -14,13 +14,13 @@ from harness.faithfulness import (
     evaluate_faithfulness,
     faithfulness_curves,
     paired_score,
-    plot_faithfulness,
     random_ranks,
     ranks,
     removal_probabilities,
     step_counts,
 )
 from harness.features import saliency_maps
+from harness.figures import plot_faithfulness
 from timm_rollout import capture_attention, patch_weights, rollout_cls_row
 from timm_rollout.data import load_image_set, normalize
 

@@ -292,7 +292,7 @@ def test_upload_folder_of_a_map_run_reloads_with_its_attention_pool(tmp_path, im
 
 def test_card_tolerates_missing_optional_files():
     facts = hub.describe_model(timm.create_model("vit_tiny_cifar_cls", depth=1))
-    text = hub.render_card(hub.model_card("me/tiny", facts), "me/tiny", {"top1": 0.5, "knn_loo": 0.25})
+    text = hub.render_card(hub.model_card("me/tiny", facts), "me/tiny", {"metrics": {"top1": 0.5, "knn_loo": 0.25}})
     assert "| top1 | 0.5 |" in text and "| top5" not in text and "k = 5," in text  # flat results, default k
     assert "Training recipe" not in text and "datasets:" not in text and "Pooling:** token" in text
     assert hub.render_card(hub.model_card("me/tiny", facts), "me/tiny").count("## Evaluation") == 0

@@ -19,7 +19,6 @@ from timm.models import save_for_hf
 
 import timm_rollout.explain as E
 from harness import eval as harness_eval
-from harness import explain as harness_explain
 from harness import figures
 from harness.features import saliency_maps
 from timm_rollout.data import load_image_set, normalize
@@ -82,15 +81,14 @@ def test_heatmaps_and_explain_draw_the_hot_patch_where_it_is(tmp_path, monkeypat
     """The rendered pixels of the hottest colour, in heatmaps.png's map panel and in harness.explain's, cover the
     patch's rectangle and nothing else (to within a rendered pixel); the panel's array is the hand drawing."""
     drawn = []
-    for module in (figures, harness_explain):
-        monkeypatch.setattr(module, "save_figure", lambda fig, path: drawn.append(fig))
+    monkeypatch.setattr(figures, "save_figure", lambda fig, path: drawn.append(fig))
     row, col = grid[0] - 2, grid[1] - 3
     hot = _hot(grid, row, col)
     images = torch.zeros(1, 3, *size, dtype=torch.uint8)
     figures.plot_heatmaps(images, {"map": hot[None]}, ["a"], ["a"], tmp_path / "h.png", "t", grid=grid)
     ex = E.Explanation(maps={"rollout": hot[None]}, buildup=hot.view(1, 1, -1), logits=torch.zeros(1, 2),
                        target=torch.zeros(1, dtype=torch.int64), grid=grid, readout="cls")
-    harness_explain.plot_explanation(ex, np.zeros((*size, 3)), "t", "input", tmp_path / "e.png")
+    figures.plot_explanation(ex, np.zeros((*size, 3)), "t", "input", tmp_path / "e.png")
     top = figures.relative_to_uniform(hot).max()
     for fig in drawn:
         ax = next(a for a in fig.axes if a.get_images() and a.get_images()[0].get_array().ndim == 2)
