@@ -56,6 +56,8 @@ class _AfterTimm(MetaPathFinder):
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:  # timm not installed: its own ImportError follows
+            return None
         run = spec.loader.exec_module
 
         def exec_then_register(module: Any) -> None:
