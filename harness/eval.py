@@ -553,7 +553,7 @@ def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None
         "subset_fingerprint": data.fingerprint, "split_content": full.content, "content": data.content,
         "class_names": [full.class_names[c] for c in sel.class_ids],
         "class_ids": sel.class_ids, "per_class_counts": {full.class_names[c]: int(counts[c]) for c in sel.class_ids},
-        "num_images": len(data),
+        "num_images": len(data), "mask_convention": data.mask_convention,
         "intra_left_out": [full.class_names[c] for c in metrics.lone_classes(data.labels).tolist()],
         "bank": None if bank is None else {
             "split": bank.split, "fingerprint": bank.fingerprint, "content": bank.content, "num_images": len(bank),

@@ -5,6 +5,7 @@ construction, and against plain numpy loops."""
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import datasets
@@ -267,6 +268,8 @@ def test_eval_reads_a_foreground_mask_without_boxes_and_diagnose_keeps_it(tmp_pa
     argv = ["--model", "vit_tiny_cifar_gap", "--checkpoint", str(tmp_path / "gap"), "--dataset", folder,
             "--heatmaps", "0", "--device", "cpu", "--amp", "none", "--k", "3"]
     found = harness_eval.main([*argv, "--output", str(tmp_path / "eval")])["metrics"]
+    recorded = json.loads((tmp_path / "eval" / "results.json").read_text())["data"]
+    assert recorded["mask_convention"] == "foreground"  # how the masks were read, in the record
     want = load_image_set(folder, "test", boxes=True)
     assert want.boxes.tolist() == _loop_bounding_boxes(masks, 1)
     assert found["pooling_object_mass"] == pytest.approx(16 / 256) == found["object_area_fraction"]
