@@ -296,6 +296,7 @@ def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], pat
             columns = zip(*[[r[key] for r in rows[:length]] for rows in logged], strict=True)
             mean = [sum(col) / len(col) for col in columns]
             ax.plot([r["epoch"] for r in logged[0][:length]], mean, color=colour, lw=2,
+                    marker="." if length < 3 else None,  # a line of one or two points is hard to see
                     label=f"{short} ({'mean of ' if len(runs) > 1 else ''}{seeds_phrase(len(runs))})")
     for key, ax in axes.items():
         ax.set(ylabel=CURVE_PANELS[key][0], title=CURVE_PANELS[key][1])

@@ -586,3 +586,5 @@ def test_training_curves_of_one_seed_say_so_and_tick_whole_epochs(tmp_path, monk
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
         assert ticks == [1.0, 2.0] and ax.get_xlabel() == "epoch" and len(ax.get_lines()) == 2
     assert len(two.axes[0].get_lines()) == 3  # two single seeds and their mean
+    figures.plot_training_curves({"cls": {0: rows[:1]}}, tmp_path / "short.png", "Training")
+    assert all(line.get_marker() == "." for ax in drawn[2].axes for line in ax.get_lines())  # one epoch: visible
