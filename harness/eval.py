@@ -251,13 +251,15 @@ def posthoc_readout(model: torch.nn.Module, pool: str | None) -> str:
     return pool
 
 
-def _heatmap_figure(model, data: ImageSet, info: dict, args, device, amp_dtype, out: Path) -> Path:
+def _heatmap_figure(model, sel: Selection, info: dict, args, device, amp_dtype, out: Path) -> Path:
+    """heatmaps.png: ``--heatmaps`` seeded picks of the evaluated images, each titled with its index in the split."""
+    data = sel.data
     gen = torch.Generator().manual_seed(args.seed)
     pick = torch.randperm(len(data), generator=gen)[: args.heatmaps].sort().values
     images = data.images[pick]
     found = saliency_maps(model, normalize(images, info["mean"], info["std"]), device=device, amp_dtype=amp_dtype)
     names = data.class_names
-    true = [names[int(i)] for i in data.labels[pick]]
+    true = [f"{names[int(y)]} (#{int(i)})" for y, i in zip(data.labels[pick], sel.index[pick], strict=True)]
     pred = [names[int(i)] if int(i) < len(names) else str(int(i)) for i in found.logits.argmax(dim=1)]
     maps = {f"{MAP_LABELS[k]}\n(readout {found.readout})": v for k, v in found.maps.items()}
     title = f"{info['name']}: maps of its readout ({found.readout}, {data.split})"
@@ -461,7 +463,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if bank is not None:
         with clock.stage("linear_probe"):
             predicted["linear_probe"] = metrics.linear_probe_predictions(bank_feats, bank.labels, feats)
-    figures, faithfulness = _figures(model, info, data, (cos, cos_names), args, device, amp_dtype, clock,
+    figures, faithfulness = _figures(model, info, sel, (cos, cos_names), args, device, amp_dtype, clock,
                                      maps=left_out is None)
     if args.save_features:
         with clock.stage("save_features"):
@@ -501,16 +503,16 @@ def _save_features(path: Path, model: str, data: ImageSet, feats: torch.Tensor, 
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
-def _figures(model, info: dict, data: ImageSet, cosine: tuple[np.ndarray, list[str]], args, device, amp_dtype,
+def _figures(model, info: dict, sel: Selection, cosine: tuple[np.ndarray, list[str]], args, device, amp_dtype,
              clock: Stopwatch, maps: bool = True) -> tuple[list[str], dict[str, Any] | None]:
     """The cosine matrix, heatmaps (with ``maps``: the model has attention) and ``--faithfulness``: the figures'
     names and the faithfulness results."""
-    out = Path(args.output)
+    out, data = Path(args.output), sel.data
     with clock.stage("figures"):
         figures = [plot_cosine_matrix(*cosine, out / COSINE_FILE,
                                       f"{info['name']}: centroid cosine similarity ({data.split})").name]
         if args.heatmaps and maps:
-            figures.append(_heatmap_figure(model, data, info, args, device, amp_dtype, out).name)
+            figures.append(_heatmap_figure(model, sel, info, args, device, amp_dtype, out).name)
     if not args.faithfulness:
         return figures, None
     with clock.stage("faithfulness"):

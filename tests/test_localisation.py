@@ -374,8 +374,8 @@ def test_eval_with_boxes_end_to_end(tmp_path, tmp_path_factory, monkeypatch):
 
     drawn = []
 
-    def recorded(images, *args, **kwargs):  # the heatmaps' images and the boxes outlined on them
-        drawn.append((images, args[-1]))
+    def recorded(images, *args, **kwargs):  # the heatmaps' images, their titles and the boxes outlined on them
+        drawn.append((images, args[1], args[-1]))
         return plot_heatmaps(images, *args, **kwargs)
 
     monkeypatch.setattr(harness_eval, "load_image_set", with_boxes)
@@ -384,10 +384,11 @@ def test_eval_with_boxes_end_to_end(tmp_path, tmp_path_factory, monkeypatch):
                                  "--per-class", "2", "--heatmaps", "3", "--device", "cpu", "--amp", "none",
                                  "--output", str(tmp_path)])
     sample = load_image_set(SAMPLE, "test")
-    (images, boxes), = drawn
-    for image, box in zip(images, boxes, strict=True):  # each outline is the box of the image it is drawn on
+    (images, titles, boxes), = drawn
+    for image, title, box in zip(images, titles, boxes, strict=True):  # each outline is its image's box
         index = next(i for i in range(len(sample)) if torch.equal(sample.images[i], image))
         assert box.tolist() == pytest.approx(list(_box_of(index)))
+        assert title.endswith(f"(#{index})")  # the figure names the split's image it shows
     found = results["metrics"]
     assert set(LOCALISATION) <= set(found)
     assert all((found[k] is None) == (k in MASK_KEYS) for k in LOCALISATION)  # no content masks: no mask metrics
