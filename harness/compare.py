@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import timm
 import torch
 
 from harness import stats
@@ -121,6 +120,8 @@ def load_results(folders: Sequence[str | Path]) -> list[dict[str, Any]]:
 def default_pool(name: str) -> str | None:
     """The ``global_pool`` a registered model is built with by default (built on the meta device); None where
     that cannot tell (``hf-hub:``, ``local-dir:``, a model that needs arguments or a real device)."""
+    import timm  # here, so that --help loads no timm
+
     if not timm.is_model(name):
         return None
     try:

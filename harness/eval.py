@@ -69,7 +69,6 @@ from timm_rollout.device import (
 )
 from timm_rollout.errors import UserError
 from timm_rollout.explain import MAP_LABELS, READOUTS
-from timm_rollout.loading import build_meta, check_input_size, check_model, load_model
 from timm_rollout.pooling import attention_free, pool_name, set_pooling
 from timm_rollout.records import (
     COSINE_FILE,
@@ -149,6 +148,8 @@ _NEEDS = {
 
 def _check_args(args: argparse.Namespace, given: frozenset[str]) -> None:
     """Refuse flag combinations that cannot work; ``given``: the flags the user typed (:class:`CliParser`)."""
+    from timm_rollout.loading import build_meta, check_model  # here, so that --help loads no timm
+
     for dest, (needed, fix) in _NEEDS.items():
         if dest in given and not getattr(args, needed):
             flag = "--" + dest.replace("_", "-")
@@ -348,6 +349,8 @@ def _select(args: argparse.Namespace) -> Selection:
 
 def _load(args: argparse.Namespace, full: ImageSet, device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model to evaluate, checked against the data set, read out with ``--pool``."""
+    from timm_rollout.loading import check_input_size, load_model
+
     prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
     default_classes = None if args.checkpoint or prefixed else full.num_classes
     with torch.random.fork_rng(devices=[]):  # an untrained model's initial weights are reproducible too; the

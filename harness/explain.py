@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
-from timm.data import create_transform, resolve_data_config
 
 from harness.figures import plot_explanation
 from timm_rollout.cli import (
@@ -35,7 +34,6 @@ from timm_rollout.data import dataset_arg, load_image_set
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import UserError
 from timm_rollout.explain import explain
-from timm_rollout.loading import build_meta, check_input_size, check_model, load_model
 from timm_rollout.masks import BoxColumnError
 from timm_rollout.pooling import attention_free
 
@@ -66,6 +64,8 @@ def build_parser() -> CliParser:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    from timm_rollout.loading import build_meta, check_model  # here, so that --help loads no timm
+
     prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
     if "num_classes" in args.model_kwargs and (args.dataset or args.checkpoint or prefixed):
         raise UserError("drop --model-kwargs num_classes: the class count comes from the checkpoint or the data set")
@@ -84,6 +84,8 @@ def _refuse_attention_free(name: str, model: torch.nn.Module | None) -> None:
 def prepare_image(image: Image.Image, model: torch.nn.Module) -> tuple[torch.Tensor, str, bool]:
     """RGB-convert and resize/crop ``image`` with timm's eval transform for ``model``: ((3, H, W), note, whether
     the pixels are the image's own: no resize or crop moved them)."""
+    from timm.data import create_transform, resolve_data_config
+
     cfg = resolve_data_config(model=model)
     transform = create_transform(**cfg, is_training=False)
     _, h, w = cfg["input_size"]
@@ -141,6 +143,8 @@ def _class_name(names: list[str] | None, index: int) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    from timm_rollout.loading import check_input_size, load_model
+
     device = resolve_device(args.device)
     image, source, stem, class_names, box = _load_input(args)
     prefixed = args.model.startswith(("hf-hub:", "local-dir:"))

@@ -1,4 +1,6 @@
-"""Every PNG figure of the harness and the study: cosine matrix, heatmaps, explanations, faithfulness, comparisons."""
+"""Every PNG figure of the harness and the study: cosine matrix, heatmaps, explanations, faithfulness, comparisons.
+
+Each function that draws imports matplotlib itself, so that a command's ``--help`` loads none."""
 
 from __future__ import annotations
 
@@ -6,15 +8,17 @@ import math
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from matplotlib.figure import Figure
 
 from timm_rollout.atomic import save_figure
 from timm_rollout.explain import Explanation
 from timm_rollout.train.log import epoch_axis, seeds_phrase
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["BOX_NOTE", "MAP_CMAP", "UNIFORM_SCALE_LABEL", "draw_box", "draw_map", "plot_comparison",
            "plot_cosine_matrix", "plot_explanation", "plot_faithfulness", "plot_heatmaps", "plot_object_weights",
@@ -27,6 +31,8 @@ UNIFORM_SCALE_LABEL = "weight x number of patches (1 = uniform)"
 
 def plot_cosine_matrix(matrix: np.ndarray, class_names: Sequence[str], path: str | Path, title: str) -> Path:
     """Class-by-class cosine similarity of centroids, annotated when there are at most 20 classes."""
+    from matplotlib.figure import Figure
+
     c = len(class_names)
     size = min(20.0, max(4.0, 0.45 * c + 2.0))
     fig = Figure(figsize=(size + 1.0, size))
@@ -134,6 +140,8 @@ def plot_heatmaps(
     with its own colour bar below it. ``pred_names``: one prediction per image, or per map name when the columns
     come from different models; ``boxes``: (B, 4) ``[x, y, w, h]`` outlined on every panel of their row. The layout
     is fixed in inches (no tight_layout over dozens of axes)."""
+    from matplotlib.figure import Figure
+
     per_column = isinstance(pred_names, Mapping)
     maps = {name: relative_to_uniform(values) for name, values in maps.items()}
     b, _, h, w = images.shape
@@ -182,6 +190,8 @@ def plot_comparison(
 ) -> Path:
     """Grouped bars: one group of bars per metric, one bar per run group; error bars are ``errors`` (the half-widths
     of the 95% t-intervals of the means over runs; none for a single run)."""
+    from matplotlib.figure import Figure
+
     x = np.arange(len(metrics))
     width = 0.8 / max(1, len(groups))
     fig = Figure(figsize=(max(6.0, 1.3 * len(metrics) * max(1, len(groups)) ** 0.5), 4.5))
@@ -204,6 +214,8 @@ def plot_pooling_diagnostics(records: Mapping[str, Sequence[dict]], path: str | 
     """At a glance, per arm (``records``: arm -> the ``pooling_diagnostics`` of results.json, one per seed): the
     distribution of effective patches over the images of all seeds (top) and the mean rollout pooling weight map
     (bottom, weight x number of patches, 1 = uniform, one colour range)."""
+    from matplotlib.figure import Figure
+
     arms = list(records)
     fig = Figure(figsize=(max(8.0, 3.3 * len(arms)), 7.5))
     grid = fig.add_gridspec(2, len(arms), height_ratios=(1.1, 1.0))
@@ -243,6 +255,8 @@ def plot_object_weights(values: Mapping[str, Sequence[tuple[float, float]]], pat
     """Where each arm's pooling weights go: per arm (``values``: arm -> per seed (inside, outside), the metrics
     ``pooling_weight_inside`` and ``pooling_weight_outside``) a bar of the mean over seeds of the mean pooling
     weight x P over the object's box and one over the rest of the image, each seed a dot; 1 = uniform (dashed)."""
+    from matplotlib.figure import Figure
+
     arms = list(values)
     x = np.arange(len(arms))
     width = 0.36
@@ -279,6 +293,8 @@ def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], pat
     """Train loss, eval top-1 and (rollout-pooled arms) the effective patches of their pooling weights per epoch:
     one colour per arm, a thin line per seed and a bold mean over seeds (an arm of one seed: its one bold line),
     one legend entry per arm below the axes (readable with any number of seeds), ticks on whole epochs."""
+    from matplotlib.figure import Figure
+
     keys = [k for k in CURVE_PANELS if k != "rollout_effective_patches"
             or any(k in r for per_seed in logs.values() for rows in per_seed.values() for r in rows)]
     fig = Figure(figsize=(5.5 * len(keys), 4.6))
@@ -318,6 +334,8 @@ def plot_explanation(ex: Explanation, rgb: np.ndarray, title: str, input_title: 
     """One figure: the input, every map of ``ex`` (image 0) and its rollout build-up, each with a colour bar; all
     maps on the scale of :func:`relative_to_uniform`, each on its own colour range (:func:`shared_range`); ``box``
     (the object's ``[x, y, w, h]`` in the input's pixels) outlined on every panel."""
+    from matplotlib.figure import Figure
+
     panels = [(name, values[0]) for name, values in ex.maps.items()]
     panels += [(f"rollout through layer {i + 1}", ex.buildup[0, i]) for i in range(ex.buildup.shape[1])]
     panels = [(name, relative_to_uniform(values.float().cpu())) for name, values in panels]
@@ -352,6 +370,8 @@ def _legend(label: str, auc: float, score: Mapping[str, Any] | None) -> str:
 
 def plot_faithfulness(result: Mapping[str, Any], path: str | Path, title: str = "Faithfulness") -> Path:
     """Deletion and insertion curves (random: mean ± std over seeds), one row per fill; AUCs, paired scores."""
+    from matplotlib.figure import Figure
+
     fractions = np.array(result["fractions"]) * 100
     fills = result["fills"]
     fig = Figure(figsize=(12, 4.6 * len(fills)))

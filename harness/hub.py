@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 from huggingface_hub import HfApi, constants, get_token
-from timm.layers import to_2tuple
-from timm.models._hub import generate_readme
 
 from harness.compare import read_results
 from harness.metrics import METRIC_DEFAULTS, METRIC_DEFINITIONS
@@ -28,8 +26,6 @@ from timm_rollout.atomic import atomic_path, write_text
 from timm_rollout.data import ALIASES
 from timm_rollout.errors import UserError
 from timm_rollout.explain import MAP_LABELS
-from timm_rollout.loading import load_model
-from timm_rollout.models import RolloutVisionTransformer
 from timm_rollout.pooling import OPTIONS, POOLED_ARCHITECTURE, attention_free, built_pool, pool_name
 from timm_rollout.records import (
     ARGS_FILE,
@@ -146,6 +142,10 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
     """Architecture facts of a timm model for the card, read off the model, with the name timm must know to
     rebuild it (``registered_name``: None for a plain timm model) and the timm ``class`` it is or derives from;
     a model that is no ViT (a CNN) gets :func:`_other_facts`."""
+    from timm.layers import to_2tuple  # here, so that --help loads no timm
+
+    from timm_rollout.models import RolloutVisionTransformer
+
     stock = next(c for c in type(model).__mro__ if c.__module__.startswith("timm.") or c is torch.nn.Module)
     architecture = model.pretrained_cfg.get("architecture", stock.__name__)
     if attention_free(model) is not None:
@@ -484,6 +484,8 @@ def _evaluation(results: dict[str, Any]) -> str:
 
 def render_card(card: dict[str, Any], repo_id: str, results: dict[str, Any] | None = None) -> str:
     """README.md text: timm's card sections, then evaluation (if any), licence and citations."""
+    from timm.models._hub import generate_readme
+
     text = generate_readme(card, repo_id.split("/")[-1])
     if results is not None:
         text += _evaluation(results)
@@ -553,6 +555,8 @@ def write_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     ``eval_dir``'s results.json, which must have evaluated these weights; ``selection``: how this run was picked
     among others). The card's architecture facts come from the run loaded as ``local-dir:``. Returns the files and
     the architecture."""
+    from timm_rollout.loading import load_model
+
     run = Path(run_dir)
     record = read_run(run)
     results = read_results(eval_dir) if eval_dir else None

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import os
 
-import faiss
 import numpy as np
 import torch
-from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import silhouette_score
 from threadpoolctl import threadpool_limits
 
 from harness.localisation import LOCALISATION
@@ -93,6 +90,8 @@ def search(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-``k`` inner-product search of ``queries`` in ``bank`` (both normalised float32): (similarities,
     indices), each (Q, k), best first."""
+    import faiss  # here, so that --help loads no faiss
+
     if k > bank.shape[0]:
         raise ValueError(f"k={k} neighbours requested from a bank of {bank.shape[0]} features")
     previous = faiss.omp_get_max_threads()  # restored after: faiss shares torch's threads, which it would slow
@@ -193,6 +192,8 @@ def linear_probe_predictions(bank_features: ArrayLike, bank_labels: ArrayLike, q
     """Class predicted for each query by a :data:`LINEAR_PROBE` logistic regression fitted on the bank's features,
     whitened with the bank's statistics (:func:`whitening`: lbfgs then converges in several times fewer
     iterations). BLAS threads are capped (default :func:`default_threads`): oversubscribed, the fit ran 8x slower."""
+    from sklearn.linear_model import LogisticRegression  # here, so that --help loads no scikit-learn
+
     bank = l2_normalize(bank_features)
     queries = l2_normalize(query_features)
     with threadpool_limits(threads or default_threads()):
@@ -281,6 +282,8 @@ def silhouette(
 ) -> tuple[float, int | None]:
     """scikit-learn's silhouette score (Euclidean on normalised features), on a seeded sample of ``sample_size``
     above that many points: (score, the sample size, None when every point was scored)."""
+    from sklearn.metrics import silhouette_score
+
     x = l2_normalize(features)
     y = _numpy(labels).astype(np.int64)
     sample = sample_size if x.shape[0] > sample_size else None

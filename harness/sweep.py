@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from matplotlib.figure import Figure
 
 from harness.compare import (
     METRICS,
@@ -141,6 +140,8 @@ def _cell(group: Group | None, metric: str, bold: bool) -> str:
 
 def plot_sweep(arms: dict[str, dict[Any, Group]], param: str, metric: str, path: Path) -> Path:
     """``metric`` against the swept value, one line per arm, error bars the 95% t-intervals over seeds."""
+    from matplotlib.figure import Figure  # here, so that --help loads no matplotlib
+
     fig = Figure(figsize=(7.0, 4.5))
     ax = fig.subplots()
     numeric = all(isinstance(v, int | float) and v > 0 for cells in arms.values() for v in cells)

@@ -9,9 +9,7 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
-import timm
 import torch
-from timm.optim import create_optimizer_v2
 from torch import nn
 
 from timm_rollout.data import KNOWN_STATS, load_image_set
@@ -39,6 +37,8 @@ def model_step(model: nn.Module, dtype: torch.dtype | None, device: torch.device
     """The training step function of ``timm_rollout.train`` for ``model`` and its AdamW optimizer (and GradScaler
     for fp16); the model through ``torch.compile`` in ``compile_mode`` when one is given, as ``train --compile
     --compile-mode``."""
+    from timm.optim import create_optimizer_v2  # here, so that --help loads no timm
+
     model.to(device).train()
     opt = create_optimizer_v2(model, opt="adamw", lr=5e-4, weight_decay=1e-4)
     net = torch.compile(model, mode=compile_mode) if compile_mode else model
@@ -99,6 +99,8 @@ def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
 
 def machine_record(device: torch.device) -> dict[str, object]:
     """What ran the benchmark: the GPU's name, or the CPU's model and whether it has native bf16."""
+    import timm
+
     record: dict[str, object] = {"machine": device_name(device), "device": str(device), "torch": torch.__version__,
                                  "timm": timm.__version__}
     return record if device.type == "cuda" else {**record, "cpu_native_bf16": cpu_supports_bf16()}

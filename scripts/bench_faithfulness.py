@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 
-import timm
 import torch
 from _bench import DATASET, MEAN, MODELS, STD, Step, bench_images, machine_line, precision, race
 
@@ -30,6 +29,8 @@ SEEDS = (1, 2, 3)
 
 
 def bench_model(name: str, images: torch.Tensor, args: argparse.Namespace, device, amp) -> None:
+    import timm  # here, so that --help loads no timm
+
     model = timm.create_model(name, num_classes=10).to(device).eval()
     x = normalize(images, MEAN, STD)
     found = saliency_maps(model, x, device=device, amp_dtype=amp)  # the maps the curves remove by; a warm-up

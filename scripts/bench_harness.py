@@ -15,7 +15,6 @@ import os
 import numpy as np
 import torch
 from _bench import machine_line, timed
-from sklearn.neighbors import KNeighborsClassifier
 
 from harness import metrics
 from timm_rollout.cli import CliParser, positive_int, run_cli
@@ -30,6 +29,8 @@ def _features(n: int, dim: int, classes: int, seed: int = 0) -> tuple[np.ndarray
 
 
 def _sklearn_bank(bank, bank_y, queries, query_y, k: int, temperature: float) -> float:
+    from sklearn.neighbors import KNeighborsClassifier  # here, so that --help loads no scikit-learn
+
     clf = KNeighborsClassifier(n_neighbors=k, algorithm="brute", metric="cosine",
                                weights=lambda d: np.exp((1.0 - d) / temperature)).fit(bank, bank_y)
     return float((clf.predict(queries) == query_y).mean())
@@ -37,6 +38,8 @@ def _sklearn_bank(bank, bank_y, queries, query_y, k: int, temperature: float) ->
 
 def _sklearn_loo(features, labels, k: int) -> float:
     """Leave-one-out k-NN with scikit-learn: k+1 neighbours, drop self by index, majority vote, ties by sum."""
+    from sklearn.neighbors import KNeighborsClassifier
+
     clf = KNeighborsClassifier(n_neighbors=k + 1, algorithm="brute", metric="cosine").fit(features, labels)
     dist, ids = clf.kneighbors(features)
     n = len(features)

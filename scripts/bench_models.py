@@ -11,7 +11,6 @@ images/s and its ratio to the largest batch: what ``timm_rollout.device.inferenc
 
 from __future__ import annotations
 
-import timm
 import torch
 from _bench import MODELS, Step, bare_step, machine_line, precision, race
 
@@ -36,6 +35,8 @@ def sweep_step(model: torch.nn.Module, x: torch.Tensor, batch: int, dtype: torch
 
 def make_step(name: str, train: bool, dtype: torch.dtype | None, batch: int, device: torch.device) -> Step:
     """A training step (``timm_rollout.train``'s, with its explicit attention on a CPU) or one inference batch."""
+    import timm  # here, so that --help loads no timm
+
     torch.manual_seed(0)
     model = timm.create_model(name, num_classes=10)
     if not train:
@@ -47,6 +48,8 @@ def make_step(name: str, train: bool, dtype: torch.dtype | None, batch: int, dev
 
 def batch_sweep(batches: list[int], rounds: int, device: torch.device) -> None:
     """Median images/s of inference over 2,048 images per model and batch size, raced round by round."""
+    import timm
+
     dtype = resolve_amp("auto", device)
     models = {name: timm.create_model(name, num_classes=10).to(device).eval() for name in MODELS}
     x = torch.randn(2048, 3, 32, 32, device=device)

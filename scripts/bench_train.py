@@ -27,11 +27,7 @@ import time
 from pathlib import Path
 
 import _bench
-import datasets
-import timm
 import torch
-from timm.models.vision_transformer import VisionTransformer
-from timm.scheduler import create_scheduler_v2
 from torch import nn
 from torch.utils.data import DataLoader
 from torchvision import transforms
@@ -42,7 +38,6 @@ from timm_rollout.cli import CliParser, non_negative_int, positive_int, run_cli
 from timm_rollout.data import load_image_set, normalization_stats, resolve_dataset
 from timm_rollout.device import device_arg, resolve_amp, resolve_device
 from timm_rollout.errors import UserError
-from timm_rollout.models import _TINY_CIFAR
 from timm_rollout.progress import progress
 from timm_rollout.train.flags import COMPILE_MODES
 from timm_rollout.train.log import read_log
@@ -52,6 +47,8 @@ NO_DROPOUT = {"pos_drop_rate": 0.0, "attn_drop_rate": 0.0, "proj_drop_rate": 0.0
 
 
 def ours(fast_dropout: bool = True, **kwargs) -> nn.Module:
+    import timm  # here, so that --help loads no timm (nor datasets, in stock)
+
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_cifar_rollout", num_classes=10, **kwargs)
     if not fast_dropout:  # back to PyTorch's dropout: same p, same modules
@@ -63,6 +60,8 @@ def ours(fast_dropout: bool = True, **kwargs) -> nn.Module:
 
 def full_loop(dataset: str, batch: int, dtype, device, compile_mode: str | None = None, **model_kwargs) -> _bench.Step:
     """(a): the training loop's per-step work on real images (see the module docstring)."""
+    from timm.scheduler import create_scheduler_v2
+
     train = load_image_set(dataset, "train")
     mean, std = normalization_stats(dataset, train)
     step, opt = _bench.model_step(ours(**model_kwargs), dtype, device, compile_mode)
@@ -116,6 +115,8 @@ def profile_steps(steps: dict[str, _bench.Step], rounds: int, device: torch.devi
 
 
 def cls_model(fused: bool) -> nn.Module:
+    import timm
+
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_cifar_cls", num_classes=10)
     set_fused_attention(model, fused)
@@ -124,6 +125,11 @@ def cls_model(fused: bool) -> nn.Module:
 
 def stock(dataset: str, batch: int, rounds: int, workers: int, dtype, device) -> _bench.Step:
     """(c): stock timm ViT (fused attention, nn.Dropout) fed by a DataLoader with per-image PIL transforms."""
+    import datasets
+    from timm.models.vision_transformer import VisionTransformer
+
+    from timm_rollout.models import _TINY_CIFAR
+
     mean, std = normalization_stats(dataset)
     tf = transforms.Compose([
         transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip(), transforms.ToTensor(),

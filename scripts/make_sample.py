@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import datasets
-
 from timm_rollout.atomic import atomic_path, write_text
 from timm_rollout.cli import CliParser, existing_path, output_dir, positive_int, run_cli, seed_arg
 from timm_rollout.data import SAMPLE_DIR, balanced_indices
@@ -34,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--test-per-class", type=positive_int, default=100, help="test images per class")
     parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the class-balanced draw")
     args = parser.parse_args(argv)
+    import datasets  # here, so that --help loads no datasets
+
     out = Path(args.output)
 
     splits = datasets.load_dataset(args.source)

@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-from matplotlib.figure import Figure
 
 from harness.compare import Group, compare_groups, load_results, summarise
 from harness.study.folder import arm_of
@@ -118,6 +117,8 @@ def build_parser() -> CliParser:
 
 def main(argv: list[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
+    from matplotlib.figure import Figure  # here, so that --help loads no matplotlib
+
     curve_arms = list(dict.fromkeys(arm for pair in args.pairs for arm in pair))
     fig = Figure(figsize=(12.5, 4.6))
     left, right = fig.subplots(1, 2)

@@ -1,5 +1,6 @@
-"""``import timm_rollout`` and ``python -m timm_rollout.train --help`` load no timm (nor datasets, faiss,
-matplotlib), yet the models are registered with timm in any order of imports, and an argument error is one line.
+"""``import timm_rollout`` and every command's ``--help`` and argument errors load no timm (nor datasets, faiss,
+matplotlib, scikit-learn), yet the models are registered with timm in any order of imports, and an argument error
+is one line.
 
 Each check is a fresh interpreter (a module loaded once stays loaded), run on the CPU."""
 
@@ -52,3 +53,56 @@ print(type(model).__name__)
 def test_the_models_are_registered_whichever_module_is_imported_first(first):
     done = _python(f"{first}\nimport timm\n{REGISTERED}")
     assert done.returncode == 0, done.stderr
+
+
+# Every command the READMEs document besides timm_rollout.train (above), as typed after ``python``: a bad value
+# and the one-line error it gets, which comes from the flag's own check, before anything is loaded.
+COMMANDS = [
+    ("-m harness.eval", ["--model", "vit_tiny_cifar_cls", "--temperature", "0"],
+     "error: argument --temperature: must be a number > 0, got 0"),
+    ("-m harness.compare", ["run", "--metrics", "top2"], "error: argument --metrics: invalid choice: 'top2'"),
+    ("-m harness.diagnose", ["--device", "gpu0"], "error: argument --device: unknown device 'gpu0'"),
+    ("-m harness.explain", ["--model", "vit_tiny_cifar_cls", "--target-class", "-1"],
+     "error: argument --target-class: must be an integer >= 0, got -1"),
+    ("-m harness.sweep", ["run", "--select", "top2"], "error: argument --select: invalid choice: 'top2'"),
+    ("scripts/study.py", ["--epochs", "0"], "error: argument --epochs: must be an integer >= 1, got 0"),
+    ("scripts/push_to_hub.py", ["run"], "error: the following arguments are required: --repo-id"),
+    ("scripts/convert_checkpoint.py", ["--num-heads", "0"],
+     "error: argument --num-heads: must be an integer >= 1, got 0"),
+    ("scripts/make_cluttered.py", ["--canvas", "0"],
+     "error: argument --canvas: must be an integer in [1, 1024], got 0"),
+    ("scripts/make_sample.py", ["--train-per-class", "0"],
+     "error: argument --train-per-class: must be an integer >= 1, got 0"),
+    ("scripts/summary_figure.py", ["--pairs", "gap"], "error: argument --pairs: 'gap': give a pair as BASE:OTHER"),
+    ("scripts/bench_faithfulness.py", ["--images", "0"], "error: argument --images: must be an integer >= 1, got 0"),
+    ("scripts/bench_harness.py", ["--queries", "0"], "error: argument --queries: must be an integer >= 1, got 0"),
+    ("scripts/bench_models.py", ["--steps", "0"], "error: argument --steps: must be an integer >= 1, got 0"),
+    ("scripts/bench_train.py", ["--compile", "fast"], "error: argument --compile: invalid choice: 'fast'"),
+]
+
+
+@pytest.mark.parametrize(("command", "bad", "message"), COMMANDS, ids=[c for c, _, _ in COMMANDS])
+def test_every_command_s_help_and_argument_errors_come_before_the_heavy_libraries(command, bad, message):
+    target = command.removeprefix("-m ")
+    code = f"""
+import os, runpy, sys
+target = {target!r}
+if target.endswith(".py"):  # as `python scripts/x.py` runs it: its folder first on the path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+for argv in (["--help"], {bad!r}):
+    sys.argv = [target, *argv]
+    try:
+        if target.endswith(".py"):
+            runpy.run_path(target, run_name="__main__")
+        else:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        print("exit", e.code)
+print("loaded", sorted(m for m in {HEAVY!r} if m in sys.modules))
+"""
+    done = _python(code)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"usage: python {command} "), lines[0]
+    assert lines[-3:] == ["exit 0", "exit 2", "loaded []"], lines[-3:]
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith(message), done.stderr

@@ -18,9 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import save_model
 from .errors import UserError
-from .loading import create_model
 
 POOLING_MODELS = {"cls": "vit_tiny_cifar_cls", "rollout": "vit_tiny_cifar_rollout"}
 
@@ -161,6 +159,9 @@ def convert_checkpoint(
 ) -> torch.nn.Module:
     """Convert the original study's ``src`` state dict into a timm folder ``output`` (training's export,
     :func:`timm_rollout.checkpoint.save_model`) with its ``mean``/``std`` (default: the model's); returns the model."""
+    from .checkpoint import save_model  # here, so that --help loads no timm
+    from .loading import create_model
+
     if pooling not in POOLING_MODELS:
         raise UserError(f"unknown pooling {pooling!r}; use one of {', '.join(POOLING_MODELS)}")
     state = map_keys(load_original(src))

@@ -12,10 +12,10 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from timm.layers import AttentionPoolLatent
 from torch import nn
 
 from .capture import capture_attention
@@ -28,6 +28,9 @@ from .rollout import (
     rollout_options,
     rollout_row,
 )
+
+if TYPE_CHECKING:
+    from timm.layers import AttentionPoolLatent
 
 DISCARD_RATIOS = (0.5, 0.9)  # besides rollout without discarding
 FLOW_SCALE = 1 << 20  # integer capacity of a weight of 1.0 in the max-flow graph
@@ -76,6 +79,8 @@ def readout_kind(model: nn.Module) -> str:
     pool = getattr(model, "global_pool", "token")
     attn_pool = getattr(model, "attn_pool", None)
     if pool == "map" and attn_pool is not None:
+        from timm.layers import AttentionPoolLatent  # here, so that --help loads no timm
+
         if not isinstance(attn_pool, AttentionPoolLatent) or attn_pool.latent_len != 1:
             raise ValueError("maps of global_pool 'map' are defined for timm's AttentionPoolLatent with one latent "
                              f"query, not {type(attn_pool).__name__} with latent_len "

@@ -36,7 +36,6 @@ from harness.predictions import read_predictions
 from timm_rollout.atomic import write_text
 from timm_rollout.data import load_image_set, normalize
 from timm_rollout.explain import MAP_LABELS
-from timm_rollout.loading import load_model
 from timm_rollout.records import (
     CARD_FILE,
     CURVES_FILE,
@@ -89,6 +88,8 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
     """The same test images under every arm (``arm -> (model, run folder, pooling or None for its own)``): the
     attention rollout of the readout the arm classifies from, as weight x number of patches (1 = uniform), one
     column and colour range per arm (each evaluation's own heatmaps.png adds its other maps)."""
+    from timm_rollout.loading import load_model  # here, so that --help loads no timm
+
     data = load_image_set(args.dataset, "test", boxes=True)
     gen = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(data.labels), generator=gen)[: args.heatmaps].sort().values
