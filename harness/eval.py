@@ -221,7 +221,10 @@ def _subset(data: ImageSet, class_ids: list[int], per_class: int | None, seed: i
 
 
 def _check_head(info: dict[str, Any], data: ImageSet) -> None:
-    if info["num_classes"] != data.num_classes:
+    """The data's classes are the checkpoint's: as many, or (plain integer labels, whose classes are only known up
+    to the largest label present) labels that fit its head."""
+    integers = data.class_names == [str(i) for i in range(data.num_classes)]
+    if info["num_classes"] != data.num_classes and not (integers and data.num_classes < info["num_classes"]):
         raise UserError(
             f"checkpoint has {info['num_classes']} classes, data set {data.dataset} has {data.num_classes}; "
             "evaluate it on the data set it was trained on"
