@@ -221,7 +221,10 @@ def _subset(data: ImageSet, class_ids: list[int], per_class: int | None, seed: i
 
 
 def _check_head(info: dict[str, Any], data: ImageSet) -> None:
-    if info["num_classes"] != data.num_classes:
+    """The data's classes are the checkpoint's: as many, or (plain integer labels, whose classes are only known up
+    to the largest label present) labels that fit its head."""
+    integers = data.class_names == [str(i) for i in range(data.num_classes)]
+    if info["num_classes"] != data.num_classes and not (integers and data.num_classes < info["num_classes"]):
         raise UserError(
             f"checkpoint has {info['num_classes']} classes, data set {data.dataset} has {data.num_classes}; "
             "evaluate it on the data set it was trained on"
@@ -479,7 +482,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "cosine_matrix": {"classes": cos_names, "matrix": cos.round(6).tolist()},
         "faithfulness": faithfulness,
         "left_out": left_out,
-        "model": {**info, "pretrained_cfg": {k: v for k, v in model.pretrained_cfg.items() if k != "state_dict"}},
+        "model": {**info, "pretrained_cfg": _config_of(model)},
         "data": _data_record(args, sel, bank, out),
         "config": _config_record(args, sample, int(feats.shape[1]), bank is not None),
         "args": vars(args),
@@ -538,6 +541,16 @@ def _config_record(args: argparse.Namespace, silhouette_sample: int, feature_dim
         "batch_size": args.batch_size, "feature_dim": feature_dim,
         "linear_probe": metrics.LINEAR_PROBE if has_bank else None,
     }
+
+
+# where timm would download the architecture's stock weights from: not where the evaluated weights came from
+_WEIGHT_SOURCE = ("state_dict", "url", "file", "hf_hub_id", "hf_hub_filename", "source", "tag")
+
+
+def _config_of(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's timm ``pretrained_cfg`` (input size, mean/std, ...) without a weight source: its weights are
+    those of ``model.name`` / ``model.checkpoint`` in the record, even where timm keeps the stock weights' URL."""
+    return {k: v for k, v in model.pretrained_cfg.items() if k not in _WEIGHT_SOURCE}
 
 
 def _environment_record(device: torch.device, amp_dtype: torch.dtype | None, faiss_threads: int) -> dict[str, Any]:

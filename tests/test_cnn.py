@@ -112,6 +112,8 @@ def test_eval_scores_what_needs_no_attention_and_says_what_it_left_out(run: Path
                                    "parts": ["rollout pooling diagnostics", "heatmaps of attention maps"]}
     assert results["outputs"]["figures"] == ["cosine_matrix.png"] and not (out / "heatmaps.png").exists()
     assert results["model"]["global_pool"] == results["model"]["pool"] == "avg"
+    recorded = results["model"]["pretrained_cfg"]  # timm keeps the stock weights' hub id: not where these came from
+    assert recorded["input_size"] == [3, 32, 32] and not {"url", "hf_hub_id", "tag"} & set(recorded)
     notes = [line for line in stderr.splitlines() if line.startswith("note:")]
     assert notes == [f"note: {NOT_A_VIT}; left out the parts that need attention (rollout pooling diagnostics, "
                      "heatmaps of attention maps), their metrics null"]

@@ -52,14 +52,14 @@ def _dataset(folder: Path, train_names=("a", "b"), test_names=("a", "b"), test_l
     return str(folder)
 
 
-def _run(folder: Path, pool: str, seed: int, **kwargs) -> Path:
+def _run(folder: Path, pool: str, seed: int, names=("a", "b"), **kwargs) -> Path:
     """A training output folder of a stock ViT read out with ``pool``, as training exports it, trained with
-    ``seed``."""
+    ``seed`` on classes ``names``."""
     torch.manual_seed(seed)
-    model = timm.create_model("vit_tiny_patch16_224", num_classes=2, depth=1, **{"img_size": (H, W),
-                                                                                  "patch_size": 8, **kwargs})
+    model = timm.create_model("vit_tiny_patch16_224", num_classes=len(names), depth=1,
+                              **{"img_size": (H, W), "patch_size": 8, **kwargs})
     set_pooling(model, pool)
-    save_model(folder, model, ["a", "b"], MEAN, STD, (3, H, W))
+    save_model(folder, model, list(names), MEAN, STD, (3, H, W))
     (folder / "train_args.json").write_text(json.dumps({"seed": seed, "model": "vit_tiny_patch16_224"}))
     return folder
 
@@ -181,6 +181,22 @@ def test_eval_labels_beyond_the_training_classes_are_refused_before_training(tmp
     message = _error(train, [*TRAIN, "--dataset", beyond, "--model-kwargs", "img_size=(16,24)", "patch_size=8",
                              "depth=1", "--output", str(tmp_path / "tr")])
     assert message.startswith("the eval split 'test' has labels up to 2 but the model has 2 classes (0-1)")
+
+
+def test_integer_labels_without_the_top_class_are_scored_against_the_checkpoint(tmp_path):
+    """A test split of plain integer labels 0 and 1, and a checkpoint of classes 0, 1 and 2: the labels fit its head,
+    so it is evaluated (not refused as a 2-class data set), top-1 as a plain loop over the model gives."""
+    labels = [0, 1] * 6
+    ints = _dataset(tmp_path / "ints", train_names=None, test_names=None, test_labels=labels)
+    run = _run(tmp_path / "run", "avg", 0, names=("0", "1", "2"))
+    results = harness_eval.main(["--model", f"local-dir:{run}", "--dataset", ints, *EVAL, "--output",
+                                 str(tmp_path / "ev")])
+    test = load_image_set(ints, "test")
+    model = timm.create_model(f"local-dir:{run}", pretrained=True).eval()
+    x = (test.images.float() / 255 - torch.tensor(MEAN)[:, None, None]) / torch.tensor(STD)[:, None, None]
+    with torch.no_grad():
+        hits = sum(int(p == y) for p, y in zip(model(x).argmax(1).tolist(), labels, strict=True))
+    assert results["metrics"]["top1"] == pytest.approx(hits / 12, abs=1e-12)
 
 
 def test_a_data_card_that_disagrees_with_the_files_names_the_columns(tmp_path):

@@ -126,7 +126,7 @@ def test_refusals_name_the_reason():
         torch.jit.script(model)
 
 
-def test_fine_tune_a_stock_vit_from_a_local_file_with_rollout_pooling(tmp_path):
+def test_fine_tune_a_stock_vit_from_a_local_file_with_rollout_pooling(tmp_path, capsys):
     """train --model <stock ViT> --pool rollout --pretrained-file: starts from the file's weights (position
     embedding resampled to 32x32, a new 10-class head), trains, and reloads with timm and with load_model."""
     from safetensors.torch import save_file
@@ -143,6 +143,9 @@ def test_fine_tune_a_stock_vit_from_a_local_file_with_rollout_pooling(tmp_path):
                 str(tmp_path / "pretrained.safetensors"), "--dataset", "cifar10-sample", "--max-train-samples", "128",
                 "--max-eval-samples", "50", "--batch-size", "64", "--epochs", "1", "--lr", "1e-4", "--device", "cpu",
                 "--amp", "none", "--workers", "1", "--no-progress", "--output", str(run)])
+    notes = [line for line in capsys.readouterr().err.splitlines() if "resampled" in line]
+    assert notes == ["note: --pretrained-file's position embedding resampled by timm from (1, 65, 384) to (1, 17, "
+                     "384) to fit --model-kwargs"]  # 8x8 patches + [CLS] -> 4x4 + [CLS]; the patch size is kept
     loaded = timm.create_model(f"local-dir:{run}", pretrained=True).eval()  # timm's own loader: as trained
     assert isinstance(loaded, RolloutPooling) and loaded.rollout_head_fusion == "max" and loaded.num_classes == 10
     assert loaded.pretrained_cfg["input_size"] == (3, 32, 32) and tuple(loaded.pretrained_cfg["mean"]) == (0.5,) * 3

@@ -171,6 +171,8 @@ def build_model(args: argparse.Namespace, data: RunData, device: torch.device) -
         print(f"{args.model}: its architecture with fresh random weights, as timm builds it without pretrained=True; "
               "to start from its weights pass --pretrained-file with its folder", file=sys.stderr)
     model = create_model(args.model, weights_fix=weights_fix, num_classes=data.num_classes, **kwargs)
+    if args.pretrained_file:
+        _say_resampled(kwargs["pretrained_cfg_overlay"]["state_dict"], model)
     check_input_size(model, data.train.images, fix=_size_fix(args, model, tuple(data.train.images.shape[-2:])))
     if args.pool is not None:
         set_pooling(model, args.pool, **args.pool_kwargs)
@@ -179,6 +181,16 @@ def build_model(args: argparse.Namespace, data: RunData, device: torch.device) -
     if device.type == "cpu" or attention_dropout:
         set_fused_attention(model, False)
     return model
+
+
+def _say_resampled(state: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """One line for each pretrained tensor timm resampled to fit ``model`` (position and patch embedding), so a
+    fine-tune at another image or patch size does not start from changed weights in silence."""
+    own = model.state_dict()
+    for name, what in (("pos_embed", "position embedding"), ("patch_embed.proj.weight", "patch embedding")):
+        if name in state and name in own and state[name].shape != own[name].shape:
+            print(f"note: --pretrained-file's {what} resampled by timm from {tuple(state[name].shape)} to "
+                  f"{tuple(own[name].shape)} to fit --model-kwargs", file=sys.stderr)
 
 
 def _weights_fix(args: argparse.Namespace) -> str:
