@@ -166,10 +166,10 @@ def _checkpoint(result: dict[str, Any]) -> str | None:
     return model.get("checkpoint") or (name.removeprefix("local-dir:") if name.startswith("local-dir:") else None)
 
 
-def run_folder(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> Path | None:
+def run_folder(result: dict[str, Any]) -> Path | None:
     """The training run folder of an evaluated checkpoint (:func:`_checkpoint`): the recorded one when it holds
-    ``train_args.json``, else the one of that name in the study layout (``<evaluation>/../../runs/<name>``) or in the
-    first of ``runs`` that has it; the recorded folder when none does, None when no checkpoint is recorded."""
+    ``train_args.json``, else the one of that name in the study layout (``<evaluation>/../../runs/<name>``) when it
+    does; the recorded folder when neither does, None when no checkpoint is recorded."""
     checkpoint = _checkpoint(result)
     if not checkpoint:
         return None
@@ -177,15 +177,13 @@ def run_folder(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> Path 
     recorded = path.parent if path.suffix in {".safetensors", ".pth", ".pt", ".bin"} or path.is_file() else path
     if (recorded / ARGS_FILE).is_file():
         return recorded
-    beside = [Path(result["path"]).absolute().parent.parent / "runs"] if result.get("path") else []
-    found = (Path(f) / recorded.name for f in [*beside, *runs])
-    return next((f for f in found if (f / ARGS_FILE).is_file()), recorded)
+    beside = Path(result["path"]).absolute().parent.parent / "runs" / recorded.name if result.get("path") else None
+    return beside if beside is not None and (beside / ARGS_FILE).is_file() else recorded
 
 
-def train_args(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> dict[str, Any] | None:
-    """The ``train_args.json`` of an evaluated run (:func:`run_folder`, ``runs``: folders holding moved runs); None
-    where there is none to read."""
-    folder = run_folder(result, runs)
+def train_args(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``train_args.json`` of an evaluated run (:func:`run_folder`); None where there is none to read."""
+    folder = run_folder(result)
     try:
         saved = json.loads((folder / ARGS_FILE).read_text(encoding="utf-8")) if folder is not None else None
     except (OSError, json.JSONDecodeError):
@@ -193,9 +191,9 @@ def train_args(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> dict[
     return saved if isinstance(saved, dict) else None
 
 
-def run_seed(result: dict[str, Any], runs: Sequence[str | Path] = ()) -> int | None:
+def run_seed(result: dict[str, Any]) -> int | None:
     """Training seed of a run: its :func:`train_args` if readable, else the eval seed."""
-    seed = (train_args(result, runs) or {}).get("seed")
+    seed = (train_args(result) or {}).get("seed")
     return seed if isinstance(seed, int) else result.get("config", {}).get("seed")
 
 
@@ -220,22 +218,21 @@ def same_images(a: tuple, b: tuple) -> tuple[bool, bool]:
     return split, data and bank
 
 
-def check_distinct(results: Sequence[dict[str, Any]], label: Callable[[dict[str, Any]], str] = run_label,
-                   runs: Sequence[str | Path] = ()) -> None:
-    """Refuse an evaluation counted twice in a group (``label``): the same folder, the same seed
+def check_distinct(results: Sequence[dict[str, Any]]) -> None:
+    """Refuse an evaluation counted twice in a group (:func:`run_label`): the same folder, the same seed
     (:func:`run_seed`), the same weights of a training checkpoint, or, for a published model without a seed, the
     same weights on the same images (harness/README.md, "Compare runs")."""
     seen: dict[tuple, str] = {}
     for result in results:
         path = str(result.get("path", "?"))
-        seed, sha = run_seed(result, runs), result["model"].get("sha256")
+        seed, sha, label = run_seed(result), result["model"].get("sha256"), run_label(result)
         keys = [("folder", Path(path).resolve())]
         if seed is not None:
-            keys.append(("seed", label(result), seed))
+            keys.append(("seed", label, seed))
         if sha is not None and _checkpoint(result):
-            keys.append(("weights", label(result), sha))
+            keys.append(("weights", label, sha))
         elif sha is not None and seed is None:
-            keys.append(("weights", label(result), sha, evaluated_images(result)))
+            keys.append(("weights", label, sha, evaluated_images(result)))
         for key in keys:
             if key in seen and key[0] == "folder":
                 raise UserError(f"{path} is passed twice; pass each evaluation folder once")
@@ -248,14 +245,14 @@ def check_distinct(results: Sequence[dict[str, Any]], label: Callable[[dict[str,
 
 
 def summarise(results: Sequence[dict[str, Any]], metrics: Sequence[str] = METRICS,
-              label: Callable[[dict[str, Any]], str] = run_label, runs: Sequence[str | Path] = ()) -> list[Group]:
+              label: Callable[[dict[str, Any]], str] = run_label) -> list[Group]:
     """Group runs by ``label`` (default :func:`run_label`; in first-seen order); per-run values, mean and
     sample std of each metric."""
     groups: dict[str, Group] = {}
     for result in results:
         group = groups.setdefault(label(result), Group(label(result)))
         group.runs.append(str(result.get("path", "?")))
-        group.seeds.append(run_seed(result, runs))
+        group.seeds.append(run_seed(result))
         group.images.append(evaluated_images(result))
         for metric in metrics:
             value = result["metrics"].get(metric)

@@ -4,7 +4,7 @@ The uploaded folder holds exactly ``model.safetensors`` and ``config.json`` as t
 them with ``timm.models.save_for_hf`` (timm's format, loadable with ``hf-hub:``/``local-dir:``), plus a
 ``README.md`` model card. timm's ``push_to_hf_hub`` is not used for the upload because it re-serialises
 the model (pickled ``.bin`` too, by default) and never replaces an existing card; its ``generate_readme``
-writes the card's metadata header, details and usage sections.
+renders the card (:func:`model_card`), to which :func:`render_card` adds the evaluation.
 """
 
 from __future__ import annotations
@@ -55,29 +55,23 @@ UPLOAD_FILES = (WEIGHTS_FILE, CONFIG_FILE, CARD_FILE)
 # pickled weights left in the repo by earlier uploads (e.g. timm's push_to_hf_hub) are deleted in the same commit
 PICKLE_PATTERNS = ("*.bin", "*.pth", "*.pt", "*.ckpt", "*.pkl")
 
-POOLING_SHORT = {
-    "token": "its [CLS] token",
-    "avg": "the mean of its patch tokens",
-    "rollout": "attention-rollout-weighted patch tokens",
-    "map": "learned attention pooling of its patch tokens",
-}
+# what each pooling reads out; the rollout options' meaning (their values follow on the card's pooling line)
 POOLING_TEXT = {
     "token": "the final [CLS] token",
-    "avg": "the plain mean of the final {tokens}",
+    "avg": "the mean of the final patch tokens",
     "rollout": (
-        "the mean of the final {tokens} weighted by the [CLS] row of the attention rollout "
-        "(each layer's attention {fusion}, plus identity, row-normalised, multiplied over layers; {prefix} dropped "
-        "and the row renormalised)"
+        "the mean of the final patch tokens weighted by the [CLS] row of the attention rollout: each layer's "
+        "attention fused over heads by rollout_head_fusion, the weakest rollout_discard_ratio of its patch-to-patch "
+        "attention discarded, plus identity, row-normalised, multiplied over layers; the prefix-token columns dropped "
+        "and the row renormalised; rollout_grad: whether training sent gradients through these weights"
     ),
     "map": (
         "timm's learned attention pooling (global_pool='map', AttentionPoolLatent): one learned latent query "
-        "attends over the final (normed) patch tokens, followed by a projection and a residual MLP"
+        "attends over the final patch tokens, followed by a projection and a residual MLP"
     ),
 }
-# the study's patch-mean arm: why its final LayerNorm comes before pooling
-STUDY_AVG_TEXT = (" (timm's global_pool='avg' with fc_norm=False: the final LayerNorm stays before pooling, so the "
-                  "parameter names match the other pooling arms)")
-ROLLOUT_GRAD_TEXT = "; trained with rollout_grad=True: gradients flow through the pooling weights (detached by default)"
+RECIPE = ("epochs", "batch_size", "opt", "lr", "weight_decay", "sched", "warmup_epochs", "min_lr", "crop_padding",
+          "hflip", "smoothing", "mixup", "cutmix", "drop_path", "model_ema", "amp", "seed", "mean", "std")
 
 ABNAR_ZUIDEMA_2020 = """@inproceedings{abnar-zuidema-2020-quantifying,
   title = {Quantifying Attention Flow in Transformers},
@@ -139,141 +133,66 @@ def check_eval_matches(run_dir: str | os.PathLike, results: dict[str, Any]) -> N
 
 
 def describe_model(model: torch.nn.Module) -> dict[str, Any]:
-    """Architecture facts of a timm model for the card, read off the model, with the name timm must know to
-    rebuild it (``registered_name``: None for a plain timm model) and the timm ``class`` it is or derives from;
-    a model that is no ViT (a CNN) gets :func:`_other_facts`."""
+    """Facts of a timm model for the card, read off the model: architecture, the timm ``class`` it is or derives
+    from, pooling (with the rollout options), parameter count, image size and classes, and the name timm must know
+    to rebuild it (``registered_name``: None for a plain timm model); a ViT's sizes and block parts under
+    ``layout``; ``vit`` False for a model that is no ViT (a CNN), its image size the one its config names."""
     from timm.layers import to_2tuple  # here, so that --help loads no timm
 
     from timm_rollout.models import RolloutVisionTransformer
 
     stock = next(c for c in type(model).__mro__ if c.__module__.startswith("timm.") or c is torch.nn.Module)
     architecture = model.pretrained_cfg.get("architecture", stock.__name__)
+    facts = {"architecture": architecture, "class": stock.__name__,
+             "params": sum(p.numel() for p in model.parameters()), "num_classes": model.num_classes}
     if attention_free(model) is not None:
-        return _other_facts(model, architecture, stock.__name__)
+        return {**facts, "vit": False, "study_model": False, "registered_name": None, "pooling": pool_name(model),
+                "img_size": tuple(model.pretrained_cfg["input_size"][1:])}
     block = model.blocks[0]
     study = isinstance(model, RolloutVisionTransformer)
-    registered = architecture if study else POOLED_ARCHITECTURE if built_pool(model) != model.global_pool else None
+    norm, act, qkv = getattr(block, "norm1", None), getattr(block.mlp, "act", None), getattr(block.attn, "qkv", None)
     return {
-        "architecture": architecture,
-        "class": stock.__name__,
+        **facts,
         "study_model": study,
-        "registered_name": registered,
+        "registered_name": architecture if study else POOLED_ARCHITECTURE if built_pool(model) != model.global_pool
+        else None,
         "pooling": str(model.global_pool),
         **{attr: getattr(model, attr, default) for attr, default in OPTIONS.values()},
-        "params": sum(p.numel() for p in model.parameters()),
         "img_size": to_2tuple(model.patch_embed.img_size),  # an int on some (XCiT)
-        "patch_size": to_2tuple(model.patch_embed.patch_size),
-        "embed_dim": model.embed_dim,
-        "depth": len(model.blocks),
-        "num_heads": block.attn.num_heads,
-        "mlp_hidden": getattr(getattr(block.mlp, "fc1", None), "out_features", None),
-        "num_classes": model.num_classes,
-        "num_prefix_tokens": int(getattr(model, "num_prefix_tokens", 1)),
-        "num_reg_tokens": int(getattr(model, "num_reg_tokens", 0) or 0),
-        "norm_before_pool": not isinstance(getattr(model, "norm", None), (torch.nn.Identity, type(None))),
-        "fc_norm": not isinstance(getattr(model, "fc_norm", None), (torch.nn.Identity, type(None))),
-        **_block_facts(block),
+        "layout": {
+            "patch_size": to_2tuple(model.patch_embed.patch_size),
+            "embed_dim": model.embed_dim,
+            "depth": len(model.blocks),
+            "num_heads": block.attn.num_heads,
+            "mlp_hidden": getattr(getattr(block.mlp, "fc1", None), "out_features", None),
+            "block": type(block).__name__,  # timm's pre-norm Block, or another class
+            "norm": type(norm).__name__ if norm is not None else None,
+            "norm_eps": getattr(norm, "eps", None),
+            "activation": type(act).__name__ if act is not None else None,
+            "gelu_approximate": getattr(act, "approximate", None),
+            "qkv_bias": (qkv.bias is not None or getattr(block.attn, "q_bias", None) is not None) if qkv is not None
+            else None,
+            "num_prefix_tokens": int(getattr(model, "num_prefix_tokens", 1)),
+            "num_reg_tokens": int(getattr(model, "num_reg_tokens", 0) or 0),
+            "norm_before_pool": not isinstance(getattr(model, "norm", None), (torch.nn.Identity, type(None))),
+            "fc_norm": not isinstance(getattr(model, "fc_norm", None), (torch.nn.Identity, type(None))),
+        },
     }
 
 
-def _other_facts(model: torch.nn.Module, architecture: str, timm_class: str) -> dict[str, Any]:
-    """The card's facts of a timm model that is no ViT (a CNN): architecture, class, pooling, parameter count, the
-    image size its config names (the training images' for a run) and class count; ``vit`` False."""
-    return {"architecture": architecture, "class": timm_class, "vit": False, "study_model": False,
-            "registered_name": None, "pooling": pool_name(model), "params": sum(p.numel() for p in model.parameters()),
-            "img_size": tuple(model.pretrained_cfg["input_size"][1:]), "num_classes": model.num_classes}
-
-
-def _block_facts(block: torch.nn.Module) -> dict[str, Any]:
-    """The block's kind (timm's pre-norm ``Block`` or another class), its first norm and eps, MLP activation and
-    whether its qkv projection has a bias (None where the block has no such part)."""
-    norm = getattr(block, "norm1", None)
-    act = getattr(block.mlp, "act", None)
-    qkv = getattr(block.attn, "qkv", None)
-    return {
-        "block": type(block).__name__,
-        "norm": type(norm).__name__ if norm is not None else None,
-        "norm_eps": getattr(norm, "eps", None),
-        "activation": type(act).__name__ if act is not None else None,
-        "gelu_approximate": getattr(act, "approximate", None),
-        "qkv_bias": (qkv.bias is not None or getattr(block.attn, "q_bias", None) is not None) if qkv is not None
-        else None,
-    }
-
-
-def _eps(value: float) -> str:
-    """``1e-5`` rather than Python's ``1e-05``."""
-    mantissa, exponent = f"{value:e}".split("e")
-    return f"{float(mantissa):g}e{int(exponent)}"
-
-
-def _architecture_text(facts: dict[str, Any]) -> str:
-    """The card's architecture line: the model's class and sizes, block kind, norm, activation and qkv bias."""
-    if facts.get("vit") is False:
-        return f"{facts['architecture']}: timm {facts['class']}"
-    parts = [f"{facts['architecture']}: timm {facts['class']}", f"patch {facts['patch_size'][0]}",
-             f"dim {facts['embed_dim']}", f"depth {facts['depth']}", f"{facts['num_heads']} heads"]
-    if facts.get("mlp_hidden"):
-        parts.append(f"MLP {facts['mlp_hidden']}")
-    parts.append("pre-norm" if facts.get("block") == "Block" else f"{facts.get('block')} blocks")
-    if facts.get("norm_eps") is not None:
-        parts.append(f"{facts['norm']} eps {_eps(facts['norm_eps'])}")
-    if facts.get("activation") == "GELU":
-        parts.append("exact GELU" if facts.get("gelu_approximate") == "none" else
-                     f"GELU ({facts.get('gelu_approximate')} approximation)")
-    elif facts.get("activation"):
-        parts.append(facts["activation"])
-    if facts.get("qkv_bias") is not None:
-        parts.append("qkv bias" if facts["qkv_bias"] else "no qkv bias")
-    if facts.get("num_reg_tokens"):
-        parts.append(f"{facts['num_reg_tokens']} register tokens")
-    return ", ".join(parts)
-
-
-def _pooling_text(facts: dict[str, Any]) -> tuple[str, str]:
-    """(full, short) description of the model's pooling, with the tokens it pools as this model has them."""
+def _pooling(facts: dict[str, Any]) -> str:
+    """The card's pooling line: the pooling's name, what it reads out and, for rollout, its options' values."""
     pooling = facts["pooling"]
     if facts.get("vit") is False:
-        return f"timm global pooling {pooling!r} of its final feature map", f"its globally pooled ({pooling}) features"
-    if facts.get("norm_before_pool", True):
-        tokens = "(normed) patch tokens"
-    else:
-        tokens = "patch tokens"
-    registers = facts.get("num_reg_tokens", 0)
-    prefix = "[CLS] column" if facts.get("num_prefix_tokens", 1) == 1 else \
-        f"[CLS] and {registers} register-token columns" if registers else "prefix-token columns"
-    fusion, ratio = facts.get("rollout_head_fusion", "mean"), facts.get("rollout_discard_ratio", 0.0)
-    fused = "averaged over heads" if fusion == "mean" else f"fused over heads by {fusion}"
-    text = POOLING_TEXT.get(pooling, f"timm global pooling {pooling!r}").format(tokens=tokens, prefix=prefix,
-                                                                                fusion=fused)
-    if pooling == "avg" and facts.get("study_model"):
-        text += STUDY_AVG_TEXT
-    elif facts.get("fc_norm") and pooling in ("avg", "rollout"):
-        text += ", then the LayerNorm after pooling (fc_norm)"
-    short = POOLING_SHORT.get(pooling, text)
-    if pooling == "rollout" and facts.get("rollout_grad"):
-        text += ROLLOUT_GRAD_TEXT
-        short += " (trained with gradients through the rollout weights)"
-    if pooling == "rollout" and (fusion != "mean" or ratio):
-        options = f"rollout_head_fusion={fusion!r}, rollout_discard_ratio={ratio:g}"
-        text += f"; sharpened rollout ({options}: heads fused by {fusion}, the weakest {ratio:.0%} of " \
-                "patch-to-patch attention discarded)"
-        short += f" ({options})"
-    return text, short
+        return f"{pooling}: timm global pooling {pooling!r} of its final feature map"
+    text = f"{pooling}: {POOLING_TEXT.get(pooling, f'timm global pooling {pooling!r}')}"
+    if pooling == "rollout":
+        text += ". This model: " + ", ".join(f"{attr}={facts[attr]!r}" for attr, _ in OPTIONS.values())
+    return text
 
 
 def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {_fmt(v)}" for k, v in value.items() if isinstance(v, (int, float, str)))
-    return str(value)
-
-
-def _phrase(args: dict[str, Any], parts: list[tuple[str, str]]) -> str | None:
-    """'label value, label value' for the keys of ``args`` that are present (None when none is)."""
-    found = [f"{label} {_fmt(args[key])}".strip() for key, label in parts if args.get(key) is not None]
-    return ", ".join(found) or None
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def _is_local(dataset: str) -> bool:
@@ -305,43 +224,12 @@ def _dataset_arg(train_args: dict[str, Any]) -> str:
 
 
 def _recipe(train_args: dict[str, Any]) -> dict[str, str]:
-    """The card's training recipe; the warmup is the one the run used (``--warmup-epochs`` clipped to its length)."""
+    """The card's training recipe: the run's training flags and image counts as train_args.json names them; the
+    warmup is the one the run used (``--warmup-epochs`` clipped to its length)."""
     used = train_args.get("warmup_epochs_used")
     train_args = {**train_args, **({"warmup_epochs": used} if used is not None else {})}
-    rows = {
-        "Epochs": _phrase(train_args, [("epochs", "")]),
-        "Batch size": _phrase(train_args, [("batch_size", "")]),
-        "Optimizer": _phrase(train_args, [("opt", ""), ("lr", "lr"), ("weight_decay", "weight decay")]),
-        "Schedule": _phrase(train_args, [("sched", ""), ("warmup_epochs", "warmup epochs"), ("min_lr", "min lr")]),
-        "Augmentation and regularisation": _phrase(
-            train_args,
-            [("crop_padding", "random crop with padding"), ("hflip", "hflip p"), ("smoothing", "label smoothing"),
-             ("mixup", "mixup alpha"), ("cutmix", "cutmix alpha"), ("drop_path", "drop path"), ("model_ema", "EMA")],
-        ),
-        "Precision": _phrase(train_args, [("amp", "amp")]),
-        "Seed": _phrase(train_args, [("seed", "")]),
-        "Images": ", ".join(
-            f"{k} {_fmt(v)}" for k, v in train_args.items() if ("images" in k or "samples" in k) and v is not None
-        ) or None,
-        "Normalisation": _phrase(train_args, [("mean", "mean"), ("std", "std")]),
-    }
-    return {k: v for k, v in rows.items() if v}
-
-
-def _training_summary(summary: dict[str, Any] | None, train_args: dict[str, Any]) -> dict[str, str]:
-    """summary.json's figures, each labelled with what it measures: the ``eval_*`` figures are on the split
-    training evaluated after every epoch (the test split unless training named another), and ``best_eval_top1``
-    is the highest of them over the epochs, so it was picked on that split."""
-    split = train_args.get("eval_split") or "evaluation"
-    labels = {
-        "train_loss": "train_loss (last epoch)",
-        "eval_loss": f"eval_loss ({split} split, last epoch)",
-        "eval_top1": f"eval_top1 ({split} split, last epoch, %)",
-        "eval_top5": f"eval_top5 ({split} split, last epoch, %)",
-        "best_eval_top1": f"best_eval_top1 (the highest {split}-split top-1 of any epoch, %; picked on the {split} "
-                          "split, so optimistic, not a held-out figure)",
-    }
-    return {labels.get(k, k): _fmt(v) for k, v in (summary or {}).items() if isinstance(v, (int, float, str))}
+    keys = [*RECIPE, *(k for k in train_args if "images" in k or "samples" in k)]
+    return {k: _fmt(train_args[k]) for k in keys if train_args.get(k) is not None}
 
 
 def normalisation_mismatch(config: dict[str, Any], train_args: dict[str, Any] | None) -> str | None:
@@ -363,17 +251,19 @@ def model_card(
     summary: dict[str, Any] | None = None,
     selection: str | None = None,
 ) -> dict[str, Any]:
-    """A card in the dict format of timm's ``generate_readme`` (tags, licence, description, details, usage);
-    ``selection`` says how the run was picked among several (e.g. the seeds of a study arm)."""
+    """A card in the dict format of timm's ``generate_readme``, which renders it (metadata, description, details,
+    usage, citations); ``selection`` says how the run was picked among several (e.g. the seeds of a study arm)."""
     train_args = train_args or {}
-    pool_text, short = _pooling_text(facts)
+    vit = facts.get("vit") is not False
+    layout = {k: v for k, v in facts.get("layout", {}).items() if v is not None}
     details: dict[str, Any] = {
         "Model Type": "Image classification / feature backbone",
-        "Architecture": _architecture_text(facts),
-        "Pooling": f"{facts['pooling']}: {pool_text}",
+        "Architecture": {"name": facts["architecture"], "timm class": facts["class"], **layout},
+        "Pooling": _pooling(facts),
         "Params (M)": f"{facts['params'] / 1e6:.3f}",
         "Image size": "x".join(str(s) for s in facts["img_size"]),
         "Classes": facts["num_classes"],
+        "License": f"{LICENSE} (the weights; the training images keep their own terms)",
     }
     if selection:
         details["Selection"] = selection
@@ -384,39 +274,39 @@ def model_card(
     elif where:  # not a Hub data set: kept out of the card's `datasets:` metadata
         title = data_card_title(where) if Path(where).is_dir() else None
         details["Training data"] = f"a local data set folder, {Path(where).name}" + (f" ({title})" if title else "")
-    recipe = _recipe(train_args)
-    if recipe:
+    if recipe := _recipe(train_args):
         details["Training recipe"] = recipe
-    results = _training_summary(summary, train_args)
-    if results:
-        details["Training summary (summary.json)"] = results
+    if summary:
+        split = train_args.get("eval_split") or "evaluation"
+        details[f"Training summary (summary.json; train_loss and eval_* of the last epoch, eval_* on the {split} "
+                f"split, top-1/top-5 in %; best_eval_top1: the highest {split}-split top-1 of any epoch, picked on "
+                "that split, so optimistic, not a held-out figure)"] = {
+            k: _fmt(v) for k, v in summary.items() if isinstance(v, (int, float, str))}
     if isinstance(train_args.get("versions"), dict):
         details["Software"] = train_args["versions"]
-    vit = facts.get("vit") is not False
-    if vit:
-        details["Papers"] = ["Quantifying Attention Flow in Transformers (Abnar & Zuidema, ACL 2020): "
-                             "https://arxiv.org/abs/2005.00928"]
     return {
         "tags": ["image-classification", "timm", *(["vision-transformer", "attention-rollout"] if vit else [])],
         "license": LICENSE,
-        "description": _description(facts, short, details["Image size"], train_args),
+        "description": _description(facts, details["Image size"], train_args),
         "details": details,
         "usage": _usage(repo_id, _dataset_arg(train_args), facts),
+        "citation": [*([ABNAR_ZUIDEMA_2020] if vit else []), TIMM_CITATION],
     }
 
 
-def _description(facts: dict[str, Any], short: str, size: str, train_args: dict[str, Any]) -> str:
+def _description(facts: dict[str, Any], size: str, train_args: dict[str, Any]) -> str:
     """What the model is: a study arm (the tiny models), or the stock timm ViT (or other model) that was trained, and
     from what."""
+    pooled = f"classifies from its {facts['pooling']} pooling (see Pooling)"
     if facts.get("study_model"):
-        return (f"A tiny Vision Transformer for {size} images that classifies from {short}. It is one arm of the "
-                "timm-rollout study (does attention-rollout pooling help a tiny ViT?): [CLS] token, patch mean, "
-                "rollout-weighted patch tokens and learned attention pooling, differing only in pooling.")
+        return (f"A tiny Vision Transformer for {size} images that {pooled}. It is one arm of the timm-rollout study "
+                "(does attention-rollout pooling help a tiny ViT?): [CLS] token, patch mean, rollout-weighted patch "
+                "tokens and learned attention pooling, differing only in pooling.")
     start = ("fine-tuned from pretrained weights" if train_args.get("pretrained_file") else
              "trained from random initialisation" if "pretrained_file" in train_args else "trained")
     kind = "Vision Transformer" if facts.get("vit") is not False else facts["class"]
     return (f"timm's {facts['architecture']} {kind} ({facts['params'] / 1e6:.1f}M parameters), built for "
-            f"{size} images, {start} with timm-rollout to classify from {short}.")
+            f"{size} images, {start} with timm-rollout; it {pooled}.")
 
 
 def _import_text(facts: dict[str, Any]) -> tuple[str, str]:
@@ -471,7 +361,8 @@ def _evaluation(results: dict[str, Any]) -> str:
                  for k in found if metrics.get(k) is not None]
     if data.get("dataset") and _is_local(str(data["dataset"])):  # a local folder: by its name
         data = {**data, "dataset": Path(str(data["dataset"])).name}
-    where = _phrase(data, [("dataset", "data set"), ("split", "split"), ("num_images", "images:")])
+    named = (("dataset", "data set"), ("split", "split"), ("num_images", "images:"))
+    where = ", ".join(f"{label} {data[key]}" for key, label in named if data.get(key) is not None)
     text = "\n## Evaluation\n\n"
     text += "Metrics of `python -m harness.eval`" + (f" ({where})" if where else "") + ", "
     text += "computed on the L2-normalised pooled features `forward_head(forward_features(x), pre_logits=True)`.\n\n"
@@ -483,21 +374,15 @@ def _evaluation(results: dict[str, Any]) -> str:
 
 
 def render_card(card: dict[str, Any], repo_id: str, results: dict[str, Any] | None = None) -> str:
-    """README.md text: timm's card sections, then evaluation (if any), licence and citations."""
+    """README.md text: timm's ``generate_readme`` of the card, the evaluation of ``results`` (if any) before the
+    citations."""
     from timm.models._hub import generate_readme
 
     text = generate_readme(card, repo_id.split("/")[-1])
-    if results is not None:
-        text += _evaluation(results)
-    text += (
-        f"\n## License\n\nThe weights are released under the {card['license']} licence. "
-        "The training images keep their own terms.\n"
-    )
-    text += "\n## Citation\n\n"
-    if "attention-rollout" in card["tags"]:
-        text += "Attention rollout:\n```bibtex\n" + ABNAR_ZUIDEMA_2020 + "\n```\n"
-    text += "timm:\n```bibtex\n" + TIMM_CITATION + "\n```\n"
-    return text
+    if results is None:
+        return text
+    head, citation, citations = text.partition("\n## Citation\n")
+    return head + _evaluation(results) + citation + citations
 
 
 def prepare_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike, readme: str) -> list[Path]:
@@ -555,8 +440,6 @@ def write_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     ``eval_dir``'s results.json, which must have evaluated these weights; ``selection``: how this run was picked
     among others). The card's architecture facts come from the run loaded as ``local-dir:``. Returns the files and
     the architecture."""
-    from timm_rollout.loading import load_model
-
     run = Path(run_dir)
     record = read_run(run)
     results = read_results(eval_dir) if eval_dir else None
@@ -567,6 +450,8 @@ def write_upload_folder(run_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     mismatch = normalisation_mismatch(record["config"], record["train_args"])
     if mismatch:
         print(f"warning: {mismatch}; timm's transforms for this model will use config.json's", file=sys.stderr)
+    from timm_rollout.loading import load_model
+
     facts = describe_model(load_model(f"local-dir:{run.resolve()}")[0])
     card = model_card(repo_id, facts, record["train_args"], record["summary"], selection)
     return prepare_upload_folder(run, out_dir, render_card(card, repo_id, results)), facts["architecture"]

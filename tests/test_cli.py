@@ -28,7 +28,6 @@ EVAL = ["harness.eval", "--model", "vit_tiny_cifar_cls", "--dataset", "cifar10-s
         "--device", "cpu", "--amp", "none"]
 EXPLAIN = ["harness.explain", "--model", "vit_tiny_cifar_cls", "--output", "{out}", "--device", "cpu"]
 COMPARE = ["harness.compare", "{run}", "--output", "{out}"]
-SWEEP = ["harness.sweep", "{run}", "--param", "lr", "--output", "{out}"]
 STUDY = ["scripts/study.py", "--dataset", "cifar10-sample", "--epochs", "1", "--output", "{out}"]
 SUMMARY = ["scripts/summary_figure.py", "--curves", "{run}", "--studies", "{run}", "--output", "{out}/s.png"]
 
@@ -113,8 +112,8 @@ CASES = [
      "ev_copy are both seed 0 of vit_tiny_cifar_cls on cifar10-sample/test, so one seed would count twice"),
     (["harness.diagnose", "{ev}"], ["--runs", "{run}"],
      "ev evaluated hf-hub:org/vit without local weights, so --runs has nothing to find for it; drop --runs"),
-    (SWEEP, ["--output", "{file}"], "file.txt is a file; pass a folder"),
-    (SWEEP, ["--select", "top2"], "argument --select: invalid choice: 'top2'"),
+    (["harness.sweep", "{run}", "--param", "lr", "--output", "{out}"], [],
+     "harness.sweep was removed; compare each value's study with python -m harness.compare "),
     (EXPLAIN, ["--image", "{missing}"], "does not exist; check the path"),
     (EXPLAIN, ["--dataset", "cifar10-sample", "--target-class", "-1"], "argument --target-class: must be an integer"),
     (EXPLAIN, ["--dataset", "cifar10-sample", "--image", "{file}"], "not allowed with argument"),

@@ -264,8 +264,8 @@ def test_push_uploads_exactly_the_model_and_card(tmp_path, run, eval_dir, fake_h
     assert card.index("import timm_rollout") < card.index(f'timm.create_model("hf-hub:{REPO}", pretrained=True)')
     assert "license: apache-2.0" in card and "datasets:\n- cifar10\n" in card
     assert "Quantifying Attention Flow in Transformers" in card and "2005.00928" in card and "Abnar" in card
-    assert "Optimizer: adamw, lr 0.001, weight decay 0.05" in card and "Seed: 0" in card
-    assert "depth 2, 4 heads" in card and "Pooling:** rollout" in card
+    assert "  - opt: adamw\n  - lr: 0.001\n  - weight_decay: 0.05\n" in card and "  - seed: 0\n" in card
+    assert "  - depth: 2\n  - num_heads: 4\n" in card and "Pooling:** rollout" in card
     n_params = sum(v.numel() for v in load_file(folder / "model.safetensors").values())
     assert f"Params (M):** {n_params / 1e6:.3f}" in card
     assert "uploaded README.md" in capsys.readouterr().out
@@ -328,29 +328,31 @@ def test_card_lists_only_hub_data_sets_and_evaluates_on_the_training_data(datase
     ("name", "kwargs", "pooling", "words"),
     [
         ("vit_tiny_cifar_cls", {}, "token", "the final [CLS] token"),
-        ("vit_tiny_cifar_gap", {}, "avg", "the plain mean of the final (normed) patch tokens"),
+        ("vit_tiny_cifar_gap", {}, "avg", "the mean of the final patch tokens"),
         ("vit_tiny_cifar_rollout", {}, "rollout", "weighted by the [CLS] row of the attention rollout"),
-        ("vit_tiny_cifar_rollout", {"rollout_grad": True}, "rollout", "gradients flow through the pooling weights"),
+        ("vit_tiny_cifar_rollout", {"rollout_grad": True}, "rollout", "rollout_grad=True"),
         ("vit_tiny_cifar_cls", {"global_pool": "map"}, "map", "one learned latent query attends"),
         ("vit_tiny_cifar_rollout", {"rollout_head_fusion": "max", "rollout_discard_ratio": 0.9}, "rollout",
-         "heads fused by max, the weakest 90% of patch-to-patch attention discarded"),
+         "rollout_head_fusion='max', rollout_discard_ratio=0.9"),
     ],
 )
 def test_card_names_each_study_arm(tmp_path, name, kwargs, pooling, words):
-    """A saved run of every arm, reloaded as push_to_hub does: the card names its pooling and rollout_grad."""
+    """A saved run of every arm, reloaded as push_to_hub does: the card names its pooling, what it reads out (the
+    final tokens normed before pooling, no fc_norm), and rollout's options."""
     save_run(tmp_path, name, **kwargs)
     facts = hub.describe_model(load_model(name, tmp_path)[0])
     grad = bool(kwargs.get("rollout_grad"))
     assert facts["pooling"] == pooling and facts["rollout_grad"] == grad
+    assert facts["layout"]["norm_before_pool"] and not facts["layout"]["fc_norm"]
     card = hub.model_card("me/tiny", facts)
-    assert card["details"]["Pooling"].startswith(f"{pooling}: ") and words in card["details"]["Pooling"]
-    assert ("rollout_grad=True" in card["details"]["Pooling"]) == grad
-    assert ("gradients through the rollout weights" in card["description"]) == grad
+    line = card["details"]["Pooling"]
+    assert line.startswith(f"{pooling}: ") and words in line and hub.POOLING_TEXT[pooling] in line
+    assert ("rollout_grad=True" in line) == grad
     sharpened = "rollout_head_fusion" in kwargs
     options = ("max", 0.9) if sharpened else ("mean", 0.0)
     assert (facts["rollout_head_fusion"], facts["rollout_discard_ratio"]) == options
-    assert ("rollout_head_fusion='max', rollout_discard_ratio=0.9" in card["description"]) == sharpened
-    assert hub.POOLING_SHORT[pooling] in card["description"]
+    assert ("rollout_head_fusion='max', rollout_discard_ratio=0.9" in line) == sharpened
+    assert f"classifies from its {pooling} pooling" in card["description"]
 
 
 def test_metric_definitions_cover_the_readme_metrics():
@@ -444,11 +446,12 @@ def test_card_labels_what_each_training_figure_measures(tmp_path):
     (tmp_path / "run" / "train_args.json").write_text(json.dumps({**TRAIN_ARGS, "eval_split": "test"}))
     hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/tiny")
     card = (tmp_path / "up" / "README.md").read_text()
-    section = card.split("- **Training summary (summary.json):**\n")[1].split("\n- **")[0].splitlines()
-    assert section == ["  - epochs: 3", "  - train_loss (last epoch): 1.5",
-                       "  - eval_top1 (test split, last epoch, %): 81.25",
-                       "  - best_eval_top1 (the highest test-split top-1 of any epoch, %; picked on the test split, so "
-                       "optimistic, not a held-out figure): 82.5"]
+    head, section = card.split("- **Training summary (summary.json; ")[1].split(":**\n", 1)
+    assert head == ("train_loss and eval_* of the last epoch, eval_* on the test split, top-1/top-5 in %; "
+                    "best_eval_top1: the highest test-split top-1 of any epoch, picked on that split, so optimistic, "
+                    "not a held-out figure)")
+    assert section.split("\n- **")[0].splitlines() == ["  - epochs: 3", "  - train_loss: 1.5", "  - eval_top1: 81.25",
+                                                        "  - best_eval_top1: 82.5"]
 
 
 def test_card_states_how_the_run_was_picked(tmp_path):
@@ -523,6 +526,12 @@ def test_without_timm_rollout_timm_refuses_a_rollout_pooled_stock_vit(stock_run)
     assert done.stderr.strip().splitlines()[-1] == "RuntimeError: Unknown model (timm_rollout_pooled)"
 
 
+def _architecture(card: str) -> dict[str, str]:
+    """The card's architecture facts, as timm's card generator lists them under **Architecture:**."""
+    block = card.split("- **Architecture:**\n")[1].split("\n- **")[0]
+    return dict(line.removeprefix("  - ").split(": ", 1) for line in block.splitlines())
+
+
 def test_card_describes_the_stock_vit_that_was_trained(tmp_path, stock_run):
     """The card of a stock ViT states its own architecture, norm eps (1e-6 in timm's ViTs), parameter count and
     how timm loads it; nothing of the tiny study models."""
@@ -530,13 +539,17 @@ def test_card_describes_the_stock_vit_that_was_trained(tmp_path, stock_run):
     assert model.blocks[0].norm1.eps == 1e-6 and model.norm.eps == 1e-6
     hub.write_upload_folder(stock_run, tmp_path / "up", "me/stock")
     card = (tmp_path / "up" / "README.md").read_text()
-    assert ("**Architecture:** vit_tiny_patch16_224: timm VisionTransformer, patch 4, dim 192, depth 2, 3 heads, "
-            "MLP 768, pre-norm, LayerNorm eps 1e-6, exact GELU, qkv bias\n") in card
+    assert _architecture(card) == {"name": "vit_tiny_patch16_224", "timm class": "VisionTransformer",
+                                   "patch_size": "(4, 4)", "embed_dim": "192", "depth": "2", "num_heads": "3",
+                                   "mlp_hidden": "768", "block": "Block", "norm": "LayerNorm", "norm_eps": "1e-06",
+                                   "activation": "GELU", "gelu_approximate": "none", "qkv_bias": "True",
+                                   "num_prefix_tokens": "1", "num_reg_tokens": "0", "norm_before_pool": "True",
+                                   "fc_norm": "False"}
     assert f"**Params (M):** {sum(p.numel() for p in model.parameters()) / 1e6:.3f}\n" in card
     assert card.count("vit_tiny_patch16_224 Vision Transformer") == 1 and "trained from random initialisation" in card
     assert "import timm_rollout  # registers timm_rollout_pooled: vit_tiny_patch16_224 pooled by rollout" in card
     assert "rollout_head_fusion='max', rollout_discard_ratio=0.5" in card
-    for tiny in ("eps 1e-5", "one arm", "timm-rollout study", "vit_tiny_cifar", "parameter names match"):
+    for tiny in ("norm_eps: 1e-05", "one arm", "timm-rollout study", "vit_tiny_cifar"):
         assert tiny not in card
 
 
@@ -546,9 +559,11 @@ def test_card_of_a_stock_vit_with_a_timm_pooling_needs_no_timm_rollout(tmp_path,
     assert model.fc_norm.eps == 1e-6 and isinstance(model.norm, torch.nn.Identity)
     hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/stock-avg")
     card = (tmp_path / "up" / "README.md").read_text()
-    assert "LayerNorm eps 1e-6" in card and "import timm_rollout" not in card and "A plain timm" in card
-    assert "the plain mean of the final patch tokens, then the LayerNorm after pooling (fc_norm)" in card
-    assert "one arm" not in card and "(normed)" not in card
+    layout = _architecture(card)
+    assert (layout["norm"], layout["norm_eps"]) == ("LayerNorm", "1e-06")
+    assert "import timm_rollout" not in card and "A plain timm" in card
+    assert "**Pooling:** avg: the mean of the final patch tokens\n" in card
+    assert (layout["norm_before_pool"], layout["fc_norm"]) == ("False", "True") and "one arm" not in card
     loaded = timm.create_model(f"local-dir:{tmp_path / 'up'}", pretrained=True).eval()
     with torch.no_grad():
         assert torch.equal(loaded(images), model(images))
@@ -557,8 +572,12 @@ def test_card_of_a_stock_vit_with_a_timm_pooling_needs_no_timm_rollout(tmp_path,
 def test_card_of_a_tiny_model_is_a_study_arm(tmp_path, run):
     hub.write_upload_folder(run[0], tmp_path / "up", "me/tiny")
     card = (tmp_path / "up" / "README.md").read_text()
-    assert ("**Architecture:** vit_tiny_cifar_rollout: timm VisionTransformer, patch 4, dim 128, depth 2, 4 heads, "
-            "MLP 512, pre-norm, LayerNorm eps 1e-5, exact GELU, qkv bias\n") in card
+    assert _architecture(card) == {"name": "vit_tiny_cifar_rollout", "timm class": "VisionTransformer",
+                                   "patch_size": "(4, 4)", "embed_dim": "128", "depth": "2", "num_heads": "4",
+                                   "mlp_hidden": "512", "block": "Block", "norm": "LayerNorm", "norm_eps": "1e-05",
+                                   "activation": "GELU", "gelu_approximate": "none", "qkv_bias": "True",
+                                   "num_prefix_tokens": "1", "num_reg_tokens": "0", "norm_before_pool": "True",
+                                   "fc_norm": "False"}
     assert run[1].blocks[0].norm1.eps == 1e-5 and "It is one arm of the timm-rollout study" in card
     assert "timm knows `vit_tiny_cifar_cls` / `vit_tiny_cifar_gap` / `vit_tiny_cifar_rollout`" in card
 
@@ -625,8 +644,8 @@ def test_a_stock_vit_run_describes_the_pixels_it_trained_on_and_its_card_snippet
         assert torch.equal(scope["probs"], trained_stock(stock_run)(pixels).softmax(-1))
 
 
-@pytest.mark.parametrize(("fusion", "said", "not_said"), [("max", "attention fused over heads by max", "averaged"),
-                                                          ("mean", "attention averaged over heads", "fused over")])
+@pytest.mark.parametrize(("fusion", "said", "not_said"), [("max", "rollout_head_fusion='max'", "'mean'"),
+                                                          ("mean", "rollout_head_fusion='mean'", "'max'")])
 def test_card_pooling_line_states_the_runs_head_fusion(tmp_path, fusion, said, not_said):
     save_run(tmp_path / "run", "vit_tiny_cifar_rollout", rollout_head_fusion=fusion)
     hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/tiny")
@@ -642,4 +661,4 @@ def test_card_recipe_gives_the_warmup_the_run_used(tmp_path):
                                                                   "warmup_epochs_used": 1}))
     hub.write_upload_folder(tmp_path / "run", tmp_path / "up", "me/tiny")
     card = (tmp_path / "up" / "README.md").read_text()
-    assert "cosine, warmup epochs 1, min lr 1e-05" in card and "warmup epochs 5" not in card
+    assert "  - sched: cosine\n  - warmup_epochs: 1\n  - min_lr: 1e-05\n" in card and "warmup_epochs: 5" not in card

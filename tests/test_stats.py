@@ -153,6 +153,11 @@ def test_compare_finds_the_training_seed_and_refuses_ambiguous_pairs(tmp_path):
     assert compare.run_seed({"model": {"checkpoint": str(run)}, "config": {"seed": 0}}) == 7
     assert compare.run_seed({"model": {"checkpoint": str(run / "model.safetensors")}, "config": {"seed": 0}}) == 7
     assert compare.run_seed({"model": {"checkpoint": str(tmp_path / "gone")}, "config": {"seed": 3}}) == 3
+    study = tmp_path / "moved-study"  # the tree moved: <study>/eval/cls-s0 reads the run beside it, <study>/runs
+    (study / "runs" / "cls-s0").mkdir(parents=True)
+    (study / "runs" / "cls-s0" / "train_args.json").write_text(json.dumps({"seed": 5}))
+    assert compare.run_seed({"model": {"checkpoint": str(tmp_path / "gone" / "cls-s0")}, "config": {"seed": 0},
+                             "path": str(study / "eval" / "cls-s0")}) == 5
     twice = []
     for i, model in enumerate(("a", "a", "b")):
         (tmp_path / str(i)).mkdir()
