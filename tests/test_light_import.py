@@ -64,7 +64,6 @@ COMMANDS = [
     ("-m harness.diagnose", ["--device", "gpu0"], "error: argument --device: unknown device 'gpu0'"),
     ("-m harness.explain", ["--model", "vit_tiny_cifar_cls", "--target-class", "-1"],
      "error: argument --target-class: must be an integer >= 0, got -1"),
-    ("-m harness.sweep", ["run", "--select", "top2"], "error: argument --select: invalid choice: 'top2'"),
     ("scripts/study.py", ["--epochs", "0"], "error: argument --epochs: must be an integer >= 1, got 0"),
     ("scripts/push_to_hub.py", ["run"], "error: the following arguments are required: --repo-id"),
     ("scripts/convert_checkpoint.py", ["--num-heads", "0"],
