@@ -53,7 +53,6 @@ __all__ = [
     "run_seed",
     "same_images",
     "summarise",
-    "train_args",
 ]
 
 METRICS = ("top1", "top5", "linear_probe", "knn_loo", "knn_bank", "intra", "inter", "ratio", "silhouette")
@@ -181,19 +180,15 @@ def run_folder(result: dict[str, Any]) -> Path | None:
     return beside if beside is not None and (beside / ARGS_FILE).is_file() else recorded
 
 
-def train_args(result: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``train_args.json`` of an evaluated run (:func:`run_folder`); None where there is none to read."""
+def run_seed(result: dict[str, Any]) -> int | None:
+    """Training seed of a run: ``seed`` in the ``train_args.json`` of its run folder (:func:`run_folder`) where
+    that is readable, else the eval seed."""
     folder = run_folder(result)
     try:
         saved = json.loads((folder / ARGS_FILE).read_text(encoding="utf-8")) if folder is not None else None
     except (OSError, json.JSONDecodeError):
-        return None
-    return saved if isinstance(saved, dict) else None
-
-
-def run_seed(result: dict[str, Any]) -> int | None:
-    """Training seed of a run: its :func:`train_args` if readable, else the eval seed."""
-    seed = (train_args(result) or {}).get("seed")
+        saved = None
+    seed = saved.get("seed") if isinstance(saved, dict) else None
     return seed if isinstance(seed, int) else result.get("config", {}).get("seed")
 
 

@@ -19,12 +19,12 @@ from .plan import ARMS, POSTHOC
 
 # Report settings a folder remembers once given: a later command inherits them, or must repeat them unchanged.
 REMEMBERED = ("also_eval", "primary", "interaction")
-# Study flags that make two studies the same recipe, so that their primary comparisons can be set against each other.
-SAME_RECIPE = ("model", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class",
-               "faithfulness_images")
 # Study flags that change what is computed: a re-run must repeat them to reuse the folder (arms and seeds may grow).
 IDENTITY = ("model", "dataset", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class",
             "faithfulness_images")
+# Those that make two studies the same recipe (all but the data set), so that their primary comparisons can be set
+# against each other.
+SAME_RECIPE = tuple(k for k in IDENTITY if k != "dataset")
 
 
 def check_identity(args: argparse.Namespace, out: Path) -> tuple[list[str], list[int], list[str]]:

@@ -17,6 +17,7 @@ from harness.compare import (
     Group,
     compare_groups,
     format_ci,
+    format_mean,
     format_number,
     format_p,
     render_comparison,
@@ -45,9 +46,7 @@ def means_table(groups: dict[str, Group], metrics: Sequence[str]) -> str:
     for m in metrics:
         if all(g.mean.get(m) is None for g in groups.values()):
             continue
-        cells = ["-" if g.mean.get(m) is None else f"{g.mean[m]:.4f}" if g.std.get(m) is None
-                 else f"{g.mean[m]:.4f} ± {g.std[m]:.4f}" for g in groups.values()]
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append(f"| {m} | " + " | ".join(format_mean(g, m) for g in groups.values()) + " |")
     return "\n".join(lines)
 
 
