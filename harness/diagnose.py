@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import UserError
 from timm_rollout.records import ARGS_FILE, RESULTS_FILE, code_version, resolve_recorded
 
-__all__ = ["has_diagnostics", "main", "outdated", "update_evaluation"]
+__all__ = ["eval_command", "has_diagnostics", "main", "outdated", "update_evaluation"]
 
 # present (not None) once the mask metrics were computed, in either mask convention (foreground masks have no fill)
 MASK_METRICS = ("object_content_fraction",)
@@ -156,13 +157,13 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     model, info = harness_eval._load(args, sel.full, dev)
     if info["sha256"] != results["model"].get("sha256"):
         raise UserError(f"{folder}: the weights of {args.checkpoint or _local_dir(args) or args.model} changed since "
-                        "the evaluation (sha256); re-evaluate it with python -m harness.eval")
+                        f"the evaluation (sha256); re-evaluate it: {eval_command(args)}")
     kwargs = {"device": dev, "amp_dtype": DTYPES[results["environment"]["dtype"]], "batch_size": args.batch_size}
 
     if not _same_images(folder, results, args, sel.data):
         raise UserError(f"{folder}: the images selected now cannot be shown to be the evaluated ones (neither the "
                         "same datasets fingerprint nor a recorded content hash; reproduced predictions are no proof); "
-                        f"re-evaluate it: python -m harness.eval with the arguments in {RESULTS_FILE} ('args')")
+                        f"re-evaluate it: {eval_command(args)}")
     if "pooling diagnostics" in todo:
         found = pooling_diagnostics(model, sel.data.images, info["mean"], info["std"], **kwargs)
         results["metrics"].update(harness_eval.diagnostic_metrics(found))
@@ -183,6 +184,18 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     return todo
 
 
+def eval_command(args: argparse.Namespace) -> str:
+    """The ``harness.eval`` command that repeats an evaluation: its recorded arguments, those at their defaults left
+    out (a flag typed at its default can be refused, e.g. ``--bank-k`` without ``--bank-split``)."""
+    parser, words = harness_eval.build_parser(), ["python", "-m", "harness.eval"]
+    for dest, value in vars(args).items():
+        if value is None or value is False or value == parser.get_default(dest):
+            continue
+        flag = "--" + dest.replace("_", "-")
+        words += [flag] if value is True else [flag, *map(str, value if isinstance(value, list) else [value])]
+    return shlex.join(words)
+
+
 def _add_localisation(folder: str | Path, results: dict[str, Any], model, info: dict, data: ImageSet,
                       kwargs: dict[str, Any]) -> None:
     """The localisation metrics the record lacks (with content masks, where the data set has them); those it
@@ -194,8 +207,8 @@ def _add_localisation(folder: str | Path, results: dict[str, Any], model, info: 
         found[k] - recorded[k]) > 1e-4)]
     if differ:
         raise UserError(f"{folder}: {', '.join(differ[:3])} recomputed differ from the recorded values (e.g. "
-                        f"{differ[0]} {found[differ[0]]} against {recorded[differ[0]]}); re-evaluate it with "
-                        "python -m harness.eval")
+                        f"{differ[0]} {found[differ[0]]} against {recorded[differ[0]]}); re-evaluate it: "
+                        f"{eval_command(argparse.Namespace(**results['args']))}")
     recorded.update({k: v for k, v in found.items() if recorded.get(k) is None})
 
 

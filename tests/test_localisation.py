@@ -435,6 +435,7 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
     and compare pairs it with a new evaluation by content; other content is refused."""
     import json
     import os
+    import shlex
 
     from harness import diagnose
     from timm_rollout.clutter import ClutterRecipe, make_cluttered, split_file
@@ -486,8 +487,12 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
         compare.compare_groups(*compare.summarise(compare.load_results([old, tmp_path / "again"]),
                                                   label=lambda r: r["path"]))
     # The labels and top-1 predictions it recorded are reproduced, but that proves nothing about the pixels:
-    with pytest.raises(UserError, match=r"cannot be shown to be the evaluated ones .*no proof\); re-evaluate it"):
+    with pytest.raises(UserError, match=r"cannot be shown to be the evaluated ones .*no proof\); re-evaluate it: ") \
+            as e:
         diagnose.update_evaluation(old)
+    command = shlex.split(str(e.value).split("re-evaluate it: ")[1])  # a command that repeats the evaluation:
+    assert command[:3] == ["python", "-m", "harness.eval"]  # typed as given, no flag refused, every argument kept
+    assert vars(harness_eval.build_parser().parse_args(command[3:])) == record["args"]
     record["data"].update(split_content=full["data"]["split_content"], content=full["data"]["content"])
     (old / "results.json").write_text(json.dumps(record))  # an evaluation that recorded its content hashes
     assert diagnose.update_evaluation(old) == ["mask localisation"]
