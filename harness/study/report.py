@@ -182,8 +182,9 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         f"# Pooling arms ({', '.join(arms)}) on {args.dataset}", "",
         "Commands run on this folder:", "", *[f"- `{c}`" for c in commands], "",
         f"{len(seeds)} seed(s) ({', '.join(map(str, seeds))}), {args.epochs} epoch(s) per run, the same "
-        f"recipe for every arm (only the pooling differs); {minutes:.1f} training minutes in all. "
-        "`cls-posthoc-*` are the `cls` runs read out with another pooling, untrained (`harness.eval --pool`). "
+        f"recipe for every arm (only the pooling differs); {minutes:.1f} training minutes in all. " + (
+            "`cls-posthoc-*` are the `cls` runs read out with another pooling, untrained (`harness.eval --pool`). "
+            if any(a.startswith("cls-posthoc") for a in arms) else "") +
         "Metrics are from `python -m harness.eval` on the test split with the train split as k-NN bank and "
         "linear-probe training set (definitions in harness/README.md).", "",
         *data_section(args, out),
