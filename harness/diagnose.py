@@ -157,13 +157,13 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     model, info = harness_eval._load(args, sel.full, dev)
     if info["sha256"] != results["model"].get("sha256"):
         raise UserError(f"{folder}: the weights of {args.checkpoint or _local_dir(args) or args.model} changed since "
-                        f"the evaluation (sha256); re-evaluate it: {eval_command(args)}")
+                        f"the evaluation (sha256); re-evaluate it: {eval_command(args, folder)}")
     kwargs = {"device": dev, "amp_dtype": DTYPES[results["environment"]["dtype"]], "batch_size": args.batch_size}
 
     if not _same_images(folder, results, args, sel.data):
         raise UserError(f"{folder}: the images selected now cannot be shown to be the evaluated ones (neither the "
                         "same datasets fingerprint nor a recorded content hash; reproduced predictions are no proof); "
-                        f"re-evaluate it: {eval_command(args)}")
+                        f"re-evaluate it: {eval_command(args, folder)}")
     if "pooling diagnostics" in todo:
         found = pooling_diagnostics(model, sel.data.images, info["mean"], info["std"], **kwargs)
         results["metrics"].update(harness_eval.diagnostic_metrics(found))
@@ -184,11 +184,11 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     return todo
 
 
-def eval_command(args: argparse.Namespace) -> str:
-    """The ``harness.eval`` command that repeats an evaluation: its recorded arguments, those at their defaults left
-    out (a flag typed at its default can be refused, e.g. ``--bank-k`` without ``--bank-split``)."""
+def eval_command(args: argparse.Namespace, folder: str | Path) -> str:
+    """The ``harness.eval`` command that repeats an evaluation into ``folder`` (where it is now): its recorded
+    arguments, those at their defaults left out (typed, some are refused: ``--bank-k`` without ``--bank-split``)."""
     parser, words = harness_eval.build_parser(), ["python", "-m", "harness.eval"]
-    for dest, value in vars(args).items():
+    for dest, value in {**vars(args), "output": str(folder)}.items():
         if value is None or value is False or value == parser.get_default(dest):
             continue
         flag = "--" + dest.replace("_", "-")
@@ -208,7 +208,7 @@ def _add_localisation(folder: str | Path, results: dict[str, Any], model, info: 
     if differ:
         raise UserError(f"{folder}: {', '.join(differ[:3])} recomputed differ from the recorded values (e.g. "
                         f"{differ[0]} {found[differ[0]]} against {recorded[differ[0]]}); re-evaluate it: "
-                        f"{eval_command(argparse.Namespace(**results['args']))}")
+                        f"{eval_command(argparse.Namespace(**results['args']), folder)}")
     recorded.update({k: v for k, v in found.items() if recorded.get(k) is None})
 
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -70,6 +69,7 @@ from timm_rollout.device import (
 from timm_rollout.errors import UserError
 from timm_rollout.explain import MAP_LABELS, READOUTS
 from timm_rollout.pooling import attention_free, pool_name, set_pooling
+from timm_rollout.progress import Stopwatch
 from timm_rollout.records import (
     COSINE_FILE,
     FAITHFULNESS_FILE,
@@ -179,19 +179,6 @@ def _refuse_attention(args: argparse.Namespace, model: torch.nn.Module | None,
                         f"drop {' and '.join(asked)} (accuracy, k-NN, geometry, linear probe and silhouette need none)")
 
 
-class Stopwatch:
-    """Wall time of named stages, in seconds."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - start, 3)
-
-
 def _class_ids(names: Sequence[str], class_names: Sequence[str], flag: str) -> list[int]:
     lookup = {name: i for i, name in enumerate(class_names)}
     unknown = [n for n in names if n not in lookup]
@@ -220,17 +207,19 @@ def _subset(data: ImageSet, class_ids: list[int], per_class: int | None, seed: i
     return data.subset(idx), idx
 
 
-def _check_head(info: dict[str, Any], data: ImageSet) -> None:
-    """The data's classes are the checkpoint's: as many, or (plain integer labels, whose classes are only known up
-    to the largest label present) labels that fit its head."""
+def _check_head(info: dict[str, Any], data: ImageSet, dataset: str) -> None:
+    """The data's classes (``dataset``: as the user named it) are the checkpoint's: as many, or (plain integer
+    labels, whose classes are only known up to the largest label present) labels that fit its head."""
     integers = data.class_names == [str(i) for i in range(data.num_classes)]
     if info["num_classes"] != data.num_classes and not (integers and data.num_classes < info["num_classes"]):
         raise UserError(
-            f"checkpoint has {info['num_classes']} classes, data set {data.dataset} has {data.num_classes}; "
+            f"checkpoint has {info['num_classes']} classes, data set {dataset} has {data.num_classes}; "
             "evaluate it on the data set it was trained on"
         )
     if info.get("label_names"):
-        check_class_names(data.class_names, info["label_names"], f"data set {data.dataset}", "the checkpoint",
+        check_class_names(data.class_names, info["label_names"], f"data set {dataset}", "the checkpoint",
+                          "cast its plain integer label column to the checkpoint's classes if they are those, in "
+                          "that order (datasets' cast_column with ClassLabel(names=[...]))" if integers else
                           "evaluate it on data whose label column lists its classes in its order (datasets' "
                           "align_labels_with_mapping reorders one)")
 
@@ -362,7 +351,7 @@ def _load(args: argparse.Namespace, full: ImageSet, device: torch.device) -> tup
     if args.checkpoint is None and args.model.startswith("local-dir:"):  # its run folder: harness.compare reads
         info["checkpoint"] = args.model.removeprefix("local-dir:")  # the training seed there, as for --checkpoint
     _refuse_attention(args, model)  # where the meta device could not tell before
-    _check_head(info, full)
+    _check_head(info, full, args.dataset)
     check_input_size(model, full.images, fix="evaluate it on a data set of its input size")
     info["pool"] = posthoc_readout(model, args.pool)
     _say_readout(info, args.pool)

@@ -492,7 +492,7 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
         diagnose.update_evaluation(old)
     command = shlex.split(str(e.value).split("re-evaluate it: ")[1])  # a command that repeats the evaluation:
     assert command[:3] == ["python", "-m", "harness.eval"]  # typed as given, no flag refused, every argument kept
-    assert vars(harness_eval.build_parser().parse_args(command[3:])) == record["args"]
+    assert vars(harness_eval.build_parser().parse_args(command[3:])) == {**record["args"], "output": str(old)}
     record["data"].update(split_content=full["data"]["split_content"], content=full["data"]["content"])
     (old / "results.json").write_text(json.dumps(record))  # an evaluation that recorded its content hashes
     assert diagnose.update_evaluation(old) == ["mask localisation"]

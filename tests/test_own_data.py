@@ -153,9 +153,9 @@ def test_the_image_size_fix_reads_h_x_w_and_builds_the_model(data, tmp_path, cap
     assert "RGB 16x24, the model's input size: used as is" in capsys.readouterr().out
 
 
-def test_class_names_out_of_order_are_refused(tmp_path):
+def test_class_names_out_of_order_are_refused(tmp_path, monkeypatch):
     """Train split a, b and test split b, a: training refuses before it trains; a checkpoint recorded as a, b is
-    refused on the b, a split."""
+    refused on the b, a split, and on plain integer labels, with the fix that names their classes."""
     swapped = _dataset(tmp_path / "swapped", test_names=("b", "a"))
     message = _error(train, [*TRAIN, "--dataset", swapped, "--model-kwargs", "img_size=(16,24)", "patch_size=8",
                              "depth=1", "--output", str(tmp_path / "tr")])
@@ -169,6 +169,12 @@ def test_class_names_out_of_order_are_refused(tmp_path):
     other = _dataset(tmp_path / "other", test_names=("a", "c"))
     assert "has other class names than the checkpoint (a, c vs a, b)" in _error(
         harness_eval.main, ["--model", f"local-dir:{run}", "--dataset", other, *EVAL, "--output", str(tmp_path / "e")])
+    monkeypatch.chdir(tmp_path)  # plain integer labels: the fix is to name their classes; the data set as typed
+    _dataset(tmp_path / "ints", train_names=None, test_names=None)
+    message = _error(harness_eval.main, ["--model", f"local-dir:{run}", "--dataset", "./ints", *EVAL, "--output", "i"])
+    assert message.startswith("data set ./ints has other class names than the checkpoint (0, 1 vs a, b)")
+    assert message.endswith("cast its plain integer label column to the checkpoint's classes if they are those, in "
+                            "that order (datasets' cast_column with ClassLabel(names=[...]))")
 
 
 def test_eval_labels_beyond_the_training_classes_are_refused_before_training(tmp_path, monkeypatch):
