@@ -114,21 +114,21 @@ def build_parser() -> CliParser:
     p.add_argument("--pool", choices=POST_HOC_POOLS, help="read the features out with this pooling instead of the "
                    "model's own (token: [CLS], avg: patch mean, rollout: rollout weights) (default: the model's own)")
     p.add_argument("--k", type=positive_int, default=metrics.KNN_K,
-                   help=f"neighbours of the leave-one-out k-NN (default {metrics.KNN_K})")
+                   help="neighbours of the leave-one-out k-NN")
     p.add_argument("--bank-split", help="split whose features form the k-NN bank (e.g. train); off by default")
     p.add_argument("--bank-per-class", type=positive_int, metavar="N",
                    help="N random bank images per class (default: all of the bank split)")
     p.add_argument("--bank-k", type=positive_int, default=metrics.BANK_K,
-                   help=f"neighbours of the bank k-NN (default {metrics.BANK_K})")
+                   help="neighbours of the bank k-NN")
     p.add_argument("--temperature", type=positive, default=metrics.TEMPERATURE,
-                   help=f"bank k-NN vote temperature, > 0 (default {metrics.TEMPERATURE})")
+                   help="bank k-NN vote temperature, > 0")
     p.add_argument("--cosine-classes", nargs="+", metavar="NAME", help="classes of the cosine matrix (default: all)")
     p.add_argument("--heatmaps", type=non_negative_int, default=8, metavar="N", help="images in heatmaps.png (0: none)")
     p.add_argument("--save-features", action="store_true",
                    help="write features.safetensors (features and labels, the bank's too)")
     p.add_argument("--faithfulness", action="store_true", help="deletion/insertion curves of saliency maps")
     p.add_argument("--faithfulness-images", type=positive_int, default=1000, metavar="N",
-                   help="score the first N evaluated images (default 1000)")
+                   help="score the first N evaluated images")
     p.add_argument("--batch-size", type=positive_int,
                    help="images per forward pass (default: 512 on a GPU, 128 on a CPU, where it is faster)")
     p.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")

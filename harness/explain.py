@@ -54,7 +54,7 @@ def build_parser() -> CliParser:
     src.add_argument("--dataset", type=as_type(dataset_arg),
                      help="data set alias, Hub id or local folder; pick the image with --index")
     p.add_argument("--split", default="test", help="split of --dataset (default: test)")
-    p.add_argument("--index", type=int, default=0, help="image index in --dataset's split (default 0)")
+    p.add_argument("--index", type=int, default=0, help="image index in --dataset's split")
     p.add_argument("--target-class", type=non_negative_int,
                    help="class explained by the gradient map (default: predicted)")
     p.add_argument("--no-flow", action="store_true", help="skip attention flow (one max-flow per patch)")

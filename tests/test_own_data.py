@@ -19,6 +19,7 @@ import torch
 from harness import compare
 from harness import eval as harness_eval
 from harness import explain as harness_explain
+from harness.study import build_parser as study_parser
 from timm_rollout.checkpoint import save_model
 from timm_rollout.cli import ParseKwargs
 from timm_rollout.data import load_image_set
@@ -226,7 +227,12 @@ def test_help_lists_aliases_defaults_and_each_metric_once():
     for flag in ("--bank-per-class", "--classes", "--num-classes", "--pool", "--checkpoint"):  # default None
         assert parser._option_string_actions[flag].default is None and "(default: " in \
             parser._option_string_actions[flag].help, flag
+    for flag, default in (("--k", 5), ("--bank-k", 20), ("--temperature", 0.07), ("--faithfulness-images", 1000)):
+        entry = " ".join(parser.format_help().split(f"\n  {flag} ")[1].split("\n  --")[0].split())
+        assert entry.endswith(f"(default: {default})"), (flag, entry)
     shown = compare.build_parser().format_help()
     assert "--metrics METRIC [METRIC ...]" in shown and "{" not in shown
+    study = " ".join(study_parser().format_help().split())  # a list default as typed, an empty one not at all
+    assert "paired by seed (default: 0)" in study and "(default: )" not in study and "[0]" not in study
     for metric in compare.SHOWABLE:  # once, and the default ones once more in the default
         assert len(re.findall(rf"(?<!\w){metric}(?!\w)", shown)) == 1 + (metric in compare.METRICS), metric

@@ -44,10 +44,11 @@ class HelpWithDefaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if any(action.default is unset for unset in (None, False, argparse.SUPPRESS)) or action.default in ([], {}) \
-                or "default" in text or not action.option_strings:
+        if any(action.default is unset for unset in (None, False, argparse.SUPPRESS)) \
+                or action.default in ([], {}, "") or "default" in text or not action.option_strings:
             return text
-        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+        shown = " ".join(map(str, action.default)) if isinstance(action.default, list | tuple) else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
 
 
 class CliParser(argparse.ArgumentParser):
