@@ -57,7 +57,8 @@ def build_parser() -> CliParser:
 def _data_args(g: argparse._ArgumentGroup) -> None:
     """Data set, subsets and augmentation."""
     g.add_argument("--dataset", type=as_type(dataset_arg),
-                   help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or local folder")
+                   help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or local folder (required for a new "
+                        "run; one resumed or trained further reuses its own)")
     g.add_argument("--train-split", default="train", help="split to train on")
     g.add_argument("--eval-split", default=None, help="default: test, else validation")
     g.add_argument("--image-column", default=None, help="default: img or image")
