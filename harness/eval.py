@@ -354,20 +354,23 @@ def _load(args: argparse.Namespace, full: ImageSet, device: torch.device) -> tup
     _check_head(info, full, args.dataset)
     check_input_size(model, full.images, fix="evaluate it on a data set of its input size")
     info["pool"] = posthoc_readout(model, args.pool)
-    _say_readout(info, args.pool)
+    info["readout_note"] = _readout_note(info, args.pool)
+    if info["readout_note"]:
+        print(f"note: {info['readout_note']}", file=sys.stderr)
     return model, info
 
 
-def _say_readout(info: dict[str, Any], pool: str | None) -> None:
-    """One note when the weights are read out otherwise than they were trained (another architecture of the same
-    backbone, or ``--pool``): a post-hoc readout, not the trained model."""
+def _readout_note(info: dict[str, Any], pool: str | None) -> str | None:
+    """What to say when the weights are read out otherwise than they were trained (another architecture of the same
+    backbone, or ``--pool``): a post-hoc readout, not the trained model; None otherwise."""
     trained = info.get("checkpoint_architecture")
     if trained and trained != info.get("architecture"):
-        print(f"note: the weights were trained as {trained} and are read out as {info['architecture']} (pool "
-              f"{info.get('pool')}): a post-hoc readout, not the trained model", file=sys.stderr)
-    elif pool is not None and pool != info.get("global_pool"):
-        print(f"note: {info['name']} pools with {info.get('global_pool')} and is read out with --pool {pool}: a "
-              "post-hoc readout, not the trained model", file=sys.stderr)
+        return (f"the weights were trained as {trained} and are read out as {info['architecture']} (pool "
+                f"{info.get('pool')}): a post-hoc readout, not the trained model")
+    if pool is not None and pool != info.get("global_pool"):
+        return (f"{info['name']} pools with {info.get('global_pool')} and is read out with --pool {pool}: a "
+                "post-hoc readout, not the trained model")
+    return None
 
 
 def _load_bank(args: argparse.Namespace, class_ids: list[int]) -> ImageSet:
@@ -572,7 +575,8 @@ def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None
 def _summary(results: dict[str, Any]) -> str:
     shown = ", ".join(f"{k} {v:.4f}" for k, v in results["metrics"].items() if v is not None)
     env = results["environment"]  # bf16 results depend on the batch size too: say both
-    return f"{results['model']['name']} on {results['data']['num_images']} images: {shown} " \
+    posthoc = " (a post-hoc readout, not the trained model)" if results["model"].get("readout_note") else ""
+    return f"{results['model']['name']}{posthoc} on {results['data']['num_images']} images: {shown} " \
            f"({env['dtype']}, batches of {results['config']['batch_size']}, {results['timing']['total']:.1f} s)"
 
 

@@ -85,6 +85,7 @@ CASES = [
     (TRAIN, ["--sched", "cosin"], "argument --sched: invalid choice: 'cosin'"),
     (TRAIN, ["--output", "{file}"], "is a file; pass a folder"),
     (TRAIN, ["--epoch-count", "3"], "unrecognized arguments: --epoch-count 3; did you mean --epochs"),
+    (EVAL, ["--capture"], "unrecognized arguments: --capture (see python -m harness.eval --help)"),  # no far guess
     (TRAIN, ["--output", "{run}", "--resume", "--lr", "5e-4"], "--lr 0.0005 differs from the saved run's 0.001"),
     (EVAL, ["--temperature", "0"], "argument --temperature: must be a number > 0, got 0"),
     (EVAL, ["--checkpoint", "{missing}"], "does not exist; check the path"),

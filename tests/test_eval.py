@@ -610,10 +610,15 @@ def test_a_post_hoc_readout_says_so_and_the_summary_names_precision_and_batch(ch
     out, err = capsys.readouterr()
     assert err.count("note: ") == 1 and ("note: the weights were trained as vit_tiny_cifar_cls and are read out as "
                                          "vit_tiny_cifar_rollout (pool rollout): a post-hoc readout") in err
-    assert "(float32, batches of 16, " in out
+    assert "(float32, batches of 16, " in out  # the summary (stdout) and results.json say it too
+    assert out.startswith("vit_tiny_cifar_rollout (a post-hoc readout, not the trained model) on 20 images: ")
+    assert json.loads((tmp_path / "a" / "results.json").read_text())["model"]["readout_note"] in err
     harness_eval.main(["--model", "vit_tiny_cifar_cls", "--checkpoint", str(checkpoint), "--dataset", SAMPLE,
                        "--output", str(tmp_path / "b"), *quick])
-    assert "note: " not in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "note: " not in err and out.startswith("vit_tiny_cifar_cls on 20 images: ")
+    assert json.loads((tmp_path / "b" / "results.json").read_text())["model"]["readout_note"] is None
     harness_eval.main(["--model", "vit_tiny_cifar_cls", "--checkpoint", str(checkpoint), "--dataset", SAMPLE,
                        "--output", str(tmp_path / "c"), "--pool", "avg", *quick])
-    assert "is read out with --pool avg: a post-hoc readout" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "is read out with --pool avg: a post-hoc readout" in err and "(a post-hoc readout, not the" in out
