@@ -190,6 +190,23 @@ def test_eval_labels_beyond_the_training_classes_are_refused_before_training(tmp
     assert message.startswith("the eval split 'test' has labels up to 2 but the model has 2 classes (0-1)")
 
 
+def test_rows_without_a_label_are_refused_in_one_line_before_training(tmp_path, monkeypatch):
+    """ClassLabel's "no label" (-1) in the test split: training refuses before its first step (not an IndexError
+    after an epoch) and an evaluation refuses too (it would score those images against no class)."""
+    import timm_rollout.train.loop as loop
+
+    unlabelled = _dataset(tmp_path / "u", test_labels=[0, -1, 1, -1] + [0, 1] * 4)
+    monkeypatch.setattr(loop, "validate", lambda *a, **k: pytest.fail("trained before refusing"))
+    message = _error(train, [*TRAIN, "--dataset", unlabelled, "--model-kwargs", "img_size=(16,24)", "patch_size=8",
+                             "depth=1", "--output", str(tmp_path / "tr")])
+    assert message == (f"data set {unlabelled!r}, split 'test': 2 rows have no label (label -1, e.g. row 1); drop "
+                       "them first (e.g. ds.filter(lambda y: y >= 0, input_columns='label')) or label them")
+    run = _run(tmp_path / "run", "avg", 0)
+    assert _error(harness_eval.main, ["--model", f"local-dir:{run}", "--dataset", unlabelled, *EVAL, "--output",
+                                      str(tmp_path / "ev")]) == message
+    assert not (tmp_path / "tr" / "model.safetensors").exists() and not (tmp_path / "ev").exists()
+
+
 def test_integer_labels_without_the_top_class_are_scored_against_the_checkpoint(tmp_path):
     """A test split of plain integer labels 0 and 1, and a checkpoint of classes 0, 1 and 2: the labels fit its head,
     so it is evaluated (not refused as a 2-class data set), top-1 as a plain loop over the model gives."""

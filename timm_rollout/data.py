@@ -430,6 +430,7 @@ def load_image_set(
                         f"{', '.join(features)}")
     images, labels = _decoded_tensors(ds, f"{ds._fingerprint}{key and '-' + key}", img_col, lbl_col,
                                       f"data set {dataset!r}, split {split!r}")
+    _check_labelled(labels, dataset, split, lbl_col)
     feature = features[lbl_col]
     if isinstance(feature, datasets.ClassLabel):
         class_names = list(feature.names)
@@ -437,6 +438,15 @@ def load_image_set(
         class_names = [str(i) for i in range(int(labels.max()) + 1 if len(labels) else 0)]
     located = read_localisation(ds, dataset, tuple(images.shape[2:])) if boxes else (None, None, None)
     return ImageSet(images, labels, class_names, spec.path, split, ds._fingerprint, *located)
+
+
+def _check_labelled(labels: torch.Tensor, dataset: str, split: str, column: str) -> None:
+    """Refuse negative labels (datasets' ClassLabel stores "no label" as -1): no class to train on or score against."""
+    missing = torch.nonzero(labels < 0).flatten()
+    if len(missing):
+        raise UserError(f"data set {dataset!r}, split {split!r}: {len(missing)} rows have no label (label "
+                        f"{int(labels[missing[0]])}, e.g. row {int(missing[0])}); drop them first (e.g. "
+                        f"ds.filter(lambda y: y >= 0, input_columns={column!r})) or label them")
 
 
 def _few(names: Sequence[str]) -> str:
