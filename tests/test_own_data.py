@@ -238,6 +238,22 @@ def test_a_data_card_that_disagrees_with_the_files_names_the_columns(tmp_path):
                             "dataset_info list the files' columns, or remove it")
 
 
+def test_data_files_whose_column_types_differ_are_named_as_such(tmp_path):
+    """Boxes as [x, y, w, h] in the train file and [[x, y, w, h]] in the test file: datasets cannot cast one to the
+    other; the error says to make the files agree, not to pass a folder of parquet files (it is one)."""
+    folder = tmp_path / "mixed"
+    (folder / "data").mkdir(parents=True)
+    for split, box, feature in (("train", [0, 0, 8, 8], datasets.Value("float32")),
+                                ("test", [[0, 0, 8, 8]], datasets.Sequence(datasets.Value("float32")))):
+        _split(4, None, ["a", "b"], 0).add_column("bbox", [box] * 4, feature=datasets.Sequence(feature)) \
+            .to_parquet(str(folder / "data" / f"{split}-00000-of-00001.parquet"))
+    with pytest.raises(UserError) as e:
+        load_image_set(str(folder), "test")
+    assert str(e.value).startswith(f"datasets cannot read the folder {folder} (")
+    assert str(e.value).endswith("); give its data files the same columns with the same types (datasets reads them "
+                                 "as one table), or write it with save_to_disk")
+
+
 def test_help_lists_aliases_defaults_and_each_metric_once():
     parser = harness_eval.build_parser()
     assert "cifar10-sample" in parser._option_string_actions["--dataset"].help

@@ -273,8 +273,11 @@ def _unreadable(error: Exception, name: str, local: Path) -> UserError:
                          f"but {where} {', '.join(declared)}; {fix}")
     reason = "; ".join(f"{type(e).__name__}: {str(e).strip().splitlines()[0][:150]}" if str(e).strip()
                        else type(e).__name__ for e in dict.fromkeys((error, cause)))
-    return UserError(f"datasets cannot read the folder {name} ({reason}); pass a folder written by save_to_disk or "
-                     "holding .parquet/.arrow files or class folders of images")
+    has_files = any(p.suffix in DATA_SUFFIXES for p in local.rglob("*")) if local.is_dir() else False
+    fix = "give its data files the same columns with the same types (datasets reads them as one table), or write " \
+        "it with save_to_disk" if has_files else \
+        "pass a folder written by save_to_disk or holding .parquet/.arrow files or class folders of images"
+    return UserError(f"datasets cannot read the folder {name} ({reason}); {fix}")
 
 
 def _load_splits(spec: DatasetSpec, name: str):
