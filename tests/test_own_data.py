@@ -238,6 +238,22 @@ def test_a_data_card_that_disagrees_with_the_files_names_the_columns(tmp_path):
                             "dataset_info list the files' columns, or remove it")
 
 
+def test_data_files_that_order_their_classes_differently_are_refused(tmp_path):
+    """A test file whose ClassLabel lists b, a beside a train file's a, b: datasets reads both with one file's names
+    (the test labels would be scored against swapped classes), so the folder is refused, naming both files."""
+    folder = tmp_path / "order"
+    (folder / "data").mkdir(parents=True)
+    _split(8, None, ["a", "b"], 0).to_parquet(str(folder / "data" / "train-00000-of-00001.parquet"))
+    _split(8, None, ["b", "a"], 1).to_parquet(str(folder / "data" / "test-00000-of-00001.parquet"))
+    assert datasets.load_dataset(str(folder))["test"].features["label"].names == ["a", "b"]  # what datasets does
+    with pytest.raises(UserError) as e:
+        load_image_set(str(folder), "test")
+    assert str(e.value) == (f"data set {str(folder)!r}: its files name the classes of column 'label' differently "
+                            "(data/test-00000-of-00001.parquet: b, a; data/train-00000-of-00001.parquet: a, b), and "
+                            "datasets reads them all with one file's names; give every file one ClassLabel in one "
+                            "order (datasets' align_labels_with_mapping) or use save_to_disk")
+
+
 def test_data_files_whose_column_types_differ_are_named_as_such(tmp_path):
     """Boxes as [x, y, w, h] in the train file and [[x, y, w, h]] in the test file: datasets cannot cast one to the
     other; the error says to make the files agree, not to pass a folder of parquet files (it is one)."""

@@ -241,11 +241,33 @@ def _load_files(path: str, config: str | None, cache: Path):
                                  _empty(builder.info.features) for name, info in builder.info.splits.items()})
 
 
+def _check_file_classes(local: Path, name: str) -> None:
+    """Refuse parquet files whose ClassLabel columns name other classes, or the same in another order: datasets reads
+    every file of a folder with one file's features, so the others' labels would be scored against wrong classes."""
+    import pyarrow.parquet as pq
+
+    seen: dict[str, tuple[Path, list[str]]] = {}
+    for path in sorted(local.rglob("*.parquet")):
+        meta = (pq.read_schema(path).metadata or {}).get(b"huggingface")
+        columns = json.loads(meta).get("info", {}).get("features", {}) if meta else {}
+        for column, feature in columns.items():
+            if not isinstance(feature, dict) or feature.get("_type") != "ClassLabel":
+                continue
+            first = seen.setdefault(column, (path, feature.get("names", [])))
+            if first[1] != feature.get("names", []):
+                raise UserError(
+                    f"data set {name!r}: its files name the classes of column {column!r} differently "
+                    f"({first[0].relative_to(local)}: {_few(first[1])}; {path.relative_to(local)}: "
+                    f"{_few(feature.get('names', []))}), and datasets reads them all with one file's names; give every "
+                    "file one ClassLabel in one order (datasets' align_labels_with_mapping) or use save_to_disk")
+
+
 def _load_local(spec: DatasetSpec, name: str, key: str):
     """Splits of a local folder (its ``datasets`` cache under ``key``); what ``datasets`` cannot read is a UserError."""
     import datasets
 
     local = Path(spec.path)
+    _check_file_classes(local, name)
     try:
         if SAVED_MARKERS & {p.name for p in local.iterdir()}:
             return _load_saved(local)
