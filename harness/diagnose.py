@@ -30,6 +30,7 @@ from timm_rollout.cli import CliParser, existing_path, run_cli
 from timm_rollout.data import ImageSet
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import UserError
+from timm_rollout.progress import Stopwatch
 from timm_rollout.records import ARGS_FILE, RESULTS_FILE, code_version, resolve_recorded
 
 __all__ = ["eval_command", "has_diagnostics", "main", "outdated", "update_evaluation"]
@@ -149,7 +150,8 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     maps = not results.get("left_out")  # a model without attention has no localisation to add
     todo = [what for what, missing in (
         ("pooling diagnostics", not has_diagnostics(results)),
-        ("mask localisation", maps and sel.data.masks is not None and lacks_mask_metrics(results["metrics"])),
+        ("mask localisation", sel.data.masks is not None and (lacks_mask_metrics(results["metrics"]) if maps
+                                                              else "context_top1" not in results["metrics"])),
         ("position nulls", maps and sel.data.boxes is not None and lacks_position_nulls(results["metrics"])),
         ("content hashes", "content" not in results["data"])) if missing]
     if not todo:
@@ -168,7 +170,11 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
         found = pooling_diagnostics(model, sel.data.images, info["mean"], info["std"], **kwargs)
         results["metrics"].update(harness_eval.diagnostic_metrics(found))
         results["pooling_diagnostics"] = None if found is None else found.record()
-    if "mask localisation" in todo or "position nulls" in todo:
+    if not maps and "mask localisation" in todo:  # a model without attention: context_top1 only, as eval has it
+        _, found = harness_eval._pooling(model, info, sel.data, args.batch_size, dev, kwargs["amp_dtype"],
+                                         Stopwatch(), attention=False)
+        results["metrics"]["context_top1"] = found["context_top1"]
+    elif "mask localisation" in todo or "position nulls" in todo:
         _add_localisation(folder, results, model, info, sel.data, kwargs)
     if "content hashes" in todo:
         record = results["data"]

@@ -143,7 +143,7 @@ def test_attention_parts_are_refused_in_one_line_before_any_work(run: Path, tmp_
     assert not out.exists()
 
 
-def test_boxes_and_masks_leave_the_localisation_null_and_diagnose_adds_nothing(run: Path, tmp_path: Path,
+def test_boxes_and_masks_leave_the_localisation_null_and_diagnose_adds_only_context_top1(run: Path, tmp_path: Path,
                                                                                 capsys) -> None:
     clutter = tmp_path / "clutter"
     make_cluttered(SAMPLE, clutter, ClutterRecipe(canvas=48, fragments=2, seed=0), per_class=3, splits=["test"])
@@ -155,6 +155,11 @@ def test_boxes_and_masks_leave_the_localisation_null_and_diagnose_adds_nothing(r
                                             "localisation of pooling weights and attention maps"]
     assert isinstance(results["metrics"]["top1"], float)
     assert diagnose.update_evaluation(out, device="cpu") == []
+    record = json.loads((out / "results.json").read_text())
+    del record["metrics"]["context_top1"]  # recorded before context_top1 existed: the one part a CNN has
+    (out / "results.json").write_text(json.dumps(record))
+    assert diagnose.update_evaluation(out, device="cpu") == ["mask localisation"]
+    assert json.loads((out / "results.json").read_text())["metrics"] == results["metrics"]
     assert "Traceback" not in capsys.readouterr().err
 
 
