@@ -90,6 +90,13 @@ def test_quick_run_learns_and_writes_the_output_contract(quick_run: Path) -> Non
     with torch.no_grad():
         pred = model((test.images[idx].float() / 255 - mean) / std).argmax(1)
     assert 100 * (pred == test.labels[idx]).float().mean().item() == pytest.approx(rows[-1]["eval_top1"], abs=0.11)
+    # harness.eval of the same weights in the same precision (fp32) scores the same test images alike
+    from harness import eval as harness_eval
+
+    results = harness_eval.main(["--model", f"local-dir:{quick_run}", "--dataset", SAMPLE, "--heatmaps", "0",
+                                 "--device", "cpu", "--amp", "none", "--output", str(quick_run.parent / "eval")])
+    assert results["data"]["num_images"] == 1000
+    assert 100 * results["metrics"]["top1"] == pytest.approx(rows[-1]["eval_top1"], abs=0.11)
 
 
 def test_no_weight_decay_on_norms_biases_pos_embed_and_cls_token(quick_run: Path) -> None:
