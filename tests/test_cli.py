@@ -88,7 +88,8 @@ CASES = [
     (EVAL, ["--capture"], "unrecognized arguments: --capture (see python -m harness.eval --help)"),  # no far guess
     (TRAIN, ["--output", "{run}", "--resume", "--lr", "5e-4"], "--lr 0.0005 differs from the saved run's 0.001"),
     (EVAL, ["--temperature", "0"], "argument --temperature: must be a number > 0, got 0"),
-    (EVAL, ["--checkpoint", "{missing}"], "does not exist; check the path"),
+    (EVAL, ["--checkpoint", "{missing}"], "missing.png does not exist; check the path"),
+    (EVAL, ["--checkpoint", "{run}s"], "runs does not exist (did you mean "),  # a near miss beside it: named
     (EVAL, ["--split", "nope"], "has no split 'nope'; its splits are train, test: name one with --split"),
     (EVAL, ["--label-column", "img"], "column 'img' would be both the images and the labels; name the label column"),
     (TRAIN, ["--label-column", "img"], "column 'img' would be both the images and the labels; name the label column"),

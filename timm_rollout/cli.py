@@ -218,9 +218,13 @@ def key_value(text: str) -> str:
 
 
 def existing_path(text: str) -> str:
-    """An argparse ``type``: a file or folder that exists."""
-    if not Path(text).expanduser().exists():
-        raise argparse.ArgumentTypeError(f"{text} does not exist; check the path")
+    """An argparse ``type``: a file or folder that exists (else the nearest name beside it, if one is close)."""
+    path = Path(text).expanduser()
+    if not path.exists():
+        names = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
+        near = difflib.get_close_matches(path.name, names, n=1, cutoff=0.8)
+        hint = f" (did you mean {Path(text).parent / near[0]}?)" if near else ""
+        raise argparse.ArgumentTypeError(f"{text} does not exist{hint}; check the path")
     return text
 
 
