@@ -247,6 +247,9 @@ def posthoc_readout(model: torch.nn.Module, pool: str | None) -> str:
 def _heatmap_figure(model, sel: Selection, info: dict, args, device, amp_dtype, out: Path) -> Path:
     """heatmaps.png: ``--heatmaps`` seeded picks of the evaluated images, each titled with its index in the split."""
     data = sel.data
+    if args.heatmaps > len(data):
+        print(f"note: --heatmaps {args.heatmaps} but {len(data)} images are evaluated: all of them drawn",
+              file=sys.stderr)
     gen = torch.Generator().manual_seed(args.seed)
     pick = torch.randperm(len(data), generator=gen)[: args.heatmaps].sort().values
     images = data.images[pick]

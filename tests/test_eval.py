@@ -601,6 +601,13 @@ def test_user_errors(checkpoint, tmp_path, tmp_path_factory):
     assert not (tmp_path / "out" / "results.json").exists()
 
 
+def test_more_heatmaps_than_images_draws_them_all_and_says_so(checkpoint, tmp_path, capsys):
+    results = harness_eval.main(_args(checkpoint, tmp_path / "h", "--per-class", "2", "--heatmaps", "25", "--device",
+                                      "cpu", "--amp", "none"))
+    assert "note: --heatmaps 25 but 20 images are evaluated: all of them drawn" in capsys.readouterr().err
+    assert "heatmaps.png" in results["outputs"]["figures"]
+
+
 def test_a_post_hoc_readout_says_so_and_the_summary_names_precision_and_batch(checkpoint, tmp_path, capsys):
     """[CLS] weights read out by rollout pooling (another architecture) or with --pool: one note line each; the
     weights evaluated as trained: none. The summary line names the precision and batch size (bf16 results depend
