@@ -213,11 +213,11 @@ def _check_head(info: dict[str, Any], data: ImageSet, dataset: str) -> None:
     integers = data.class_names == [str(i) for i in range(data.num_classes)]
     if info["num_classes"] != data.num_classes and not (integers and data.num_classes < info["num_classes"]):
         raise UserError(
-            f"checkpoint has {info['num_classes']} classes, data set {dataset} has {data.num_classes}; "
+            f"checkpoint has {info['num_classes']} classes, data set {dataset!r} has {data.num_classes}; "
             "evaluate it on the data set it was trained on"
         )
     if info.get("label_names"):
-        check_class_names(data.class_names, info["label_names"], f"data set {dataset}", "the checkpoint",
+        check_class_names(data.class_names, info["label_names"], f"data set {dataset!r}", "the checkpoint",
                           "cast its plain integer label column to the checkpoint's classes if they are those, in "
                           "that order (datasets' cast_column with ClassLabel(names=[...]))" if integers else
                           "evaluate it on data whose label column lists its classes in its order (datasets' "

@@ -173,7 +173,7 @@ def test_class_names_out_of_order_are_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # plain integer labels: the fix is to name their classes; the data set as typed
     _dataset(tmp_path / "ints", train_names=None, test_names=None)
     message = _error(harness_eval.main, ["--model", f"local-dir:{run}", "--dataset", "./ints", *EVAL, "--output", "i"])
-    assert message.startswith("data set ./ints has other class names than the checkpoint (0, 1 vs a, b)")
+    assert message.startswith("data set './ints' has other class names than the checkpoint (0, 1 vs a, b)")
     assert message.endswith("cast its plain integer label column to the checkpoint's classes if they are those, in "
                             "that order (datasets' cast_column with ClassLabel(names=[...]))")
 
