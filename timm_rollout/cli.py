@@ -221,7 +221,10 @@ def existing_path(text: str) -> str:
     """An argparse ``type``: a file or folder that exists (else the nearest name beside it, if one is close)."""
     path = Path(text).expanduser()
     if not path.exists():
-        names = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() else []
+        try:
+            names = [p.name for p in path.parent.iterdir()]
+        except OSError:  # no such folder, or one we cannot list: no suggestion
+            names = []
         near = difflib.get_close_matches(path.name, names, n=1, cutoff=0.8)
         hint = f" (did you mean {Path(text).parent / near[0]}?)" if near else ""
         raise argparse.ArgumentTypeError(f"{text} does not exist{hint}; check the path")
