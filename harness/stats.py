@@ -17,7 +17,7 @@ from scipy import stats as sps
 from scipy.optimize import brentq
 
 __all__ = ["ALPHA", "POWER", "McNemar", "TInterval", "holm", "mcnemar", "mcnemar_mid_p",
-           "min_detectable_effect", "paired_delta", "t_interval"]
+           "min_detectable_effect", "paired_delta", "seeds_for_mde", "t_interval"]
 
 ALPHA = 0.05  # two-sided level of every interval and test (95% confidence)
 POWER = 0.8  # power of the minimum detectable effect
@@ -54,6 +54,12 @@ def min_detectable_effect(sd: float, n: int, alpha: float = ALPHA, power: float 
 
     shortcut = crit + sps.t.ppf(power, df)  # within 15% of the solution for n >= 2
     return float(brentq(shortfall, 0.5 * shortcut, 4 * shortcut, xtol=1e-12) * se)
+
+
+def seeds_for_mde(sd: float, target: float, most: int) -> int | None:
+    """The fewest seeds (2 to ``most``) whose :func:`min_detectable_effect` at per-seed spread ``sd`` is at most
+    ``target``: how many seeds a study plans from the spread of its first ones. None when ``most`` fall short."""
+    return next((n for n in range(2, most + 1) if min_detectable_effect(sd, n) <= target), None)
 
 
 def t_interval(values: Sequence[float]) -> TInterval:

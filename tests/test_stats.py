@@ -71,6 +71,24 @@ def test_mde_is_the_effect_detected_with_the_stated_power(n):
     assert stats.min_detectable_effect(2 * sd, n) == pytest.approx(2 * mde, rel=1e-9)  # scales with sd
 
 
+@pytest.mark.parametrize(("sd", "want"), [(0.0035, 4), (0.0055, 5), (0.02, None)])
+def test_seeds_for_mde_is_the_fewest_seeds_whose_simulated_power_reaches_0_8(sd, want):
+    """Simulated paired experiments whose true mean difference is the target (0.01): with the seeds returned a
+    two-sided t-test at level 0.05 rejects in at least 80% of them, with one seed fewer in under 80%; None when
+    even the cap (12) falls short."""
+    def power(n: int) -> float:
+        x = np.random.default_rng(n).normal(0.01, sd, size=(50_000, n))
+        t = x.mean(1) / (x.std(1, ddof=1) / math.sqrt(n))
+        return float((np.abs(t) > sps.t.ppf(0.975, n - 1)).mean())
+
+    got = stats.seeds_for_mde(sd, 0.01, 12)
+    assert got == want
+    if want is None:
+        assert power(12) < 0.78
+    else:
+        assert power(want) > 0.82 and power(want - 1) < 0.78
+
+
 def test_mcnemar_against_a_hand_count():
     base = [1, 1, 1, 0, 0, 0, 1, 0, 1, 1]
     other = [1, 0, 1, 1, 1, 1, 1, 1, 0, 1]

@@ -5,7 +5,8 @@
 every dose, so the interaction I_s = (arm - base top-1 at the last dose) - (arm - base at the first) is a
 difference within one pair of models. This module reads, from those evaluations:
 
-- the primary: I over the seeds (95% t-interval, p, MDE) and its outcome under :func:`rule_outcome`;
+- the primary: I over the seeds (95% t-interval, p, MDE), its outcome under :func:`rule_outcome`, and how many
+  seeds its per-seed spread asks for to detect the gain of interest;
 - arm - base top-1 at each dose, and the trend: per seed the least-squares slope of arm - base over the dose steps
   0, 1, 2, ... (points of top-1 per step);
 - image-level: per test image, the mean over seeds of (a_last - b_last) - (a_first - b_first) (1 for a right top-1),
@@ -28,11 +29,12 @@ import numpy as np
 from harness import stats
 from harness.compare import format_ci, format_number, format_p
 
-__all__ = ["INTEREST", "MARGIN", "NULLS", "contrast_metric", "dose_section", "image_level", "null_outcome",
-           "place_outcome", "rule_outcome", "trend_slope"]
+__all__ = ["INTEREST", "MARGIN", "MOST_SEEDS", "NULLS", "contrast_metric", "dose_section", "image_level",
+           "null_outcome", "place_outcome", "rule_outcome", "trend_slope"]
 
 INTEREST = 0.01  # the smallest gain of interest: one point of top-1
 MARGIN = 0.02  # the smallest difference of interest in object mass
+MOST_SEEDS = 12  # the notes' cap on the planned seeds
 NULLS = ("content_chance", "position_prior_mass", "pooling_fixed_object_mass")  # maps blind to the object
 
 
@@ -111,12 +113,25 @@ def dose_section(base: str, arm: str, names: Sequence[str], seeds: Sequence[int]
     lines.append(_interval_row(f"trend of {arm} - {base} per dose step", slopes, rule_outcome))
     lines.append("")
     shown = ", ".join(f"seed {s} {v:+.4f}" for s, v in zip(seeds, primary, strict=True))
-    lines += [f"Per seed, the primary: {shown}.", ""]
+    lines += [f"Per seed, the primary: {shown}.", *_seeds_needed(primary), ""]
     if hits is not None:
         d = image_level(hits, base, arm, first, last, seeds)
         lines += [f"Image-level, pooled over the {len(seeds)} seeds (the trained models held fixed): the mean over "
                   f"{d.n} images of the per-image interaction is {d.mean:+.4f} {format_ci(d)}.", ""]
     return [*lines, *_localisation_rows(base, arm, names, seeds, metric)]
+
+
+def _seeds_needed(primary: Sequence[float]) -> list[str]:
+    """How many seeds the primary's per-seed spread asks for, to detect the gain of interest (the notes' plan)."""
+    if len(primary) < 2:
+        return []
+    sd = stats.t_interval(primary).sd
+    n = stats.seeds_for_mde(sd, INTEREST, MOST_SEEDS)
+    if n is None:
+        return [f"At the primary's per-seed sd of {sd:.4f}, even {MOST_SEEDS} seeds give an MDE of only "
+                f"{stats.min_detectable_effect(sd, MOST_SEEDS):.4f}, above the gain of interest {INTEREST}."]
+    return [f"At the primary's per-seed sd of {sd:.4f}, {n} seeds give an MDE of at most the gain of interest "
+            f"{INTEREST} ({stats.min_detectable_effect(sd, n):.4f})."]
 
 
 def _localisation_rows(base: str, arm: str, names: Sequence[str], seeds: Sequence[int], metric) -> list[str]:
