@@ -27,7 +27,7 @@ from harness.localisation import LOCALISATION, POSITION_NULLS
 from harness.metrics import POOLING_DIAGNOSTICS
 from timm_rollout.atomic import write_json
 from timm_rollout.cli import CliParser, existing_path, run_cli
-from timm_rollout.data import ImageSet
+from timm_rollout.data import ALIASES, ImageSet
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import UserError
 from timm_rollout.progress import Stopwatch
@@ -120,9 +120,15 @@ def _local_dir(args: argparse.Namespace) -> str | None:
     return args.model.removeprefix("local-dir:") if args.model.startswith("local-dir:") else None
 
 
-def _locate(folder: str | Path, args: argparse.Namespace, runs: str | Path | None) -> None:
+def _locate(folder: str | Path, args: argparse.Namespace, runs: str | Path | None, dataset: str | None) -> None:
     """Point the evaluation's local weights (``--checkpoint``, a ``local-dir:`` model, or both) at the folders of
-    the same names in ``runs`` when given; refuse weights that are not there, and ``runs`` without local weights."""
+    the same names in ``runs`` when given; refuse weights that are not there, and ``runs`` without local weights.
+    A ``--dataset`` folder not there from the working directory is read where the record places it (``dataset``,
+    relative to ``folder``): the image checks that follow decide whether it holds the evaluated images."""
+    found = resolve_recorded(dataset, folder)
+    if args.dataset not in ALIASES and not Path(args.dataset).exists() and found and Path(found).is_absolute() \
+            and Path(found).is_dir():
+        args.dataset = found
     if runs is not None:
         if not (args.checkpoint or _local_dir(args)):
             raise UserError(f"{folder} evaluated {args.model} without local weights, so --runs has nothing to find "
@@ -144,7 +150,7 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     path = Path(folder) / RESULTS_FILE
     results = read_results(path)
     args = argparse.Namespace(**results["args"])
-    _locate(folder, args, runs)
+    _locate(folder, args, runs, results["data"].get("dataset"))
     start, dev = time.perf_counter(), resolve_device(device or args.device)
     sel = harness_eval._select(args)
     maps = not results.get("left_out")  # a model without attention has no localisation to add

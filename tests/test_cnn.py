@@ -144,12 +144,17 @@ def test_attention_parts_are_refused_in_one_line_before_any_work(run: Path, tmp_
 
 
 def test_boxes_and_masks_leave_the_localisation_null_and_diagnose_adds_only_context_top1(run: Path, tmp_path: Path,
-                                                                                capsys) -> None:
+                                                                                capsys, monkeypatch) -> None:
+    """diagnose runs from another directory than the evaluation's: the recorded relative --dataset is found where
+    the record places it."""
     clutter = tmp_path / "clutter"
     make_cluttered(SAMPLE, clutter, ClutterRecipe(canvas=48, fragments=2, seed=0), per_class=3, splits=["test"])
     out = tmp_path / "eval"
-    results = harness_eval.main(["--model", f"local-dir:{run}", "--dataset", str(clutter), "--device", "cpu",
-                                 "--amp", "none", "--k", "3", "--heatmaps", "0", "--output", str(out)])
+    monkeypatch.chdir(tmp_path)
+    results = harness_eval.main(["--model", f"local-dir:{run}", "--dataset", "clutter", "--device", "cpu",
+                                 "--amp", "none", "--k", "3", "--heatmaps", "0", "--output", "eval"])
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
     assert all(results["metrics"][k] is None for k in LOCALISATION)  # context_top1 too: 3 images a class
     assert results["left_out"]["parts"] == ["rollout pooling diagnostics",
                                             "localisation of pooling weights and attention maps"]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import timm
 import torch
@@ -233,8 +234,8 @@ def test_a_data_card_that_disagrees_with_the_files_names_the_columns(tmp_path):
         "      class_label:\n        names:\n          '0': a\n          '1': b\n---\n")
     with pytest.raises(UserError) as e:
         load_image_set(str(folder), "train")
-    assert str(e.value) == (f"datasets cannot read the folder {folder}: a data file holds the columns image, label, "
-                            "extra but its data card (README.md) declares image, label; make README.md's "
+    assert str(e.value) == (f"datasets cannot read the folder {str(folder)!r}: a data file holds the columns image, "
+                            "label, extra but its data card (README.md) declares image, label; make README.md's "
                             "dataset_info list the files' columns, or remove it")
 
 
@@ -256,7 +257,8 @@ def test_data_files_that_order_their_classes_differently_are_refused(tmp_path):
 
 def test_data_files_whose_column_types_differ_are_named_as_such(tmp_path):
     """Boxes as [x, y, w, h] in the train file and [[x, y, w, h]] in the test file: datasets cannot cast one to the
-    other; the error says to make the files agree, not to pass a folder of parquet files (it is one)."""
+    other; the error names the column and both files' types, and says to make the files agree, not to pass a folder
+    of parquet files (it is one)."""
     folder = tmp_path / "mixed"
     (folder / "data").mkdir(parents=True)
     for split, box, feature in (("train", [0, 0, 8, 8], datasets.Value("float32")),
@@ -265,9 +267,12 @@ def test_data_files_whose_column_types_differ_are_named_as_such(tmp_path):
             .to_parquet(str(folder / "data" / f"{split}-00000-of-00001.parquet"))
     with pytest.raises(UserError) as e:
         load_image_set(str(folder), "test")
-    assert str(e.value).startswith(f"datasets cannot read the folder {folder} (")
-    assert str(e.value).endswith("); give its data files the same columns with the same types (datasets reads them "
-                                 "as one table), or write it with save_to_disk")
+    train, test = (str(pq.read_schema(folder / "data" / f"{s}-00000-of-00001.parquet").field("bbox").type)
+                   for s in ("train", "test"))
+    assert train != test and str(e.value) == (
+        f"datasets cannot read the folder {str(folder)!r}: its files give column 'bbox' different types "
+        f"(data/test-00000-of-00001.parquet: {test}; data/train-00000-of-00001.parquet: {train}), and datasets "
+        "reads its files as one table; give the column one type in every file, or write the data set with save_to_disk")
 
 
 def test_help_lists_aliases_defaults_and_each_metric_once():
