@@ -125,8 +125,8 @@ def _locate(folder: str | Path, args: argparse.Namespace, runs: str | Path | Non
     the same names in ``runs`` when given; refuse weights that are not there, and ``runs`` without local weights.
     A ``--dataset`` folder not there from the working directory is read where the record places it (``dataset``,
     relative to ``folder``): the image checks that follow decide whether it holds the evaluated images."""
-    found = resolve_recorded(dataset, folder)
-    if args.dataset not in ALIASES and not Path(args.dataset).exists() and found and Path(found).is_absolute() \
+    typed, found = getattr(args, "dataset", None), resolve_recorded(dataset, folder)
+    if typed and typed not in ALIASES and not Path(typed).exists() and found and Path(found).is_absolute() \
             and Path(found).is_dir():
         args.dataset = found
     if runs is not None:

@@ -135,7 +135,7 @@ def test_folder_that_is_not_a_data_set(tmp_path: Path) -> None:
     broken.mkdir()
     (broken / "dataset_dict.json").write_text("{")
     assert dataset_arg(str(broken)) == str(broken)  # looks like one: datasets decides
-    with pytest.raises(UserError, match=r"datasets cannot read the folder .*broken \(JSONDecodeError"):
+    with pytest.raises(UserError, match=r"datasets cannot read the folder .*broken' \(JSONDecodeError"):
         load_image_set(str(broken))
 
 
