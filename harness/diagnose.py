@@ -123,11 +123,11 @@ def _local_dir(args: argparse.Namespace) -> str | None:
 def _locate(folder: str | Path, args: argparse.Namespace, runs: str | Path | None, dataset: str | None) -> None:
     """Point the evaluation's local weights (``--checkpoint``, a ``local-dir:`` model, or both) at the folders of
     the same names in ``runs`` when given; refuse weights that are not there, and ``runs`` without local weights.
-    A ``--dataset`` folder not there from the working directory is read where the record places it (``dataset``,
-    relative to ``folder``): the image checks that follow decide whether it holds the evaluated images."""
+    A ``--dataset`` folder is read where the record places it (``dataset``, relative to ``folder``) when it is
+    there, from any working directory (and is what a printed re-evaluation names); else as typed. The image checks
+    that follow decide whether it holds the evaluated images."""
     typed, found = getattr(args, "dataset", None), resolve_recorded(dataset, folder)
-    if typed and typed not in ALIASES and not Path(typed).exists() and found and Path(found).is_absolute() \
-            and Path(found).is_dir():
+    if typed and typed not in ALIASES and found and Path(found).is_absolute() and Path(found).is_dir():
         args.dataset = found
     if runs is not None:
         if not (args.checkpoint or _local_dir(args)):

@@ -145,15 +145,16 @@ def test_attention_parts_are_refused_in_one_line_before_any_work(run: Path, tmp_
 
 def test_boxes_and_masks_leave_the_localisation_null_and_diagnose_adds_only_context_top1(run: Path, tmp_path: Path,
                                                                                 capsys, monkeypatch) -> None:
-    """diagnose runs from another directory than the evaluation's: the recorded relative --dataset is found where
-    the record places it."""
+    """diagnose runs from another directory than the evaluation's, one holding another folder of the same name: the
+    recorded relative --dataset is read where the record places it."""
     clutter = tmp_path / "clutter"
     make_cluttered(SAMPLE, clutter, ClutterRecipe(canvas=48, fragments=2, seed=0), per_class=3, splits=["test"])
     out = tmp_path / "eval"
     monkeypatch.chdir(tmp_path)
     results = harness_eval.main(["--model", f"local-dir:{run}", "--dataset", "clutter", "--device", "cpu",
                                  "--amp", "none", "--k", "3", "--heatmaps", "0", "--output", "eval"])
-    (tmp_path / "elsewhere").mkdir()
+    make_cluttered(SAMPLE, tmp_path / "elsewhere" / "clutter", ClutterRecipe(canvas=48, fragments=2, seed=1),
+                   per_class=3, splits=["test"])
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert all(results["metrics"][k] is None for k in LOCALISATION)  # context_top1 too: 3 images a class
     assert results["left_out"]["parts"] == ["rollout pooling diagnostics",

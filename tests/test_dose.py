@@ -100,7 +100,7 @@ def test_dose_section_by_hand():
     assert _row(lines, "| - gap's `rollout_box_mass`")[2].strip() == "+0.0100"  # the same by seed: no spread
     assert contrast_metric(names) == "top1 on d256 - top1 on d0"
     sd = np.std(per_seed, ddof=1)  # 0.0058: 5 seeds reach an MDE of 0.0097, 4 only 0.0123
-    assert f"per-seed sd of {sd:.4f}, 5 seeds give an MDE of at most the gain of interest 0.01" in "\n".join(lines)
+    assert f"per-seed sd of {sd:.5f}, 5 seeds give an MDE of at most the gain of interest 0.01" in "\n".join(lines)
     noisy = {**results, ("rollout", 2, "d256"): {"metrics": {**results["rollout", 2, "d256"]["metrics"], "top1": 0.7}}}
     text = "\n".join(dose_section("gap", "rollout", names, [0, 1, 2], noisy))
     assert "even 12 seeds give an MDE of only" in text

@@ -256,23 +256,27 @@ def test_data_files_that_order_their_classes_differently_are_refused(tmp_path):
 
 
 def test_data_files_whose_column_types_differ_are_named_as_such(tmp_path):
-    """Boxes as [x, y, w, h] in the train file and [[x, y, w, h]] in the test file: datasets cannot cast one to the
-    other; the error names the column and both files' types, and says to make the files agree, not to pass a folder
-    of parquet files (it is one)."""
+    """Boxes as [x, y, w, h] in the train file and [[x, y, w, h]] in the test file, and a column of integers in one
+    and words in the other: datasets cannot cast one to the other; the error names both columns with both files'
+    types (as pyarrow reads them) and says to make the files agree, not to pass a folder of parquet files (it is
+    one)."""
     folder = tmp_path / "mixed"
     (folder / "data").mkdir(parents=True)
-    for split, box, feature in (("train", [0, 0, 8, 8], datasets.Value("float32")),
-                                ("test", [[0, 0, 8, 8]], datasets.Sequence(datasets.Value("float32")))):
+    for split, box, feature, extra in (("train", [0, 0, 8, 8], datasets.Value("float32"), 1),
+                                       ("test", [[0, 0, 8, 8]], datasets.Sequence(datasets.Value("float32")), "w")):
         _split(4, None, ["a", "b"], 0).add_column("bbox", [box] * 4, feature=datasets.Sequence(feature)) \
-            .to_parquet(str(folder / "data" / f"{split}-00000-of-00001.parquet"))
+            .add_column("extra", [extra] * 4).to_parquet(str(folder / "data" / f"{split}-00000-of-00001.parquet"))
     with pytest.raises(UserError) as e:
         load_image_set(str(folder), "test")
-    train, test = (str(pq.read_schema(folder / "data" / f"{s}-00000-of-00001.parquet").field("bbox").type)
-                   for s in ("train", "test"))
-    assert train != test and str(e.value) == (
-        f"datasets cannot read the folder {str(folder)!r}: its files give column 'bbox' different types "
-        f"(data/test-00000-of-00001.parquet: {test}; data/train-00000-of-00001.parquet: {train}), and datasets "
-        "reads its files as one table; give the column one type in every file, or write the data set with save_to_disk")
+    types = {(s, c): str(pq.read_schema(folder / "data" / f"{s}-00000-of-00001.parquet").field(c).type)
+             for s in ("train", "test") for c in ("bbox", "extra")}
+    assert types["train", "bbox"] != types["test", "bbox"] and types["train", "extra"] == "int64"
+    test, train = "data/test-00000-of-00001.parquet", "data/train-00000-of-00001.parquet"
+    assert str(e.value).startswith(f"datasets cannot read the folder {str(folder)!r} (")
+    assert str(e.value).endswith(
+        f"): its files disagree on the type of columns 'bbox' ({test}: {types['test', 'bbox']}; {train}: "
+        f"{types['train', 'bbox']}), 'extra' ({test}: {types['test', 'extra']}; {train}: int64), and datasets reads "
+        "them as one table; give each column one type in every file, or write the data set with save_to_disk")
 
 
 def test_help_lists_aliases_defaults_and_each_metric_once():

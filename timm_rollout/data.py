@@ -293,12 +293,12 @@ def _unreadable(error: Exception, name: str, local: Path) -> UserError:
             else "give every data file the same columns"
         return UserError(f"datasets cannot read the folder {name!r}: a data file holds the columns {', '.join(files)} "
                          f"but {where} {', '.join(declared)}; {fix}")
-    differ = _type_mismatch(local) if "cast" in str(cause).lower() else None
-    if differ is not None:
-        return UserError(f"datasets cannot read the folder {name!r}: {differ}, and datasets reads its files as one "
-                         "table; give the column one type in every file, or write the data set with save_to_disk")
     reason = "; ".join(f"{type(e).__name__}: {str(e).strip().splitlines()[0][:150]}" if str(e).strip()
                        else type(e).__name__ for e in dict.fromkeys((error, cause)))
+    differ = _type_mismatch(local)
+    if differ is not None:
+        return UserError(f"datasets cannot read the folder {name!r} ({reason}): {differ}, and datasets reads them as "
+                         "one table; give each column one type in every file, or write the data set with save_to_disk")
     has_files = any(p.suffix in DATA_SUFFIXES for p in local.rglob("*")) if local.is_dir() else False
     fix = "give its data files the same columns with the same types (datasets reads them as one table), or write " \
         "it with save_to_disk" if has_files else \
@@ -307,18 +307,20 @@ def _unreadable(error: Exception, name: str, local: Path) -> UserError:
 
 
 def _type_mismatch(local: Path) -> str | None:
-    """The first column whose arrow type differs between two parquet files of ``local``, said with both files."""
+    """The columns whose arrow type differs between parquet files of ``local``, each said with two of its files."""
     import pyarrow.parquet as pq
 
     seen: dict[str, tuple[Path, str]] = {}
+    differ: dict[str, str] = {}
     for path in sorted(local.rglob("*.parquet")) if local.is_dir() else []:
-        schema = pq.read_schema(path)
-        for field in schema:
+        for field in pq.read_schema(path):
             first = seen.setdefault(field.name, (path, str(field.type)))
-            if first[1] != str(field.type):
-                return (f"its files give column {field.name!r} different types ({first[0].relative_to(local)}: "
-                        f"{first[1]}; {path.relative_to(local)}: {field.type})")
-    return None
+            if first[1] != str(field.type) and field.name not in differ:
+                differ[field.name] = (f"{field.name!r} ({first[0].relative_to(local)}: {first[1]}; "
+                                      f"{path.relative_to(local)}: {field.type})")
+    if not differ:
+        return None
+    return f"its files disagree on the type of column{'s' * (len(differ) > 1)} {', '.join(differ.values())}"
 
 
 def _load_splits(spec: DatasetSpec, name: str):

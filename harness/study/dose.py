@@ -128,9 +128,9 @@ def _seeds_needed(primary: Sequence[float]) -> list[str]:
     sd = stats.t_interval(primary).sd
     n = stats.seeds_for_mde(sd, INTEREST, MOST_SEEDS)
     if n is None:
-        return [f"At the primary's per-seed sd of {sd:.4f}, even {MOST_SEEDS} seeds give an MDE of only "
+        return [f"At the primary's per-seed sd of {sd:.5f}, even {MOST_SEEDS} seeds give an MDE of only "
                 f"{stats.min_detectable_effect(sd, MOST_SEEDS):.4f}, above the gain of interest {INTEREST}."]
-    return [f"At the primary's per-seed sd of {sd:.4f}, {n} seeds give an MDE of at most the gain of interest "
+    return [f"At the primary's per-seed sd of {sd:.5f}, {n} seeds give an MDE of at most the gain of interest "
             f"{INTEREST} ({stats.min_detectable_effect(sd, n):.4f})."]
 
 
