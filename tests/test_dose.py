@@ -106,6 +106,30 @@ def test_dose_section_by_hand():
     assert "even 12 seeds give an MDE of only" in text
 
 
+def test_an_interval_end_stays_on_its_side_of_a_boundary_and_one_dose_gains():
+    """A committed case: rollout's object mass minus the gap backbone's rollout map, [-0.0247, -0.000013] over two
+    seeds, "looks elsewhere" by the exact ends; at 4 decimals the upper end would print as -0.0000 and the printed
+    interval would read "open". A difference at one dose is labelled *gains*, the interaction and trend *grow*."""
+    m, high = -0.0123, -0.000013
+    delta = (high - m) / sps.t.ppf(0.975, 1)  # two seeds m -/+ delta: the interval is m -/+ t * delta
+    diffs = {0: 0.0050, 1: 0.0051}  # rollout - gap top-1 at d0: a small positive interval, below interest
+    results = {}
+    for s, v in enumerate((m - delta, m + delta)):
+        for n in ("d0", "d256"):
+            results["gap", s, n] = {"metrics": {"top1": 0.5, "rollout_box_mass": 0.43}}
+            results["rollout", s, n] = {"metrics": {"top1": 0.5 + diffs[s], "pooling_object_mass": 0.43 + v}}
+    lines = dose_section("gap", "rollout", ["d0", "d256"], [0, 1], results)
+    cells = _row(lines, "| - gap's `rollout_box_mass`")
+    low, high_shown = (float(x) for x in cells[3].strip(" []").split(","))
+    assert high_shown < 0 and high_shown == pytest.approx(high, abs=5e-6) and low == pytest.approx(m - (high - m), abs=5e-5)
+    assert cells[6].strip() == place_outcome(low, high_shown) == "looks elsewhere"
+    at_d0 = _row(lines, "| rollout - gap at d0")
+    lo, hi = sps.ttest_1samp(list(diffs.values()), 0.0).confidence_interval(0.95)
+    assert 0 < lo and hi < 0.01 and at_d0[6].strip() == "gains, below interest"
+    assert _row(lines, "| **primary**")[6].strip() in {"pays", "open", "no gain of interest", "grows, size open",
+                                                       "grows, below interest"}
+
+
 @pytest.fixture(scope="module")
 def dose_study(tmp_path_factory) -> tuple[Path, list[Path]]:
     """gap and rollout, two seeds, one epoch on 20 + 20 cluttered sample images, each evaluated at 0 and 16

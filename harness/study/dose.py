@@ -43,12 +43,13 @@ def contrast_metric(names: Sequence[str]) -> str:
     return f"top1 on {names[-1]} - top1 on {names[0]}"
 
 
-def rule_outcome(low: float, high: float, interest: float = INTEREST) -> str:
-    """The five exclusive outcomes of a 95% interval [low, high] of a gain (split on low, then on high)."""
+def rule_outcome(low: float, high: float, interest: float = INTEREST, verb: str = "grows") -> str:
+    """The five exclusive outcomes of a 95% interval [low, high] of a gain (split on low, then on high). ``verb``
+    names what a positive interval says: the interaction and the trend *grow*, a difference at one dose *gains*."""
     if low >= interest:
         return "pays"
     if low > 0:
-        return "grows, size open" if high >= interest else "grows, below interest"
+        return f"{verb}, size open" if high >= interest else f"{verb}, below interest"
     return "open" if high >= interest else "no gain of interest"
 
 
@@ -78,11 +79,30 @@ def image_level(hits: Mapping[tuple[str, int, str], np.ndarray], base: str, arm:
     return stats.t_interval(d.tolist())
 
 
+def _gains(low: float, high: float) -> str:
+    """:func:`rule_outcome` of a difference at one dose, which gains rather than grows."""
+    return rule_outcome(low, high, verb="gains")
+
+
+BOUNDS = (0.0, INTEREST, -INTEREST, MARGIN, -MARGIN)  # where the rules split
+
+
+def _end(x: float) -> str:
+    """An interval end at 4 decimals, or as many more (up to 8) as keep it on its side of every rule boundary, so
+    that the printed interval gives the printed outcome (-0.000013 is not shown as -0.0000)."""
+    for digits in range(4, 9):
+        shown = round(x, digits)
+        if all(np.sign(shown - b) == np.sign(x - b) for b in BOUNDS):
+            break
+    return f"{x:+.{digits}f}"
+
+
 def _interval_row(label: str, values: Sequence[float], rule: Callable[[float, float], str]) -> str:
     """A table row: the mean of ``values`` over seeds with its interval, p, MDE and ``rule``'s outcome."""
     d = stats.t_interval(values)
     outcome = rule(d.low, d.high) if d.low is not None else "-"
-    return (f"| {label} | {d.n} | {format_number(d.mean, True)} | {format_ci(d)} | {format_p(d.p)} | "
+    ci = "-" if d.low is None else f"[{_end(d.low)}, {_end(d.high)}]"
+    return (f"| {label} | {d.n} | {format_number(d.mean, True)} | {ci} | {format_p(d.p)} | "
             f"{format_number(d.mde)} | {outcome} |")
 
 
@@ -103,12 +123,14 @@ def dose_section(base: str, arm: str, names: Sequence[str], seeds: Sequence[int]
     lines = ["## Dose", "", f"The same {base} and {arm} models of each seed tested on the test split of each data "
              f"set ({', '.join(f'`{n}`' for n in names)}; the same objects in the same places). Top-1 as fractions "
              f"(0.01 = one point); outcomes by the rules of the notes (gain of interest {INTEREST}, object-mass "
-             f"margin {MARGIN}); every row but the first secondary, uncorrected.", "", *HEAD,
+             f"margin {MARGIN}; at one dose a positive interval *gains* where the interaction and the trend *grow*); "
+             "every row but the first secondary, uncorrected. An interval end shows more decimals where 4 would "
+             "put it on the other side of a rule's boundary.", "", *HEAD,
              _interval_row(f"**primary**: ({arm} - {base} at {last}) - (at {first})", primary,
                            rule_outcome)]
     for n in names:
         values = [gap[s, n] for s in seeds]
-        lines.append(_interval_row(f"{arm} - {base} at {n}", values, rule_outcome))
+        lines.append(_interval_row(f"{arm} - {base} at {n}", values, _gains))
     slopes = [trend_slope([gap[s, n] for n in names]) for s in seeds]
     lines.append(_interval_row(f"trend of {arm} - {base} per dose step", slopes, rule_outcome))
     lines.append("")
