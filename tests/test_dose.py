@@ -121,7 +121,8 @@ def test_an_interval_end_stays_on_its_side_of_a_boundary_and_one_dose_gains():
     lines = dose_section("gap", "rollout", ["d0", "d256"], [0, 1], results)
     cells = _row(lines, "| - gap's `rollout_box_mass`")
     low, high_shown = (float(x) for x in cells[3].strip(" []").split(","))
-    assert high_shown < 0 and high_shown == pytest.approx(high, abs=5e-6) and low == pytest.approx(m - (high - m), abs=5e-5)
+    assert high_shown < 0 and high_shown == pytest.approx(high, abs=5e-6)
+    assert low == pytest.approx(m - (high - m), abs=5e-5)
     assert cells[6].strip() == place_outcome(low, high_shown) == "looks elsewhere"
     at_d0 = _row(lines, "| rollout - gap at d0")
     lo, hi = sps.ttest_1samp(list(diffs.values()), 0.0).confidence_interval(0.95)

@@ -145,9 +145,9 @@ def test_report_matches_the_evaluations(finished):
         assert float(cell.split()[0]) == pytest.approx(np.mean(deletion[arm]), abs=6e-5)
 
 
-def test_report_lists_each_runs_wall_time_and_machine(finished):
-    """The Runs section repeats what each run recorded: training minutes and the machine of every epoch, the
-    evaluation's minutes, machine and precision (this test's runs trained two seeds per job, one after another,
+def test_report_lists_each_runs_wall_time_machine_and_code(finished):
+    """The Runs section repeats what each run recorded: training minutes, the machine and code of every epoch, the
+    evaluation's minutes, machine, precision and code (this test's runs trained two seeds per job, one after another,
     and evaluated on this CPU)."""
     report = (finished / "report.md").read_text(encoding="utf-8")
     cpu = device_name(torch.device("cpu")).removeprefix("CPU ").rsplit(", ", 1)[0]  # any CPU, "model name" or not
@@ -158,11 +158,24 @@ def test_report_lists_each_runs_wall_time_and_machine(finished):
         precision = json.loads((run / "train_args.json").read_text())["amp_dtype"]  # --amp auto: bf16 where native
         assert re.fullmatch(rf"CPU {re.escape(cpu)}, \d+ threads, {precision}", machine) and epochs == 1
         result = json.loads((finished / "eval" / f"{arm}-s{seed}" / "results.json").read_text())
-        trained = f"{summary['wall_seconds'] / 60:.1f} min, {machine}: 1 epoch" if arm in ARMS else "the `cls` run"
+        [(code, epochs)] = summary["code"].items()
+        assert code == _label(json.loads((run / "train_args.json").read_text())["code"]) and epochs == 1
+        trained = (f"{summary['wall_seconds'] / 60:.1f} min, {machine}: 1 epoch; code {code}: 1 epoch" if arm in ARMS
+                   else "the `cls` run")
         line = (f"- {arm}, seed {seed}: training `runs/{plan.backbone(arm)}-s{seed}` ({trained}); evaluation "
                 f"`eval/{arm}-s{seed}` ({result['timing']['total'] / 60:.1f} min, CPU {cpu}, "
-                f"{result['environment']['torch_threads']} threads, {result['environment']['dtype']})")
+                f"{result['environment']['torch_threads']} threads, {result['environment']['dtype']}); "
+                f"evaluation code {_label(result['code'])}")
         assert line in report.splitlines()
+
+
+def _label(code: dict) -> str:
+    """The code a record names, written out by hand: ``timm-rollout VERSION @ COMMIT[:12]`` (+ uncommitted changes)
+    from a checkout, ``timm-rollout VERSION`` outside one."""
+    if code["commit"] is None:
+        return f"timm-rollout {code['version']}"
+    dirty = " + uncommitted changes" if code["dirty"] else ""
+    return f"timm-rollout {code['version']} @ {code['commit'][:12]}{dirty}"
 
 
 def test_posthoc_readouts_evaluate_the_cls_weights_with_another_pooling(finished):

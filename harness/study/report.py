@@ -49,6 +49,7 @@ from timm_rollout.records import (
     REPORT_FILE,
     RESULTS_FILE,
     SUMMARY_FILE,
+    code_label,
     data_card_title,
 )
 from timm_rollout.train.log import read_log
@@ -208,8 +209,9 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         *[f"- {arm}: `{HUB_DIR}/{arm}` (seed {seed}, repo id `{hub_repo_id(args, arm)}`)"
           for arm, seed in exported.items()], "",
         "## Runs", "",
-        "Each run's folders, wall time and the machine and precision it ran on, as its `summary.json` (epochs "
-        "trained on each machine: a resumed run may change machines) and `results.json` recorded them.", "",
+        "Each run's folders, wall time, the machine and precision it ran on and the code it ran, as its "
+        "`summary.json` (epochs trained on each machine and with each code version: a resumed run may change "
+        "both) and `results.json` recorded them.", "",
         *[run_line(args, out, arm, seed, runs[backbone(arm), seed], evals[arm, seed], r) for (arm, seed), r in
           zip(pairs, loaded, strict=True)],
     ]
@@ -357,17 +359,20 @@ def run_line(args: argparse.Namespace, out: Path, arm: str, seed: int, run: Path
     """The report's line for one run: its folders, wall times and machines (runs from before machines were
     recorded say so), of training and of each evaluation (the study's, then ``--also-eval``'s)."""
     summary = json.loads((run / SUMMARY_FILE).read_text(encoding="utf-8"))
-    machines = "; ".join(f"{m}: {n} epoch{'s' if n != 1 else ''}" for m, n in summary.get("machines", {}).items())
-    trained = (f"{summary['wall_seconds'] / 60:.1f} min, {machines or 'machine not recorded'}" if arm in ARMS
-               else f"the `{backbone(arm)}` run")
+    def per_epoch(key: str, missing: str) -> str:
+        return "; ".join(f"{k}: {n} epoch{'s' if n != 1 else ''}" for k, n in summary.get(key, {}).items()) or missing
+
+    trained = (f"{summary['wall_seconds'] / 60:.1f} min, {per_epoch('machines', 'machine not recorded')}; code "
+               f"{per_epoch('code', 'not recorded')}" if arm in ARMS else f"the `{backbone(arm)}` run")
     folders, found = also_results(args, arm, seed)
     evaluated = []
     for folder, record in zip([evaluation, *folders], [result, *found], strict=True):
         env = record["environment"]
         evaluated.append(f"`{folder.relative_to(out)}` ({record['timing']['total'] / 60:.1f} min, "
                          f"{env.get('machine', env['device'])}, {env['dtype']})")
+    codes = sorted({code_label(r["code"]) if r.get("code") else "not recorded" for r in [result, *found]})
     return (f"- {arm}, seed {seed}: training `{run.relative_to(out)}` ({trained}); evaluation "
-            + ", ".join(evaluated))
+            + ", ".join(evaluated) + f"; evaluation code {', '.join(codes)}")
 
 
 def also_results(args: argparse.Namespace, arm: str, seed: int) -> tuple[list[Path], list[dict[str, Any]]]:
