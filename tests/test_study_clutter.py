@@ -62,7 +62,7 @@ def test_clutter_study_reports_where_the_arm_pools_and_the_cost_of_clutter(clutt
     assert all(r["environment"]["dtype"] == precision for r in records)
     shown = [f"`{e}/rollout-s0` ({r['timing']['total'] / 60:.1f} min, {r['environment']['machine']}, "
              f"{r['environment']['dtype']})" for e, r in zip(("eval", "eval-c0"), records, strict=True)]
-    assert line.endswith(f"evaluation {shown[0]}, {shown[1]}"), line
+    assert f"; evaluation {shown[0]}, {shown[1]}; evaluation code timm-rollout " in line, line
     for config in (out / "runs" / "rollout-s0" / "config.json", out / "hub" / "rollout" / "config.json"):
         assert json.loads(config.read_text())["pretrained_cfg"]["input_size"] == [3, 64, 64], config
 
