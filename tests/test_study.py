@@ -601,3 +601,30 @@ def test_training_curves_of_one_seed_say_so_and_tick_whole_epochs(tmp_path, monk
     assert len(two.axes[0].get_lines()) == 3  # two single seeds and their mean
     figures.plot_training_curves({"cls": {0: rows[:1]}}, tmp_path / "short.png", "Training")
     assert all(line.get_marker() == "." for ax in drawn[2].axes for line in ax.get_lines())  # one epoch: visible
+
+
+def test_eval_amp_evaluates_at_that_precision_and_redoes_an_evaluation_recorded_at_another(finished, tmp_path):
+    """A copy of one finished run and its evaluation (in bf16 or fp32, as this CPU's auto chose): --eval-amp none,
+    then bf16, then none again: each change of precision redoes the evaluation in it (bf16 autocast runs on any CPU,
+    emulated where not native); an evaluation already in the asked precision, or any with auto, is kept byte for
+    byte."""
+    run, evaluation = tmp_path / "runs" / "gap-s0", tmp_path / "eval" / "gap-s0"
+    shutil.copytree(finished / "runs" / "gap-s0", run)
+    shutil.copytree(finished / "eval" / "gap-s0", evaluation)
+    results = evaluation / "results.json"
+
+    def evaluate(*amp: str) -> bytes:
+        args = study.build_parser().parse_args([*_argv(tmp_path / "unused")[:-3], "--output", str(tmp_path), *amp])
+        args.threads = None
+        jobs.eval_run(args, "vit_tiny_cifar_gap", 0, run, evaluation)
+        return results.read_bytes()
+
+    assert json.loads(evaluate("--eval-amp", "none"))["environment"]["dtype"] == "float32"  # redone, or kept
+    for amp, dtype in (("bf16", "bfloat16"), ("none", "float32")):  # each differs from the one before: redone
+        first = evaluate("--eval-amp", amp)
+        record = json.loads(first)
+        assert record["environment"]["dtype"] == dtype and record["args"]["amp"] == amp
+        assert evaluate("--eval-amp", amp) == first  # already in that precision: kept
+    assert evaluate() == first and evaluate("--eval-amp", "auto") == first  # auto keeps what was recorded
+    with pytest.raises(UserError, match="--report-only evaluates nothing, so --eval-amp would do nothing"):
+        study.main([*_argv(tmp_path / "unused"), "--report-only", "--eval-amp", "none"])

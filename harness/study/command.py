@@ -9,7 +9,7 @@ from pathlib import Path
 
 from timm_rollout.cli import CliParser, as_type, non_negative_int, number, output_dir, positive_int, seed_arg
 from timm_rollout.data import dataset_arg
-from timm_rollout.device import device_arg
+from timm_rollout.device import AMP_CHOICES, device_arg
 from timm_rollout.errors import UserError
 from timm_rollout.records import (
     CURVES_FILE,
@@ -81,11 +81,17 @@ def build_parser() -> CliParser:
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: report (and export) over the seeds every arm of --arms has finished")
     p.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--eval-amp", choices=AMP_CHOICES,
+                   help="autocast dtype of every evaluation (none: fp32); an evaluation recorded at another one is "
+                        "redone (default: harness.eval's auto, bf16 only where native, whatever was recorded kept)")
     return p
 
 
 def main(argv: list[str] | None = None) -> Path | None:
     args = build_parser().parse_args(argv)
+    if args.report_only and args.eval_amp:
+        raise UserError("--report-only evaluates nothing, so --eval-amp would do nothing; run the study command "
+                        "without --report-only to evaluate at that precision")
     args.command = shlex.join(["python", "scripts/study.py", *(sys.argv[1:] if argv is None else argv)])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     args.threads = None if args.jobs == 1 else max(1, cores // args.jobs)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from harness.diagnose import outdated
+from timm_rollout.device import precision_name, resolve_amp
 from timm_rollout.errors import UserError
 from timm_rollout.records import RESULTS_FILE, RESUME_FILE, SUMMARY_FILE, WEIGHTS_FILE, sha256_file
 
@@ -62,15 +63,22 @@ def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder:
     for these exact weights (then only what ``harness.diagnose`` adds is added, when it is missing). ``dataset``: on
     that data set's test split instead of the study's (``--also-eval``: no k-NN bank, no faithfulness)."""
     results = folder / RESULTS_FILE
+    want = precision_name(resolve_amp(args.eval_amp, torch.device("cpu"))) if args.eval_amp not in (None, "auto") \
+        else None  # auto: whatever the machine chose is kept
     if results.exists():
         saved = json.loads(results.read_text(encoding="utf-8"))
-        if saved["model"].get("sha256") == sha256_file(run / WEIGHTS_FILE):
+        dtype = saved["environment"]["dtype"]
+        if saved["model"].get("sha256") == sha256_file(run / WEIGHTS_FILE) and want in (None, dtype):
             if outdated(saved):  # evaluated before the diagnostics, mask metrics or content hashes: add just those
                 _run([sys.executable, "-m", "harness.diagnose", str(folder), "--device", args.device], args.threads)
             print(f"= {folder} evaluated, skipped")
             return
+        if want not in (None, dtype):
+            print(f"= {folder} evaluated in {dtype}, evaluating again in {want} (--eval-amp {args.eval_amp})")
     cmd = [sys.executable, "-m", "harness.eval", "--model", model, "--checkpoint", str(run), "--dataset",
            dataset or args.dataset, "--output", str(folder), "--seed", str(seed), "--device", args.device]
+    if args.eval_amp:
+        cmd += ["--amp", args.eval_amp]
     if pool:
         cmd += ["--pool", pool]
     if args.eval_per_class is not None:
