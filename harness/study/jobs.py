@@ -67,7 +67,7 @@ def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder:
         else None  # auto: whatever the machine chose is kept
     if results.exists():
         saved = json.loads(results.read_text(encoding="utf-8"))
-        dtype = saved["environment"]["dtype"]
+        dtype = saved.get("environment", {}).get("dtype")  # records before precisions were kept: none
         if saved["model"].get("sha256") == sha256_file(run / WEIGHTS_FILE) and want in (None, dtype):
             if outdated(saved):  # evaluated before the diagnostics, mask metrics or content hashes: add just those
                 _run([sys.executable, "-m", "harness.diagnose", str(folder), "--device", args.device], args.threads)
