@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from harness import stats
 from timm_rollout.atomic import save_figure
 from timm_rollout.explain import Explanation
 from timm_rollout.train.log import epoch_axis, seeds_phrase
@@ -21,9 +22,9 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = ["BOX_NOTE", "MAP_CMAP", "UNIFORM_SCALE_LABEL", "draw_box", "draw_map", "plot_comparison",
-           "plot_cosine_matrix", "plot_explanation", "plot_faithfulness", "plot_heatmaps", "plot_object_weights",
-           "plot_pooling_diagnostics", "plot_training_curves", "recorded_grid", "relative_to_uniform", "shared_range",
-           "upsample_patch_map"]
+           "plot_cosine_matrix", "plot_dose", "plot_explanation", "plot_faithfulness", "plot_heatmaps",
+           "plot_object_weights", "plot_pooling_diagnostics", "plot_training_curves", "recorded_grid",
+           "relative_to_uniform", "shared_range", "upsample_patch_map"]
 
 # Colour-bar label of maps drawn on the scale of relative_to_uniform.
 UNIFORM_SCALE_LABEL = "weight x number of patches (1 = uniform)"
@@ -278,6 +279,61 @@ def plot_object_weights(values: Mapping[str, Sequence[tuple[float, float]]], pat
     ax.set_title(title)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def _mean_and_interval(ax, x: np.ndarray, per_x: Sequence[Sequence[float]], style: dict[str, Any], label: str,
+                       seeds: bool = False) -> None:
+    """Means over seeds joined by a line, with 95% t-interval bars (two seeds or more) and optionally each seed's
+    values joined by a thin line (the same models at every x)."""
+    found = [stats.t_interval(v) for v in per_x]
+    mean = np.array([f.mean for f in found])
+    err = np.array([[f.mean - f.low, f.high - f.mean] if f.low is not None else [0.0, 0.0] for f in found]).T
+    ax.errorbar(x, mean, yerr=err, capsize=4, marker="o", label=label, **style)
+    if seeds:
+        for j, values in enumerate(np.asarray(per_x, dtype=float).T):
+            ax.plot(x, values, ".-", color="black", alpha=0.35, lw=0.8, ms=5, label="one seed" if j == 0 else None)
+
+
+MASS_STYLES = ({"color": "C3", "lw": 2}, {"color": "C0", "lw": 1.5}, {"color": "C3", "ls": ":", "lw": 1.2},
+               {"color": "grey", "ls": "--", "lw": 1.2}, {"color": "grey", "ls": ":", "lw": 1.2})
+
+
+def plot_dose(gains: Mapping[str, Sequence[float]], masses: Mapping[str, Mapping[str, Sequence[float]]],
+              path: str | Path, title: str, gain_label: str, interest: float) -> Path:
+    """The dose figure: left, ``gains`` (dose -> per-seed arm - base top-1) with their means, 95% t-intervals, 0
+    and the gain of interest ``±interest``; right (when ``masses`` holds any), the object mass of each map (label
+    -> dose -> per-seed values) at each dose, the arm's first. Doses in the order given, lowest first."""
+    from matplotlib.figure import Figure
+
+    names = list(gains)
+    x = np.arange(len(names), dtype=float)
+    fig = Figure(figsize=(12.0 if masses else 6.0, 4.8))
+    axes = fig.subplots(1, 2 if masses else 1, squeeze=False)[0]
+    ax = axes[0]
+    _mean_and_interval(ax, x, [gains[n] for n in names], {"color": "C3", "lw": 2}, "mean over seeds, 95% CI",
+                       seeds=True)
+    ax.axhline(0.0, color="black", lw=0.8)
+    for sign in (1, -1):
+        ax.axhline(sign * interest, color="grey", ls="--", lw=1,
+                   label=f"gain of interest ±{interest:g}" if sign > 0 else None)
+    ax.set_title(f"{gain_label} at each dose", fontsize=10)
+    ax.set_ylabel(f"{gain_label}, test top-1 (0.01 = one point)")
+    for ax in axes:
+        ax.set_xticks(x, names, rotation=15, fontsize=8)
+        ax.set_xlabel("test set (same objects in the same places), lowest dose first")
+        ax.grid(axis="y", alpha=0.3)
+    if masses:
+        ax = axes[1]
+        for (label, per), style in zip(masses.items(), MASS_STYLES, strict=False):
+            _mean_and_interval(ax, x, [per[n] for n in names], style, label)
+        ax.set_title("Weight on the object at each dose (mean over seeds, 95% CI)", fontsize=10)
+        ax.set_ylabel("object mass (share of the map on the object)")
+        ax.set_ylim(0, 1)
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return save_figure(fig, path)
 

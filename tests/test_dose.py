@@ -17,6 +17,7 @@ from harness import study
 from harness.study.dose import (
     contrast_metric,
     dose_section,
+    dose_series,
     image_level,
     null_outcome,
     place_outcome,
@@ -106,6 +107,28 @@ def test_dose_section_by_hand():
     assert "even 12 seeds give an MDE of only" in text
 
 
+def test_dose_series_by_hand():
+    """The dose figure's values: per dose each seed's rollout - gap top-1, and each map's object mass per seed; a
+    mass one seed did not record at one dose is left out, not drawn from the others."""
+    names, seeds = ["d0", "d256"], [0, 1]
+    top1 = {("gap", 0): (0.50, 0.60), ("rollout", 0): (0.52, 0.61),
+            ("gap", 1): (0.40, 0.45), ("rollout", 1): (0.43, 0.44)}
+    results = {(a, s, n): {"metrics": {"top1": top1[a, s][i], "pooling_object_mass": 0.4 + 0.1 * s + 0.01 * i,
+                                       "rollout_box_mass": 0.3 + 0.01 * i, "content_chance": 0.8 - 0.5 * i,
+                                       "position_prior_mass": 0.42, "pooling_fixed_object_mass": 0.33}}
+               for (a, s) in top1 for i, n in enumerate(names)}
+    gains, masses = dose_series("gap", "rollout", names, seeds, results)
+    assert gains == {"d0": pytest.approx([0.02, 0.03]), "d256": pytest.approx([0.01, -0.01])}
+    assert list(masses) == ["rollout pooling weights", "gap backbone's post-hoc rollout map",
+                            "rollout's mean weights as one fixed map", "position prior (mean object coverage)",
+                            "content chance (avoids flat fill only)"]
+    assert masses["rollout pooling weights"] == {"d0": pytest.approx([0.4, 0.5]), "d256": pytest.approx([0.41, 0.51])}
+    assert masses["gap backbone's post-hoc rollout map"]["d256"] == pytest.approx([0.31, 0.31])
+    assert masses["content chance (avoids flat fill only)"]["d256"] == pytest.approx([0.3, 0.3])
+    del results["rollout", 1, "d256"]["metrics"]["position_prior_mass"]
+    assert "position prior (mean object coverage)" not in dose_series("gap", "rollout", names, seeds, results)[1]
+
+
 def test_an_interval_end_stays_on_its_side_of_a_boundary_and_one_dose_gains():
     """A committed case: rollout's object mass minus the gap backbone's rollout map, [-0.0247, -0.000013] over two
     seeds, "looks elsewhere" by the exact ends; at 4 decimals the upper end would print as -0.0000 and the printed
@@ -171,3 +194,5 @@ def test_a_study_at_several_doses_reports_the_interaction_of_the_same_models(dos
     line = next(line for line in report if line.startswith("Image-level"))
     assert f"the per-image interaction is {np.mean(per_image):+.4f}" in line
     assert "## Dose" in report and any(line.startswith("| - position_prior_mass") for line in report)
+    assert "![rollout - gap and object masses at each dose](dose.png)" in report
+    assert (out / "dose.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

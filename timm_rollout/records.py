@@ -37,6 +37,7 @@ REPORT_FILE = "report.md"
 COMPARISON_FILE = "comparison.png"
 STUDY_FILE = "study.json"
 POOLING_FILE = "pooling.png"  # a study's pooling diagnostics per arm
+DOSE_FILE = "dose.png"  # a study's arm - base top-1 and object masses at each --also-eval dose
 LOCALISATION_FILE = "localisation.png"  # a study's pooling weight inside and outside the object's box per arm
 HUB_DIR = "hub"  # a study's Hub exports: hub/<arm>, the best run of each arm
 DATA_DIR = "data"  # a study's copies of its data sets' cards: data/<data set folder name>.md

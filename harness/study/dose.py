@@ -29,8 +29,8 @@ import numpy as np
 from harness import stats
 from harness.compare import format_ci, format_number, format_p
 
-__all__ = ["INTEREST", "MARGIN", "MOST_SEEDS", "NULLS", "contrast_metric", "dose_section", "image_level",
-           "null_outcome", "place_outcome", "rule_outcome", "trend_slope"]
+__all__ = ["INTEREST", "MARGIN", "MOST_SEEDS", "NULLS", "contrast_metric", "dose_section", "dose_series",
+           "image_level", "null_outcome", "place_outcome", "rule_outcome", "trend_slope"]
 
 INTEREST = 0.01  # the smallest gain of interest: one point of top-1
 MARGIN = 0.02  # the smallest difference of interest in object mass
@@ -141,6 +141,26 @@ def dose_section(base: str, arm: str, names: Sequence[str], seeds: Sequence[int]
         lines += [f"Image-level, pooled over the {len(seeds)} seeds (the trained models held fixed): the mean over "
                   f"{d.n} images of the per-image interaction is {d.mean:+.4f} {format_ci(d)}.", ""]
     return [*lines, *_localisation_rows(base, arm, names, seeds, metric)]
+
+
+def dose_series(base: str, arm: str, names: Sequence[str], seeds: Sequence[int],
+                results: Mapping[tuple[str, int, str], dict[str, Any]]
+                ) -> tuple[dict[str, list[float]], dict[str, dict[str, list[float]]]]:
+    """What the dose figure draws, per dose the per-seed values: ``arm - base`` top-1, and object masses (label ->
+    dose -> values) of the arm's pooling weights, the base backbone's post-hoc rollout map and the three maps blind
+    to the object; a mass only where every seed recorded it at every dose."""
+    def metric(a: str, m: str, n: str) -> list[float | None]:
+        return [results[a, s, n]["metrics"].get(m) for s in seeds]
+
+    gains = {n: [r - b for r, b in zip(metric(arm, "top1", n), metric(base, "top1", n), strict=True)] for n in names}
+    wanted = {f"{arm} pooling weights": (arm, "pooling_object_mass"),
+              f"{base} backbone's post-hoc rollout map": (base, "rollout_box_mass"),
+              f"{arm}'s mean weights as one fixed map": (arm, "pooling_fixed_object_mass"),
+              "position prior (mean object coverage)": (arm, "position_prior_mass"),
+              "content chance (avoids flat fill only)": (arm, "content_chance")}
+    masses = {label: {n: metric(a, m, n) for n in names} for label, (a, m) in wanted.items()}
+    return gains, {label: per for label, per in masses.items()
+                   if all(v is not None for values in per.values() for v in values)}
 
 
 def _seeds_needed(primary: Sequence[float]) -> list[str]:

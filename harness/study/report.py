@@ -29,7 +29,13 @@ from harness.compare import (
 )
 from harness.eval import posthoc_readout
 from harness.features import saliency_maps
-from harness.figures import plot_heatmaps, plot_object_weights, plot_pooling_diagnostics, plot_training_curves
+from harness.figures import (
+    plot_dose,
+    plot_heatmaps,
+    plot_object_weights,
+    plot_pooling_diagnostics,
+    plot_training_curves,
+)
 from harness.hub import write_upload_folder
 from harness.metrics import LOCALISATION, POOLING_DIAGNOSTICS
 from harness.predictions import read_predictions
@@ -40,6 +46,7 @@ from timm_rollout.records import (
     CARD_FILE,
     CURVES_FILE,
     DATA_DIR,
+    DOSE_FILE,
     HEATMAPS_FILE,
     HUB_DIR,
     LOCALISATION_FILE,
@@ -52,9 +59,9 @@ from timm_rollout.records import (
     code_label,
     data_card_title,
 )
-from timm_rollout.train.log import read_log
+from timm_rollout.train.log import read_log, seeds_phrase
 
-from .dose import contrast_metric, dose_section
+from .dose import INTEREST, contrast_metric, dose_section, dose_series
 from .folder import also_folder, arm_of, layout
 from .plan import ARMS, POSTHOC, arm_model, backbone
 from .tables import (
@@ -192,7 +199,7 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         *notes_section(out),
         *report_tables(groups, extra, args.primary, primary_metric(args)),
         *localisation_section(out, groups, seeds, results),
-        *dose_report(args, seeds),
+        *dose_report(args, out, seeds),
         *interaction_section(args, out, dict(zip(pairs, results, strict=True)), tested_metrics(extra)),
         "## Training curves", "", "![training curves](curves.png)", "",
         *(["## Pooling diagnostics", "", POOLING_NOTE, "", f"![pooling diagnostics]({POOLING_FILE})", "",
@@ -224,9 +231,9 @@ def primary_metric(args: argparse.Namespace) -> str:
     return contrast_metric(names) if len(names) > 1 and args.primary else PRIMARY
 
 
-def dose_report(args: argparse.Namespace, seeds: Sequence[int]) -> list[str]:
-    """The dose section (:mod:`harness.study.dose`) over the seeds whose primary arms were evaluated on every
-    ``--also-eval`` data set; nothing with fewer than two data sets or without ``--primary``."""
+def dose_report(args: argparse.Namespace, out: Path, seeds: Sequence[int]) -> list[str]:
+    """The dose section (:mod:`harness.study.dose`) and its figure over the seeds whose primary arms were evaluated
+    on every ``--also-eval`` data set; nothing with fewer than two data sets or without ``--primary``."""
     names = [Path(d).name for d in args.also_eval or ()]
     if len(names) < 2 or not args.primary:
         return []
@@ -234,6 +241,7 @@ def dose_report(args: argparse.Namespace, seeds: Sequence[int]) -> list[str]:
                for d, n in zip(args.also_eval, names, strict=True)}
     done = [s for s in seeds if all((folders[a, s, n] / RESULTS_FILE).is_file() for a in args.primary for n in names)]
     if not done:
+        (out / DOSE_FILE).unlink(missing_ok=True)
         return []
     keys = [k for k in folders if k[1] in done]
     results = dict(zip(keys, load_results([folders[k] for k in keys]), strict=True))
@@ -242,7 +250,12 @@ def dose_report(args: argparse.Namespace, seeds: Sequence[int]) -> list[str]:
                for f in found.values())  # image-level needs every model on the same images, in one order
     hits = {k: (np.asarray(f["predicted"]["top1"]) == np.asarray(f["label"])).astype(np.float64)
             for k, f in found.items()} if same else None
-    return dose_section(*args.primary, names, done, results, hits)
+    base, arm = args.primary
+    plot_dose(*dose_series(base, arm, names, done, results), out / DOSE_FILE,
+              f"{arm} against {base}, the same models at every dose ({seeds_phrase(len(done))})",
+              f"{arm} - {base}", INTEREST)
+    lines = dose_section(base, arm, names, done, results, hits)
+    return [*lines[:2], f"![{arm} - {base} and object masses at each dose]({DOSE_FILE})", "", *lines[2:]]
 
 
 def data_section(args: argparse.Namespace, out: Path) -> list[str]:
