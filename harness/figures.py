@@ -303,7 +303,7 @@ MASS_STYLES = ({"color": "C3", "lw": 2}, {"color": "C0", "lw": 1.5}, {"color": "
 def plot_dose(gains: Mapping[str, Sequence[float]], masses: Mapping[str, Mapping[str, Sequence[float]]],
               path: str | Path, title: str, gain_label: str, interest: float) -> Path:
     """The dose figure: left, ``gains`` (dose -> per-seed arm - base top-1) with their means, 95% t-intervals, 0
-    and the gain of interest ``±interest``; right (when ``masses`` holds any), the object mass of each map (label
+    and the gain of interest ``interest``; right (when ``masses`` holds any), the object mass of each map (label
     -> dose -> per-seed values) at each dose, the arm's first. Doses in the order given, lowest first."""
     from matplotlib.figure import Figure
 
@@ -315,9 +315,7 @@ def plot_dose(gains: Mapping[str, Sequence[float]], masses: Mapping[str, Mapping
     _mean_and_interval(ax, x, [gains[n] for n in names], {"color": "C3", "lw": 2}, "mean over seeds, 95% CI",
                        seeds=True)
     ax.axhline(0.0, color="black", lw=0.8)
-    for sign in (1, -1):
-        ax.axhline(sign * interest, color="grey", ls="--", lw=1,
-                   label=f"gain of interest ±{interest:g}" if sign > 0 else None)
+    ax.axhline(interest, color="grey", ls="--", lw=1, label=f"gain of interest +{interest:g}")
     ax.set_title(f"{gain_label} at each dose", fontsize=10)
     ax.set_ylabel(f"{gain_label}, test top-1 (0.01 = one point)")
     for ax in axes:
@@ -328,7 +326,8 @@ def plot_dose(gains: Mapping[str, Sequence[float]], masses: Mapping[str, Mapping
         ax = axes[1]
         for (label, per), style in zip(masses.items(), MASS_STYLES, strict=False):
             _mean_and_interval(ax, x, [per[n] for n in names], style, label)
-        ax.set_title("Weight on the object at each dose (mean over seeds, 95% CI)", fontsize=10)
+        ax.set_title("Weight on the object at each dose (mean over seeds, 95% CI of each map alone;\n"
+                     "the report's differences are paired by seed)", fontsize=10)
         ax.set_ylabel("object mass (share of the map on the object)")
         ax.set_ylim(0, 1)
     for ax in axes:
