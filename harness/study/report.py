@@ -236,12 +236,13 @@ def dose_report(args: argparse.Namespace, out: Path, seeds: Sequence[int]) -> li
     on every ``--also-eval`` data set; nothing with fewer than two data sets or without ``--primary``."""
     names = [Path(d).name for d in args.also_eval or ()]
     if len(names) < 2 or not args.primary:
+        (out / DOSE_FILE).unlink(missing_ok=True)  # no figure left from an earlier render
         return []
     folders = {(a, s, n): also_folder(d, args.output, a, s) for a in args.primary for s in seeds
                for d, n in zip(args.also_eval, names, strict=True)}
     done = [s for s in seeds if all((folders[a, s, n] / RESULTS_FILE).is_file() for a in args.primary for n in names)]
     if not done:
-        (out / DOSE_FILE).unlink(missing_ok=True)
+        (out / DOSE_FILE).unlink(missing_ok=True)  # no figure left from an earlier render
         return []
     keys = [k for k in folders if k[1] in done]
     results = dict(zip(keys, load_results([folders[k] for k in keys]), strict=True))
