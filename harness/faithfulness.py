@@ -24,6 +24,7 @@ from timm_rollout.capture import fused_attention, record_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast, inference_batch_size
 from timm_rollout.explain import MAP_LABELS
+from timm_rollout.pooling import attention_pool
 from timm_rollout.progress import progress, tqdm
 
 __all__ = [
@@ -98,7 +99,7 @@ def _empty_pool(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """Pooled features (B, D) of no patch token: the empty (weighted) sum, 0; a learned attention pool
     (timm's ``AttentionPoolLatent``) then applies its projection and MLP to that 0, as to any attention output."""
     empty = h.new_zeros(h.shape[0], 1, h.shape[2])
-    pool = getattr(model, "attn_pool", None)
+    pool = attention_pool(model)
     if pool is None:
         return empty[:, 0]
     x = pool.proj(empty.expand(-1, pool.latent_len, -1))

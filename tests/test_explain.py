@@ -350,3 +350,24 @@ def test_map_panels_show_the_map_alone_in_the_colour_bars_colours(tmp_path, monk
     x, y = im.axes.transData.transform((5 * 4 + 1.5, 3 * 4 + 1.5))  # patch (3, 5) in the 32x32 image's pixels
     rgba = np.asarray(canvas.buffer_rgba())
     assert np.abs(rgba[int(rgba.shape[0] - y), int(x), :3].astype(float) - want).max() <= 2
+
+
+def test_a_model_built_with_map_and_pooled_by_rollout_is_explained_by_its_rollout_weights(cifar):
+    """Rollout pooling replaces a learned attention pool (``global_pool='map'``, then ``--pool rollout``): the readout
+    is the rollout weights the head pools with, whose weighted sum of the patch tokens is its pooled feature (it
+    used to be refused as "'rollout' or 'map', not 'rollout'")."""
+    from timm_rollout import set_pooling
+
+    model = set_pooling(tiny("vit_tiny_cifar_cls", global_pool="map"), "rollout")
+    with torch.no_grad():  # sharpened attention: rollout weights far from uniform, so the check has teeth
+        for block in model.blocks:
+            block.attn.qkv.weight[:256].mul_(10.0)
+    p = E.gradient_pass(model, cifar)
+    assert p.readout_name == "rollout-weights" and float(p.readout[:, 0].abs().max()) == 0.0
+    assert float(p.readout.max()) > 2.5 / 64
+    with torch.no_grad():
+        tokens = model.forward_features(cifar)
+        pooled = model.forward_head(tokens, pre_logits=True)
+    summed = sum(p.readout[:, i, None] * tokens[:, i] for i in range(1, tokens.shape[1]))  # a plain loop
+    torch.testing.assert_close(summed, pooled, rtol=1e-4, atol=1e-5)
+    assert all(v.shape == (4, 64) for v in E.explain(model, cifar).maps.values())

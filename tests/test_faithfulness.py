@@ -228,3 +228,25 @@ def test_eval_cli_writes_faithfulness(tmp_path):
     saved = json.loads((out / "results.json").read_text())["faithfulness"]
     assert saved["fills"]["drop"]["paired"].keys() == faith["fills"]["drop"]["paired"].keys()
     assert (out / "faithfulness.png").exists() and "faithfulness.png" in results["outputs"]["figures"]
+
+
+def test_rollout_pooling_in_place_of_a_learned_attention_pool_pools_no_patch_to_zero(sample):
+    """A model built with ``global_pool='map'`` and pooled by rollout never runs its attention pool: with every patch
+    removed its pooled feature is the empty weighted sum, 0, and the head reads that (not the pool's output of 0)."""
+    from timm_rollout import set_pooling
+
+    images, labels = sample
+    model = tiny("vit_tiny_cifar_cls", global_pool="map")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the pool's projection and MLP would move an empty sum away from 0
+        for p in [*model.attn_pool.parameters(), *model.head.parameters()]:
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    set_pooling(model, "rollout")
+    result = evaluate_faithfulness(model, images[:2], labels[:2], model.pretrained_cfg["mean"],
+                                   model.pretrained_cfg["std"], batch_size=128, seeds=(1,))
+    with torch.no_grad():
+        pred = model(_x(model, images[:2])).argmax(dim=1)
+        empty = model.head(torch.zeros(1, model.embed_dim)).softmax(dim=1)[0, pred]
+        pooled_by_map = model.head(model.attn_pool(torch.zeros(1, 1, model.embed_dim))).softmax(dim=1)[0, pred]
+        assert float((empty - pooled_by_map).abs().max()) > 1e-3  # the check tells the two apart
+    assert result["fills"]["drop"]["all_removed_probability"] == pytest.approx(float(empty.mean()), abs=1e-6)

@@ -386,3 +386,26 @@ def test_a_folder_without_weights_says_what_it_holds_and_what_to_pass(cls_folder
             with pytest.raises(UserError) as e:
                 call(*arg)
             assert str(e.value) == message
+
+
+@pytest.mark.parametrize("name, kwargs", [("vit_tiny_cifar_cls", {}),
+                                          ("vit_tiny_patch16_224", dict(img_size=32, patch_size=4))])
+def test_a_model_built_with_map_and_trained_with_rollout_reloads_rollout_pooled(tmp_path, name, kwargs):
+    """Training's export of a ViT built with ``global_pool='map'`` and pooled by rollout (``--pool rollout``) rebuilds
+    its layout (the unused attention pool included) pooled by rollout: the saved model's own logits, by
+    ``local-dir:`` and by ``--model NAME --checkpoint RUN``; the tiny model's config used to say only 'rollout',
+    which rebuilt it without its attention pool."""
+    from timm_rollout import set_pooling
+    from timm_rollout.checkpoint import save_model
+
+    torch.manual_seed(0)
+    model = set_pooling(timm.create_model(name, num_classes=10, depth=2, global_pool="map", **kwargs).eval(),
+                        "rollout", head_fusion="max", discard_ratio=0.5)
+    save_model(tmp_path / "run", model, [str(i) for i in range(10)], (0.5,) * 3, (0.25,) * 3)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        expected = model(x)
+        for loaded, _ in (load_model(f"local-dir:{tmp_path / 'run'}"), load_model(name, tmp_path / "run")):
+            assert loaded.global_pool == "rollout" and loaded.attn_pool is not None
+            assert (loaded.rollout_head_fusion, loaded.rollout_discard_ratio) == ("max", 0.5)
+            torch.testing.assert_close(loaded(x), expected, rtol=0, atol=0)

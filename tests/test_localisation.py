@@ -33,7 +33,7 @@ from harness.localisation import (
 )
 from harness.predictions import read_predictions
 from timm_rollout import attention_rollout, capture_attention
-from timm_rollout.data import load_image_set
+from timm_rollout.data import load_image_set, normalize
 from timm_rollout.errors import UserError
 
 SAMPLE = "cifar10-sample"
@@ -569,3 +569,35 @@ def test_diagnose_takes_a_runs_content_hash_only_for_the_data_the_evaluation_rea
     assert diagnose._run_content(args, ev, "../c", "test", "fe") == "ce"
     assert diagnose._run_content(args, ev, str(tmp_path / "c"), "test", "fe") == "ce"  # an older evaluation
     assert diagnose._run_content(args, tmp_path, "../c", "test", "fe") is None  # another folder
+
+
+def test_eval_of_a_model_built_with_map_and_trained_with_rollout_scores_its_rollout_weights(tmp_path, monkeypatch):
+    """A ViT built with ``global_pool='map'`` and saved rollout-pooled (as ``--pool rollout`` trains it) is evaluated
+    by its rollout readout, heatmaps and boxes included (it used to crash): the object mass is its rollout weights
+    on the box's pixels, counted in a plain loop."""
+    from timm_rollout import set_pooling
+    from timm_rollout.checkpoint import save_model
+
+    model = set_pooling(_sharpened("vit_tiny_cifar_cls", global_pool="map"), "rollout")
+    save_model(tmp_path / "run", model, load_image_set(SAMPLE, "test").class_names, MEAN, STD)
+
+    def with_boxes(*args, **kwargs):
+        data = load_image_set(*args, **kwargs)
+        return dataclasses.replace(data, boxes=torch.tensor([_box_of(i) for i in range(len(data))]))
+
+    monkeypatch.setattr(harness_eval, "load_image_set", with_boxes)
+    found = harness_eval.main(["--model", f"local-dir:{tmp_path / 'run'}", "--dataset", SAMPLE, "--per-class", "2",
+                               "--heatmaps", "2", "--device", "cpu", "--amp", "none",
+                               "--output", str(tmp_path / "eval")])["metrics"]
+    sample = load_image_set(SAMPLE, "test")
+    index = read_predictions(tmp_path / "eval")["index"]
+    with torch.inference_mode():
+        weights = model.rollout_weights(model.forward_features(normalize(sample.images[index], MEAN, STD)))
+    masses = []
+    for w, i in zip(weights.tolist(), index, strict=True):
+        x, y, bw, bh = (int(v) for v in _box_of(i))
+        masses.append(sum(w[8 * (r // 4) + c // 4] / 16 for r in range(y, min(y + bh, 32))
+                          for c in range(x, min(x + bw, 32))))  # each pixel of the box: 1/16 of its patch's weight
+    assert found["pooling_object_mass"] == pytest.approx(np.mean(masses), abs=1e-6)
+    assert found["rollout_effective_patches"] < 60  # sharpened weights: the mass above is not the uniform one
+    assert (tmp_path / "eval" / "heatmaps.png").is_file()

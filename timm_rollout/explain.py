@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .capture import capture_attention
+from .pooling import attention_pool
 from .rollout import (
     HEAD_FUSIONS,
     fuse_heads,
@@ -77,7 +78,7 @@ def patch_grid(model: nn.Module, image_size: Sequence[int], num_patches: int) ->
 def readout_kind(model: nn.Module) -> str:
     """The model's pooling as a readout: ``'token'``, ``'rollout'``, ``'avg'`` or ``'map'`` (ValueError for others)."""
     pool = getattr(model, "global_pool", "token")
-    attn_pool = getattr(model, "attn_pool", None)
+    attn_pool = attention_pool(model)
     if pool == "map" and attn_pool is not None:
         from timm.layers import AttentionPoolLatent  # here, so that --help loads no timm
 
@@ -132,9 +133,10 @@ def readout_row(kind: str, attentions: Sequence[torch.Tensor], num_prefix_tokens
 
 @contextmanager
 def _pool_input(model: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Record the tokens a learned attention pool (``model.attn_pool``) receives in the ``with`` body."""
+    """Record the tokens the learned attention pool the model applies (:func:`attention_pool`) receives in the
+    ``with`` body."""
     found: list[torch.Tensor] = []
-    attn_pool = getattr(model, "attn_pool", None)
+    attn_pool = attention_pool(model)
     if attn_pool is None:
         yield found
         return

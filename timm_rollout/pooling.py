@@ -308,6 +308,12 @@ def pool_name(model: nn.Module) -> str:
     return ""
 
 
+def attention_pool(model: nn.Module) -> nn.Module | None:
+    """The learned attention pool (``attn_pool`` of ``global_pool='map'``) that ``model``'s head applies; None
+    without one, and under rollout pooling, which pools in its place (the pool's weights are then unused)."""
+    return None if getattr(model, "global_pool", None) == ROLLOUT else getattr(model, "attn_pool", None)
+
+
 def attention_free(model: nn.Module) -> str | None:
     """Why ``model`` has nothing for rollout, attention maps and :func:`set_pooling` to read, as a clause naming it:
     it pools no tokens (a CNN) or has no timm attention blocks; None for a timm ViT-family model."""
@@ -395,13 +401,16 @@ def export_config(config: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     ``fc_norm`` for ``'avg'``). So a stock timm ViT pooled otherwise than it was built is named
     :data:`POOLED_ARCHITECTURE` with its stock architecture, built pooling, current pooling (:data:`POOL_ARG`) and
     rollout options as model arguments; without ``timm_rollout`` imported timm then stops at an unknown model
-    instead of building another layout. The tiny models' and CNNs' configs are timm's own.
+    instead of building another layout. The tiny models' and CNNs' configs are timm's own, but that of a tiny model
+    built with ``'map'`` and pooled by rollout.
     """
-    if getattr(model, "rollout_options_are_model_args", False) or not pools_tokens(model):
-        return config  # the tiny models' and non-ViT models' (CNNs) configs are timm's own
+    if not pools_tokens(model):
+        return config  # a CNN's config is timm's own
+    built, pool = built_pool(model), model.global_pool
+    if getattr(model, "rollout_options_are_model_args", False) and (built, pool) != ("map", ROLLOUT):
+        return config  # a tiny model has one layout for every pooling but 'map': timm's config rebuilds it
     stock = stock_architecture(config)
     args = {k: v for k, v in (config.get("model_args") or {}).items() if k not in POOLED_ARGS}
-    built, pool = built_pool(model), model.global_pool
     args["global_pool"] = built
     if pool != built:
         args.update({STOCK_ARCHITECTURE: stock, POOL_ARG: pool})
