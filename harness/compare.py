@@ -56,7 +56,8 @@ __all__ = [
 ]
 
 METRICS = ("top1", "top5", "linear_probe", "knn_loo", "knn_bank", "intra", "inter", "ratio", "silhouette")
-ORIGINAL_METRICS = ("intra_original", "inter_original", "ratio_original")  # the original study's definitions
+# the original study's definitions
+ORIGINAL_METRICS = ("intra_original", "inter_original", "ratio_original", "knn_original")
 PRIMARY = "top1"
 SHOWABLE = METRICS + POOLING_DIAGNOSTICS + LOCALISATION + ORIGINAL_METRICS  # what --metrics may name
 

@@ -458,7 +458,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     with clock.stage("metrics"):
         faiss_threads = metrics.default_threads()
         predicted = _predictions(feats, logits, labels, bank_feats, None if bank is None else bank.labels, args)
-        geometry = {**metrics.centroid_metrics(feats, labels), **metrics.original_centroid_metrics(feats, labels)}
+        geometry = {**metrics.centroid_metrics(feats, labels), **metrics.original_metrics(feats, labels)}
         sil, sample = metrics.silhouette(feats, labels, seed=args.seed)
         cos, cos_names = _cosine(feats, labels, sel)
     if bank is not None:

@@ -344,10 +344,13 @@ CURVE_PANELS = {  # log.csv column -> (y label, title); the last only when some 
 }
 
 
-def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], path: Path, title: str) -> Path:
+def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], path: Path, title: str,
+                         marks: Mapping[str, Sequence[tuple[int, float | None]]] | None = None) -> Path:
     """Train loss, eval top-1 and (rollout-pooled arms) the effective patches of their pooling weights per epoch:
     one colour per arm, a thin line per seed and a bold mean over seeds (an arm of one seed: its one bold line),
-    one legend entry per arm below the axes (readable with any number of seeds), ticks on whole epochs."""
+    one legend entry per arm below the axes (readable with any number of seeds), ticks on whole epochs.
+    ``marks``: another study's training losses per arm, (epoch, loss or None), drawn as crosses in the arm's
+    colour on a log-scale loss axis, with a dotted line at each of their epochs."""
     from matplotlib.figure import Figure
 
     keys = [k for k in CURVE_PANELS if k != "rollout_effective_patches"
@@ -369,6 +372,8 @@ def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], pat
             ax.plot([r["epoch"] for r in logged[0][:length]], mean, color=colour, lw=2,
                     marker="." if length < 3 else None,  # a line of one or two points is hard to see
                     label=f"{short} ({'mean of ' if len(runs) > 1 else ''}{seeds_phrase(len(runs))})")
+    if marks:
+        _loss_marks(axes["train_loss"], [*logs], marks)
     for key, ax in axes.items():
         ax.set(ylabel=CURVE_PANELS[key][0], title=CURVE_PANELS[key][1])
         epoch_axis(ax)
@@ -379,6 +384,19 @@ def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], pat
     fig.suptitle(f"{title} (thin lines: single seeds)" if several else title)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     return save_figure(fig, path)
+
+
+def _loss_marks(ax, arms: Sequence[str], marks: Mapping[str, Sequence[tuple[int, float | None]]]) -> None:
+    """The write-up's read-off losses on a log axis: a cross per (arm, epoch) with a level, a line per epoch."""
+    ax.set_yscale("log")
+    for epoch in sorted({e for points in marks.values() for e, _ in points}):
+        ax.axvline(epoch, color="0.6", ls=":", lw=1)
+    for arm, points in marks.items():
+        shown = [(e, v) for e, v in points if v is not None]
+        if arm in arms and shown:
+            ax.plot(*zip(*shown, strict=True), "x", color=f"C{arms.index(arm)}", ms=9, mew=2,
+                    label=f"{arm}: write-up's read-off")
+    ax.legend(fontsize=8, loc="upper right")
 
 
 EXPLANATION_COLUMNS = 5

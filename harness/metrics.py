@@ -37,11 +37,12 @@ __all__ = [
     "knn_bank_predictions",
     "knn_loo",
     "knn_loo_predictions",
+    "knn_original",
     "l2_normalize",
     "linear_probe",
     "linear_probe_predictions",
     "lone_classes",
-    "original_centroid_metrics",
+    "original_metrics",
     "search",
     "silhouette",
     "topk_hits",
@@ -259,15 +260,28 @@ def centroid_metrics(features: ArrayLike, labels: ArrayLike) -> dict[str, float 
     return {"intra": intra, "inter": inter, "ratio": None if intra is None else inter / intra}
 
 
-def original_centroid_metrics(features: ArrayLike, labels: ArrayLike) -> dict[str, float | None]:
-    """The original study's geometry (``*_original``), only to set our numbers beside its table; it mixes units:
-    Euclidean distances to the centroid within classes, cosine distances between centroids."""
+def knn_original(features: ArrayLike, labels: ArrayLike, k: int = KNN_K) -> float:
+    """The original study's k-NN accuracy: the ``k`` nearest points (cosine) of the set *including the query
+    itself* vote (:func:`_majority`), so a query always votes for its own label once; above :func:`knn_loo`."""
+    x = l2_normalize(features)
+    y = _numpy(labels).astype(np.int64)
+    if x.shape[0] < k:
+        raise ValueError(f"{k}-NN needs at least {k} points, got {x.shape[0]}")
+    sims, ids = search(x, x, k)
+    return accuracy(_majority(y[ids], sims, int(y.max()) + 1), y)
+
+
+def original_metrics(features: ArrayLike, labels: ArrayLike) -> dict[str, float | None]:
+    """The original study's definitions (``*_original``), only to set our numbers beside its table; its geometry
+    mixes units (Euclidean distances to the centroid within classes, cosine distances between centroids) and its
+    k-NN counts the query (:func:`knn_original`; None below ``KNN_K`` points)."""
     x, y, classes, cents = _classes(features, labels)
     intra = _intra(x, y, classes, lambda xc, i: np.linalg.norm(xc - cents[i], axis=1).mean())
     pairs = np.triu_indices(len(classes), k=1)
     inter = float((1.0 - cosine_matrix(cents)[pairs]).mean())
     return {"intra_original": intra, "inter_original": inter,
-            "ratio_original": None if intra is None else inter / intra}
+            "ratio_original": None if intra is None else inter / intra,
+            "knn_original": knn_original(x, y) if len(y) >= KNN_K else None}
 
 
 def cosine_matrix(vectors: ArrayLike) -> np.ndarray:
@@ -291,7 +305,7 @@ def silhouette(
 
 
 def topk_hits(logits: ArrayLike, labels: ArrayLike, k: int = 1) -> np.ndarray | None:
-    """Per row, whether its label is among the ``k`` highest logits; None if there are fewer than k classes."""
+    """Per row, whether its label is among the ``k`` highest logits; None unless there are more than k classes."""
     hits = _topk_hits(torch.as_tensor(_numpy(logits)), torch.as_tensor(_numpy(labels).astype(np.int64)), k)
     return None if hits is None else hits.numpy()
 

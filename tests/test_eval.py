@@ -86,6 +86,7 @@ def test_results_json_has_metrics_and_provenance(runs, checkpoint):
     results = json.loads((runs[0] / "results.json").read_text())
     assert set(results["metrics"]) == {"top1", "top5", "linear_probe", "knn_loo", "knn_bank", "intra", "inter", "ratio",
                                        "silhouette", "intra_original", "inter_original", "ratio_original",
+                                       "knn_original",
                                        "rollout_effective_patches", "rollout_cosine_to_mean"}
     assert all(isinstance(v, float) for v in results["metrics"].values())
     model, data, config = results["model"], results["data"], results["config"]

@@ -39,6 +39,24 @@ def _loop_knn_loo(features: np.ndarray, labels: np.ndarray, k: int) -> float:
     return correct / len(x)
 
 
+@pytest.mark.parametrize("k", [1, 5])
+def test_knn_original_counts_the_query_like_a_plain_loop(data, k):
+    """The original study's k-NN: the query is its own first neighbour (so k=1 is always right)."""
+    features, labels = data
+    x = _unit(features)
+    correct = 0
+    for i in range(len(x)):
+        sims = x @ x[i]
+        order = [i, *[j for j in np.argsort(-sims, kind="stable") if j != i]][:k]
+        votes: dict[int, list[float]] = {}
+        for j in order:
+            votes.setdefault(int(labels[j]), []).append(float(sims[j]))
+        correct += max(votes.items(), key=lambda kv: (len(kv[1]), sum(kv[1]), -kv[0]))[0] == labels[i]
+    assert metrics.knn_original(features, labels, k) == pytest.approx(correct / len(x), abs=1e-12)
+    assert metrics.original_metrics(features, labels)["knn_original"] == metrics.knn_original(features, labels)
+    assert metrics.knn_original(features, labels, 5) >= metrics.knn_loo(features, labels, 4) - 1e-12
+
+
 @pytest.mark.parametrize("k", [1, 5, 8])
 def test_knn_loo_matches_plain_loops(data, k):
     features, labels = data
@@ -112,8 +130,8 @@ def test_rescaled_two_class_layout_keeps_its_ratio():
     assert half["intra"] == pytest.approx(np.deg2rad(3.75)) and half["inter"] == pytest.approx(np.deg2rad(60.0))
     assert half["ratio"] == pytest.approx(full["ratio"], rel=1e-6)  # features are float32
     assert full["ratio"] == pytest.approx(16.0, rel=1e-6)
-    orig_full = metrics.original_centroid_metrics(_circle(layout), labels)
-    orig_half = metrics.original_centroid_metrics(_circle([a / 2 for a in layout]), labels)
+    orig_full = metrics.original_metrics(_circle(layout), labels)
+    orig_half = metrics.original_metrics(_circle([a / 2 for a in layout]), labels)
     assert orig_full["ratio_original"] > 1.5 * orig_half["ratio_original"]
 
 
@@ -127,11 +145,11 @@ def test_a_class_with_one_image_is_left_out_of_intra_but_not_of_inter():
     got = metrics.centroid_metrics(features, labels)
     assert got["intra"] == pytest.approx(np.deg2rad(15.0)) and got["inter"] == pytest.approx(np.deg2rad(120.0))
     assert got["ratio"] == pytest.approx(8.0, rel=1e-6)
-    original = metrics.original_centroid_metrics(features, labels)
+    original = metrics.original_metrics(features, labels)
     assert original["intra_original"] == pytest.approx((np.sin(np.deg2rad(10)) + np.sin(np.deg2rad(20))) / 2)
     lone = metrics.centroid_metrics(_circle([0.0, 90.0]), np.array([0, 1]))  # no class has a spread
     assert lone["intra"] is None and lone["ratio"] is None and lone["inter"] == pytest.approx(np.pi / 2)
-    assert metrics.original_centroid_metrics(_circle([0.0, 90.0]), np.array([0, 1]))["ratio_original"] is None
+    assert metrics.original_metrics(_circle([0.0, 90.0]), np.array([0, 1]))["ratio_original"] is None
 
 
 def test_centroid_metrics_match_plain_loops(data):
@@ -149,9 +167,9 @@ def test_centroid_metrics_match_plain_loops(data):
     assert got["ratio"] == pytest.approx(inter / intra, rel=1e-9)
 
 
-def test_original_centroid_metrics_match_plain_loops(data):
+def test_original_metrics_match_plain_loops(data):
     features, labels = data
-    got = metrics.original_centroid_metrics(features, labels)
+    got = metrics.original_metrics(features, labels)
     x = _unit(features)
     classes = sorted(set(labels.tolist()))
     cents = {c: x[labels == c].mean(axis=0) for c in classes}

@@ -115,15 +115,18 @@ def test_report_matches_the_evaluations(finished):
         want = [np.mean([r["rollout_variants"]["max"] for r in records]),
                 np.mean([r["layer_effective_patches"][-1] for r in records])]
         assert [float(row[2].split()[0]), float(row[-1].split()[0])] == pytest.approx(want, abs=0.051)
-    for metric in ("top1", "linear_probe", "knn_loo", "knn_bank", "ratio", "silhouette", "ratio_original"):
+    section = report.split("## Beside the original write-up")[1].split("\n## ")[0]
+    for arm in ("cls", "gap"):  # no probe evaluations: the full test split in the write-up's units, said so
+        values = np.array([results[arm, s]["metrics"]["ratio_original"] for s in (0, 1)])
+        row = next(r for r in section.splitlines() if r.startswith(f"| centroid ratio inter / intra | {arm} |"))
+        assert f"{values.mean():.4f} ± {values.std(ddof=1):.4f} (full test split)" in row
+    assert "ratio_original" not in report.split("## Beside the original write-up")[0]  # shown, never tested
+    for metric in ("top1", "linear_probe", "knn_loo", "knn_bank", "ratio", "silhouette"):
         values = {a: np.array([results[a, s]["metrics"][metric] for s in (0, 1)]) for a in SHOWN}
         for arm, cell in zip(SHOWN, _table_row(report, metric)[1:], strict=True):
             mean, std = map(float, re.findall(r"-?\d+\.\d+", cell))
             assert mean == pytest.approx(values[arm].mean(), abs=6e-5)
             assert std == pytest.approx(values[arm].std(ddof=1), abs=6e-5)
-        if metric == "ratio_original":
-            assert "| ratio_original |" not in report.split("## The original study")[0]  # shown, never tested
-            continue
         for arm, ref in (("rollout-grad", "cls"), ("cls-posthoc-rollout", "cls"), ("cls-posthoc-avg", "gap")):
             row = _table_row(report, metric, after=f"### {arm} - {ref}")
             diff = values[arm] - values[ref]

@@ -76,6 +76,7 @@ from .tables import (
     report_tables,
     tested_metrics,
 )
+from .writeup import WRITEUP_EPOCHS, writeup_marks, writeup_section
 
 
 def report_scope(named: Sequence[str], arms: Sequence[str], seeds: Sequence[int],
@@ -125,7 +126,8 @@ def _figures(args: argparse.Namespace, out: Path, arms: list[str], seeds: list[i
     returns whether that figure was drawn) and the heatmap grid of every arm, on the first seed's test images."""
     trained = [a for a in arms if a in ARMS]
     logs = {a: {seed: read_log(runs[a, seed] / LOG_FILE) for seed in seeds} for a in trained}
-    plot_training_curves(logs, out / CURVES_FILE, f"Training on {args.dataset}, {args.epochs} epochs")
+    marks = writeup_marks() if args.epochs == WRITEUP_EPOCHS else None  # the write-up's loss read-offs
+    plot_training_curves(logs, out / CURVES_FILE, f"Training on {args.dataset}, {args.epochs} epochs", marks)
     records = {a: [results[a, s].get("pooling_diagnostics") for s in seeds] for a in trained}
     records = {a: r for a, r in records.items() if all(r)}
     if records:
@@ -198,6 +200,9 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
         *data_section(args, out),
         *notes_section(out),
         *report_tables(groups, extra, args.primary, primary_metric(args)),
+        *(writeup_section(out, groups, seeds, {a: {s: read_log(runs[a, s] / LOG_FILE) for s in seeds}
+                                               for a in arms if a in ARMS} if args.epochs == WRITEUP_EPOCHS else None)
+          if any(g.mean.get(m) is not None for g in groups.values() for m in ORIGINAL_METRICS) else []),
         *localisation_section(out, groups, seeds, results),
         *dose_report(args, out, seeds),
         *interaction_section(args, out, dict(zip(pairs, results, strict=True)), tested_metrics(extra)),

@@ -11,7 +11,6 @@ import numpy as np
 from harness import stats
 from harness.compare import (
     METRICS,
-    ORIGINAL_METRICS,
     PRIMARY,
     STATISTICS_NOTE,
     Group,
@@ -25,18 +24,6 @@ from harness.compare import (
 from harness.metrics import LOCALISATION, POOLING_DIAGNOSTICS
 
 from .plan import REFERENCES
-
-# The original study's CIFAR-10 figures (200 epochs, one seed, dropout 0.1), to set beside the table above.
-ORIGINAL_STUDY = """The original study reported on CIFAR-10 (200 epochs, one seed, dropout 0.1; its k-NN@5 counts the
-query as its own neighbour, so it is not our `knn_loo`):
-
-| metric | cls | rollout |
-|---|---:|---:|
-| intra_original | 0.717 | 0.694 |
-| inter_original | 1.000 | 1.063 |
-| ratio_original | 1.40 | 1.53 |
-| silhouette | 0.143 | 0.134 |
-| k-NN@5 (query included) | 0.845 | 0.850 |"""
 
 
 def means_table(groups: dict[str, Group], metrics: Sequence[str]) -> str:
@@ -80,7 +67,7 @@ def tested_metrics(extra: Sequence[str]) -> list[str]:
 
 def report_tables(groups: dict[str, Group], extra: list[str], primary: tuple[str, str] | None,
                    primary_metric: str = PRIMARY) -> list[str]:
-    """The report's statistics: means per arm, paired differences, and the original study's geometry."""
+    """The report's statistics: means per arm and paired differences."""
     shown = [*METRICS, *POOLING_DIAGNOSTICS, *extra]
     tested = tested_metrics(extra)
     lines = ["## Metrics per arm", "", "Mean ± sample std over seeds. Learning-curve rows come from each run's "
@@ -99,11 +86,6 @@ def report_tables(groups: dict[str, Group], extra: list[str], primary: tuple[str
             named += f" With several --also-eval data sets the primary metric is {primary_metric}, not {PRIMARY}."
         lines += ["## Paired differences", "", STATISTICS_NOTE + named, "",
                   delta_tables(groups, tested, primary, primary_metric)]
-    if any(g.mean.get(m) is not None for g in groups.values() for m in ORIGINAL_METRICS):
-        lines += ["## The original study's geometry", "",
-                  "Its mixed units (Euclidean intra, cosine-distance inter), only to set these runs beside its table; "
-                  "the ratio shrinks when a layout shrinks, so it is not tested.", "",
-                  means_table(groups, ORIGINAL_METRICS), "", ORIGINAL_STUDY, ""]
     return lines
 
 
