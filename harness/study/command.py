@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import sys
+from functools import partial
 from pathlib import Path
 
 from timm_rollout.cli import CliParser, as_type, non_negative_int, number, output_dir, positive_int, seed_arg
 from timm_rollout.data import dataset_arg
 from timm_rollout.device import AMP_CHOICES, device_arg
 from timm_rollout.errors import UserError
+from timm_rollout.masks import BOX_FORMATS
 from timm_rollout.records import (
     CURVES_FILE,
     DATA_DIR,
@@ -22,6 +25,7 @@ from timm_rollout.records import (
     STUDY_FILE,
 )
 
+from . import cluster
 from .folder import check_identity, layout
 from .jobs import check_commit, commit_paths, run_all
 from .plan import ARMS, DEFAULT_ARMS, check_train_args, primary_arg
@@ -32,13 +36,14 @@ DESCRIPTION = ("The study in one command: train every pooling arm per seed with 
 
 def build_parser() -> CliParser:
     """The CLI; bad values are one-line errors before anything is recorded in ``study.json``."""
-    p = CliParser(prog="python scripts/study.py", description=DESCRIPTION, checks=[check_train_args],
+    p = CliParser(prog="python scripts/study.py", description=DESCRIPTION,
+                  checks=[_check_required, lambda args: args.status or check_train_args(args)],
                   removed={"--stack": "run seeds side by side as separate processes with --jobs N",
                            "--pack": "run seeds side by side as separate processes with --jobs N",
                            "--capture": "for CUDA graphs pass --train-args '--compile --compile-mode reduce-overhead'"})
-    p.add_argument("--dataset", required=True, type=as_type(dataset_arg),
-                   help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or folder")
-    p.add_argument("--epochs", type=positive_int, required=True, help="training epochs of every run")
+    p.add_argument("--dataset", type=as_type(dataset_arg),
+                   help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or folder (required)")
+    p.add_argument("--epochs", type=positive_int, help="training epochs of every run (required)")
     p.add_argument("--model", default=None,
                    help="base timm ViT every arm pools (default: the tiny CIFAR ViT, vit_tiny_cifar_<pooling>); size "
                         "and depth via --train-args '--model-kwargs img_size=32 ...'")
@@ -69,6 +74,8 @@ def build_parser() -> CliParser:
                    help="another study folder, of the same recipe and --primary arms on another data set (e.g. the "
                         "objects without clutter): the report adds the primary comparison's difference between the "
                         "two studies, paired by seed; remembered by the folder")
+    p.add_argument("--bbox-format", choices=BOX_FORMATS,
+                   help="what the data sets' bbox columns hold, as harness.eval --bbox-format (default: xywh)")
     p.add_argument("--heatmaps", type=non_negative_int, default=6,
                    help="test images in the side-by-side heatmap grid (0: no grid)")
     p.add_argument("--jobs", type=positive_int, default=1,
@@ -81,20 +88,53 @@ def build_parser() -> CliParser:
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: report (and export) over the seeds every arm of --arms has finished")
     p.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
+    p.add_argument("--executor", choices=("local", "slurm"), default="local",
+                   help="local: the runs in this machine's pool (--jobs); slurm: one Slurm job array of the missing "
+                        "runs, through submitit (pip install -e '.[slurm]'), the report as a job after it")
+    p.add_argument("--status", action="store_true",
+                   help="print the state of each run of --output (of --arms/--seeds when given) and exit")
+    s = p.add_argument_group("Slurm (--executor slurm)")
+    s.add_argument("--partition", metavar="NAME", help="partition of every task (default: the cluster's)")
+    s.add_argument("--time", metavar="MINUTES", type=positive_int, default=240,
+                   help="time limit of a task in minutes; a run that needs longer is requeued and resumes")
+    s.add_argument("--gpus-per-task", metavar="N", type=non_negative_int, help="GPUs of each task")
+    s.add_argument("--cpus-per-task", metavar="N", type=positive_int, help="CPU cores of each task (its torch threads)")
+    s.add_argument("--mem", metavar="GB", type=positive_int, help="memory of each task in GB")
+    s.add_argument("--array-parallelism", metavar="N", type=positive_int, help="tasks running at once (default: all)")
+    s.add_argument("--account", metavar="NAME", help="Slurm account to charge")
+    s.add_argument("--qos", metavar="NAME", help="Slurm quality of service")
+    s.add_argument("--sbatch-args", metavar="ARGS",
+                   help="other sbatch options of every task, quoted, e.g. '--constraint=a100 --exclusive'")
     p.add_argument("--eval-amp", choices=AMP_CHOICES,
                    help="autocast dtype of every evaluation (none: fp32); an evaluation recorded at another one is "
                         "redone (default: harness.eval's auto, bf16 only where native, whatever was recorded kept)")
     return p
 
 
+def _check_required(args: argparse.Namespace) -> None:
+    missing = [] if args.status else [f"--{k}" for k in ("dataset", "epochs") if getattr(args, k) is None]
+    if missing:
+        raise UserError(f"the following arguments are required: {', '.join(missing)}")
+
+
 def main(argv: list[str] | None = None) -> Path | None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.status:
+        extra = ", ".join("--" + k.replace("_", "-") for k in sorted(parser.given - {"status", "output", "arms", "seeds"}))
+        if extra:
+            raise UserError(f"--status reads the study folder alone: drop {extra} (--arms and --seeds narrow the list)")
+        print("\n".join(cluster.status(Path(args.output), args.arms if "arms" in parser.given else None,
+                                        args.seeds if "seeds" in parser.given else None)))
+        return None
     if args.report_only and args.eval_amp:
         raise UserError("--report-only evaluates nothing, so --eval-amp would do nothing; run the study command "
                         "without --report-only to evaluate at that precision")
+    cluster.check_slurm(args, parser.given)
     args.command = shlex.join(["python", "scripts/study.py", *(sys.argv[1:] if argv is None else argv)])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    args.threads = None if args.jobs == 1 else max(1, cores // args.jobs)
+    args.threads = args.cpus_per_task if args.executor == "slurm" else None if args.jobs == 1 else \
+        max(1, cores // args.jobs)
     out = Path(args.output)
     if args.commit:
         check_commit(out)
@@ -104,7 +144,19 @@ def main(argv: list[str] | None = None) -> Path | None:
     runs, evals = layout(out, seeds)
     # Seed by seed, so the arms of a seed finish close together and pair up early.
     todo = [] if args.report_only else [(arm, seed) for seed in args.seeds for arm in ARMS if arm in args.arms]
-    run_all(args, todo, runs, evals)
+    if args.executor == "local":
+        run_all(args, todo, runs, evals)
+    elif not cluster.run_slurm(args, todo, runs, evals, partial(render, args)):
+        return None  # the report is a job after the array
+    return render(args, len(todo), (arms, seeds, commands))
+
+
+def render(args: argparse.Namespace, trained: int = 0, folder: tuple | None = None) -> Path:
+    """Write ``report.md`` (and commit it with ``--commit``) over the seeds every arm of ``--arms`` has finished;
+    ``folder``: the arms, seeds and commands of :func:`check_identity`, else read again (the report job)."""
+    out = Path(args.output)
+    arms, seeds, commands = folder or check_identity(args, out)
+    runs, evals = layout(out, seeds)
     scope = report_scope(args.arms, arms, seeds, evals)
     if not scope[1]:
         raise UserError(f"no seed of {out} is finished by every arm of --arms ({' '.join(args.arms)}) yet: run the "
@@ -115,6 +167,6 @@ def main(argv: list[str] | None = None) -> Path | None:
                  DATA_DIR)
         commit_paths([out / name for name in names if (out / name).exists()],
                      f"study: report ({', '.join(scope[0])}; seeds {' '.join(map(str, scope[1]))})")
-    print(f"study finished: {len(todo)} runs trained or checked on {args.dataset}; report over seeds "
+    print(f"study finished: {trained} runs trained or checked on {args.dataset}; report over seeds "
           f"{' '.join(map(str, scope[1]))} at {report}")
     return report
