@@ -25,7 +25,7 @@ from harness.predictions import read_predictions
 from timm_rollout.atomic import write_text
 from timm_rollout.cli import CliParser, output_dir, run_cli
 from timm_rollout.errors import UserError
-from timm_rollout.pooling import POOLED_ARCHITECTURE, STOCK_ARCHITECTURE, pool_name
+from timm_rollout.pooling import OPTIONS, POOL_ARG, POOLED_ARCHITECTURE, STOCK_ARCHITECTURE, pool_name
 from timm_rollout.records import ARGS_FILE, COMPARISON_FILE, REPORT_FILE, RESULTS_FILE
 
 __all__ = [
@@ -43,11 +43,13 @@ __all__ = [
     "format_mean",
     "format_number",
     "format_p",
+    "group_labels",
     "load_results",
     "main",
     "read_results",
     "render_comparison",
     "render_markdown",
+    "run_fields",
     "run_folder",
     "run_label",
     "run_seed",
@@ -60,6 +62,9 @@ METRICS = ("top1", "top5", "linear_probe", "knn_loo", "knn_bank", "intra", "inte
 ORIGINAL_METRICS = ("intra_original", "inter_original", "ratio_original", "knn_original")
 PRIMARY = "top1"
 SHOWABLE = METRICS + POOLING_DIAGNOSTICS + LOCALISATION + ORIGINAL_METRICS  # what --metrics may name
+# run_fields that say how a model pools (model arguments included)
+POOLING_FIELDS = {"pooling", "readout", "global_pool", POOL_ARG, *(attr for attr, _ in OPTIONS.values())}
+MIXED = "(differs between its runs)"  # a field of a group whose runs differ in it (a caller's own grouping)
 
 
 @dataclass
@@ -71,6 +76,7 @@ class Group:
     runs: list[str] = field(default_factory=list)
     seeds: list[int | None] = field(default_factory=list)
     images: list[tuple | None] = field(default_factory=list)  # (evaluated subset, bank) fingerprints per run
+    fields: dict[str, str | None] = field(default_factory=dict)  # run_fields of its runs (MIXED where they differ)
     values: dict[str, list[float | None]] = field(default_factory=dict)
     mean: dict[str, float | None] = field(default_factory=dict)
     std: dict[str, float | None] = field(default_factory=dict)
@@ -117,18 +123,24 @@ def load_results(folders: Sequence[str | Path]) -> list[dict[str, Any]]:
 
 
 @functools.cache
-def default_pool(name: str) -> str | None:
-    """The ``global_pool`` a registered model is built with by default (built on the meta device); None where
-    that cannot tell (``hf-hub:``, ``local-dir:``, a model that needs arguments or a real device)."""
+def _built(name: str | None) -> tuple[str, tuple] | None:
+    """The ``global_pool`` and parameter shapes of a registered model built by default (on the meta device); None
+    where that cannot tell (``hf-hub:``, ``local-dir:``, a model that needs arguments or a real device)."""
     import timm  # here, so that --help loads no timm
 
-    if not timm.is_model(name):
+    if not name or not timm.is_model(name):
         return None
     try:
         with torch.device("meta"):
-            return pool_name(timm.create_model(name))
+            model = timm.create_model(name)
     except (RuntimeError, NotImplementedError, ValueError):  # a meta-device-only failure, or a required argument
         return None
+    return pool_name(model), tuple((k, tuple(v.shape)) for k, v in model.state_dict().items())
+
+
+def default_pool(name: str) -> str | None:
+    """The ``global_pool`` a registered model is built with by default; None where that cannot tell."""
+    return (_built(name) or (None,))[0]
 
 
 def _model_name(model: dict[str, Any]) -> str:
@@ -141,9 +153,10 @@ def _model_name(model: dict[str, Any]) -> str:
         else trained
 
 
-def run_label(result: dict[str, Any]) -> str:
-    """Group label of a run: model (:func:`_model_name`), weights' architecture when it differs, its pooling when not
-    the model's default (e.g. ``global_pool=map``), a post-hoc readout's pooling, data set and split."""
+def run_label(result: dict[str, Any], shown: Sequence[str] = ()) -> str:
+    """Label of a run: model (:func:`_model_name`), weights' architecture when it differs, its pooling when not the
+    model's default (e.g. ``global_pool=map``), a post-hoc readout's pooling, the ``shown`` fields, data set and
+    split."""
     model = result["model"]
     label = name = _model_name(model)
     trained_as = model.get("checkpoint_architecture")
@@ -154,9 +167,71 @@ def run_label(result: dict[str, Any]) -> str:
         label += f" (global_pool={built})"
     if pool is not None and pool != built:
         label += f" (read out with {pool})"
+    if shown:
+        label += f" ({' '.join(shown)})"
     data = result.get("data", {})
     dataset = Path(str(data.get("argument") or data.get("dataset", "?"))).name
     return f"{label} on {dataset}/{data.get('split', '?')}"
+
+
+def _stock(name: str | None, args: dict[str, Any]) -> str | None:
+    """An architecture's name, that of the stock ViT for :data:`POOLED_ARCHITECTURE`."""
+    return args.get(STOCK_ARCHITECTURE, name) if name == POOLED_ARCHITECTURE else name
+
+
+def run_fields(result: dict[str, Any]) -> dict[str, str | None]:
+    """What makes runs of one :func:`run_label` one model on one data split, as text: the architectures of the model
+    and of its weights, pooling, readout, every recorded model argument (rollout options at their defaults left out,
+    as older records did) and the split's ``content`` hash (else datasets' fingerprint)."""
+    model, data = result["model"], result.get("data") or {}
+    args = model.get("model_args") or {}
+    defaults = dict(OPTIONS.values())
+    kept = {k: v for k, v in args.items() if k != STOCK_ARCHITECTURE and (k not in defaults or v != defaults[k])}
+    found = {"architecture": _stock(model.get("architecture"), args),
+             "weights": _stock(model.get("checkpoint_architecture"), args), "pooling": model.get("global_pool"),
+             "readout": model.get("pool"), **kept, "content": data.get("split_content") or data.get("fingerprint")}
+    return {k: v if v is None or isinstance(v, str) else json.dumps(v) for k, v in found.items()}
+
+
+def _shown(name: str, value: str | None) -> str:
+    """A field in a label: ``head_fusion=max``, ``depth=2``, ``content=8cb7f094``."""
+    short = {"rollout_head_fusion": "head_fusion", "rollout_discard_ratio": "discard_ratio"}.get(name, name)
+    return f"{short}={value[:8] if name == 'content' and value else value}"
+
+
+def group_labels(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Each run's group label: :func:`run_label`, with the :func:`run_fields` in which runs of that label differ
+    (e.g. ``vit_tiny_cifar_rollout (head_fusion=max discard_ratio=0.9) on cifar10/test``)."""
+    labels, fields = [run_label(r) for r in results], [run_fields(r) for r in results]
+    named = []
+    for result, label, own in zip(results, labels, fields, strict=True):
+        peers = [f for other, f in zip(labels, fields, strict=True) if other == label]
+        differ = [k for k in dict.fromkeys(k for f in peers for k in f) if len({f.get(k) for f in peers}) > 1]
+        named.append(run_label(result, [_shown(k, own[k]) for k in differ if own.get(k) is not None]))
+    return named
+
+
+def _factor(name: str, a: str | None, b: str | None) -> str:
+    """The factor of a field in which two groups differ (values ``a``, ``b``): the pooling or the architecture (two
+    architectures that build to the same parameters, as the tiny models' _cls, _gap and _rollout, differ in pooling)."""
+    if name in ("architecture", "weights"):
+        built = _built(a), _built(b)
+        return "pooling" if None not in built and built[0][1] == built[1][1] else "architecture"
+    return "pooling" if name in POOLING_FIELDS else "architecture"
+
+
+def _check_like(base: Group, other: Group) -> None:
+    """Refuse pairing groups that differ in more than one factor (the pooling, the architecture), naming what
+    differs; fields that differ within a group, and the data (checked per seed), are left out."""
+    a, b = base.fields, other.fields
+    factors: dict[str, list[str]] = {}
+    for k in dict.fromkeys([*a, *b]):
+        if k != "content" and MIXED not in (a.get(k), b.get(k)) and a.get(k) != b.get(k):
+            factors.setdefault(_factor(k, a.get(k), b.get(k)), []).append(f"{k} {a.get(k)} vs {b.get(k)}")
+    if len(factors) > 1:
+        raise UserError(f"{other.label} and {base.label} differ in " + " and in ".join(
+            f"the {f} ({', '.join(d)})" for f, d in factors.items()) + "; a paired difference compares one factor: "
+            "compare runs that differ only in the pooling, or only in the architecture")
 
 
 def _checkpoint(result: dict[str, Any]) -> str | None:
@@ -215,13 +290,13 @@ def same_images(a: tuple, b: tuple) -> tuple[bool, bool]:
 
 
 def check_distinct(results: Sequence[dict[str, Any]]) -> None:
-    """Refuse an evaluation counted twice in a group (:func:`run_label`): the same folder, the same seed
+    """Refuse an evaluation counted twice in a group (:func:`group_labels`): the same folder, the same seed
     (:func:`run_seed`), the same weights of a training checkpoint, or, for a published model without a seed, the
     same weights on the same images (harness/README.md, "Compare runs")."""
     seen: dict[tuple, str] = {}
-    for result in results:
+    for result, label in zip(results, group_labels(results), strict=True):
         path = str(result.get("path", "?"))
-        seed, sha, label = run_seed(result), result["model"].get("sha256"), run_label(result)
+        seed, sha = run_seed(result), result["model"].get("sha256")
         keys = [("folder", Path(path).resolve())]
         if seed is not None:
             keys.append(("seed", label, seed))
@@ -241,12 +316,15 @@ def check_distinct(results: Sequence[dict[str, Any]]) -> None:
 
 
 def summarise(results: Sequence[dict[str, Any]], metrics: Sequence[str] = METRICS,
-              label: Callable[[dict[str, Any]], str] = run_label) -> list[Group]:
-    """Group runs by ``label`` (default :func:`run_label`; in first-seen order); per-run values, mean and
+              label: Callable[[dict[str, Any]], str] | None = None) -> list[Group]:
+    """Group runs by ``label`` (default :func:`group_labels`; in first-seen order); per-run values, mean and
     sample std of each metric."""
     groups: dict[str, Group] = {}
-    for result in results:
-        group = groups.setdefault(label(result), Group(label(result)))
+    labels = group_labels(results) if label is None else [label(r) for r in results]
+    for result, name in zip(results, labels, strict=True):
+        group, fields = groups.setdefault(name, Group(name)), run_fields(result)
+        group.fields = fields if not group.runs else {k: group.fields.get(k) if group.fields.get(k) == fields.get(k)
+                                                      else MIXED for k in dict.fromkeys([*group.fields, *fields])}
         group.runs.append(str(result.get("path", "?")))
         group.seeds.append(run_seed(result))
         group.images.append(evaluated_images(result))
@@ -304,7 +382,9 @@ def _per_image(base: Group, other: Group, metric: str, pairs: list[tuple[int, in
 
 def compare_groups(base: Group, other: Group, metrics: Sequence[str] = METRICS,
                    primary: str = PRIMARY) -> list[MetricComparison]:
-    """Each metric of ``other`` against ``base``, paired by seed; Holm over the secondary metrics' p-values."""
+    """Each metric of ``other`` against ``base``, paired by seed (groups that differ in one factor,
+    :func:`_check_like`); Holm over the secondary metrics' p-values."""
+    _check_like(base, other)
     base_at, other_at = _by_seed(base), _by_seed(other)
     seeds = sorted(base_at.keys() & other_at.keys())
     for s in seeds:  # a paired difference compares two runs on the same images, or it compares the images
