@@ -1,4 +1,4 @@
-"""``import timm_rollout`` and every command's ``--help`` and argument errors load no timm (nor datasets, faiss,
+"""``import timm_rollout`` and every command's ``--help`` and argument errors load no timm (nor datasets, faiss, submitit,
 matplotlib, scikit-learn), yet the models are registered with timm in any order of imports, and an argument error
 is one line.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("timm", "datasets", "faiss", "matplotlib", "sklearn")
+HEAVY = ("timm", "datasets", "faiss", "matplotlib", "sklearn", "submitit")
 REGISTERED = "assert {'vit_tiny_cifar_cls', 'vit_tiny_cifar_gap', 'vit_tiny_cifar_rollout'} <= set(timm.list_models())"
 
 

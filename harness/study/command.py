@@ -111,6 +111,9 @@ def build_parser() -> CliParser:
     return p
 
 
+LISTED = ("arms", "seeds")  # what --status takes besides --output
+
+
 def _check_required(args: argparse.Namespace) -> None:
     missing = [] if args.status else [f"--{k}" for k in ("dataset", "epochs") if getattr(args, k) is None]
     if missing:
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> Path | None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.status:
-        extra = ", ".join("--" + k.replace("_", "-") for k in sorted(parser.given - {"status", "output", "arms", "seeds"}))
+        extra = ", ".join(f"--{k.replace('_', '-')}" for k in sorted(parser.given - {"status", "output", *LISTED}))
         if extra:
             raise UserError(f"--status reads the study folder alone: drop {extra} (--arms and --seeds narrow the list)")
         print("\n".join(cluster.status(Path(args.output), args.arms if "arms" in parser.given else None,
