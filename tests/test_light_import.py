@@ -1,6 +1,6 @@
-"""``import timm_rollout`` and every command's ``--help`` and argument errors load no timm (nor datasets, faiss, submitit,
-matplotlib, scikit-learn), yet the models are registered with timm in any order of imports, and an argument error
-is one line.
+"""``import timm_rollout`` and every command's ``--help`` and argument errors load no timm (nor datasets, faiss,
+submitit, matplotlib, scikit-learn), yet the models are registered with timm in any order of imports, and an argument
+error is one line.
 
 Each check is a fresh interpreter (a module loaded once stays loaded), run on the CPU."""
 
