@@ -201,10 +201,10 @@ def test_a_task_stopped_at_its_time_limit_is_requeued_and_ends_with_the_uninterr
     out = tmp_path / "requeue"
     study.main(_argv(out, "--executor", "slurm", "--cpus-per-task", "1"))
     (job,) = made
-    resume, deadline = out / "runs" / "gap-s0" / "resume.safetensors", time.time() + 300
-    while not resume.exists() and time.time() < deadline:
+    log_csv, deadline = out / "runs" / "gap-s0" / "log.csv", time.time() + 300  # written after the resume state
+    while not log_csv.exists() and time.time() < deadline:
         time.sleep(0.1)
-    saved = len((out / "runs" / "gap-s0" / "log.csv").read_text().splitlines()) - 1
+    saved = len(log_csv.read_text().splitlines()) - 1
     os.kill(_children(job._process.pid)[0], signal.SIGUSR2)  # the task (its trainer is the task's child)
     job.result()
     log = job.stdout()

@@ -119,7 +119,7 @@ def submit(args: argparse.Namespace, pairs: list[tuple[str, int]], runs: dict, e
                         "and re-run, nothing was submitted") from None
     ids = {f"{arm}-s{seed}": job.job_id for (arm, seed), job in zip(pairs, jobs, strict=True)}
     write_json(folder / JOBS_FILE, {**submitted(Path(args.output)), **ids})
-    print(f"+ submitted {len(jobs)} runs as job array {jobs[0].job_id.split('_')[0]}: "
+    print(f"+ submitted {len(jobs)} runs as job{' array' * (len(jobs) > 1)} {jobs[0].job_id.split('_')[0]}: "
           f"{' '.join(f'{a}-s{s}' for a, s in pairs)}", flush=True)
     return jobs
 
