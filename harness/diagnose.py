@@ -31,7 +31,7 @@ from timm_rollout.data import ALIASES, ImageSet
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import UserError
 from timm_rollout.progress import Stopwatch
-from timm_rollout.records import ARGS_FILE, RESULTS_FILE, code_version, resolve_recorded
+from timm_rollout.records import ARGS_FILE, ELIDED, RESULTS_FILE, code_version, resolve_recorded
 
 __all__ = ["eval_command", "has_diagnostics", "main", "outdated", "update_evaluation"]
 
@@ -127,6 +127,9 @@ def _locate(folder: str | Path, args: argparse.Namespace, runs: str | Path | Non
     there, from any working directory (and is what a printed re-evaluation names); else as typed. The image checks
     that follow decide whether it holds the evaluated images."""
     typed, found = getattr(args, "dataset", None), resolve_recorded(dataset, folder)
+    if str(found).startswith(ELIDED):
+        raise UserError(f"{folder} names its data set folder by name only ({found}: it lay outside the working "
+                        "directory's tree when evaluated) and cannot find it; re-evaluate it with harness.eval")
     if typed and typed not in ALIASES and found and Path(found).is_absolute() and Path(found).is_dir():
         args.dataset = found
     if runs is not None:

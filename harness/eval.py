@@ -78,7 +78,9 @@ from timm_rollout.records import (
     PREDICTIONS_FILE,
     RESULTS_FILE,
     code_version,
+    portable_args,
     portable_path,
+    recorded_data,
     versions,
 )
 
@@ -468,7 +470,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                                      maps=left_out is None)
     if args.save_features:
         with clock.stage("save_features"):
-            _save_features(out / FEATURES_FILE, info["name"], data, feats, bank, bank_feats)
+            _save_features(out / FEATURES_FILE, info["name"], args.dataset, data, feats, bank, bank_feats)
 
     results = {
         "metrics": {**_metric_values(predicted, labels, geometry, sil), **diagnostic_metrics(diagnostics),
@@ -480,7 +482,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "model": {**info, "pretrained_cfg": _config_of(model)},
         "data": _data_record(args, sel, bank, out),
         "config": _config_record(args, sample, int(feats.shape[1]), bank is not None),
-        "args": vars(args),
+        "args": portable_args(vars(args), out),
         "environment": _environment_record(device, amp_dtype, faiss_threads),
         "code": code_version(),
         "outputs": {"figures": figures, "features": FEATURES_FILE if args.save_features else None,
@@ -492,11 +494,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def _save_features(path: Path, model: str, data: ImageSet, feats: torch.Tensor, bank: ImageSet | None,
+def _save_features(path: Path, model: str, dataset: str, data: ImageSet, feats: torch.Tensor, bank: ImageSet | None,
                    bank_feats: torch.Tensor | None) -> None:
     """``features.safetensors``: features and labels of the evaluated images and of the bank, if any."""
     tensors = {"features": feats, "labels": data.labels}
-    metadata = {"model": model, "dataset": portable_path(data.dataset, path.parent), "split": data.split}
+    metadata = {"model": model, "dataset": recorded_data(dataset, data.dataset, path.parent), "split": data.split}
     if bank is not None:
         tensors.update(bank_features=bank_feats, bank_labels=bank.labels)
         metadata["bank_split"] = bank.split
@@ -561,7 +563,8 @@ def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None
     full, data = sel.full, sel.data
     counts = torch.bincount(data.labels, minlength=full.num_classes)
     return {
-        "dataset": portable_path(data.dataset, out), "argument": args.dataset, "split": data.split,
+        "dataset": recorded_data(args.dataset, data.dataset, out), "argument": portable_path(args.dataset, out),
+        "split": data.split,
         "fingerprint": full.fingerprint,
         "subset_fingerprint": data.fingerprint, "split_content": full.content, "content": data.content,
         "class_names": [full.class_names[c] for c in sel.class_ids],

@@ -427,7 +427,7 @@ def test_object_weights_figure(tmp_path):
         assert img.format == "PNG" and img.width > 300
 
 
-def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(tmp_path):
+def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(tmp_path, monkeypatch):
     """harness.eval on cluttered canvases with masks: the mask metrics of the uniform (gap) pooling against pixels
     counted by hand. Then an older record of the same evaluation (no mask metrics, no content hashes), whose folder
     was written again (another datasets fingerprint, the same canvases): harness.diagnose refuses it, the recorded
@@ -440,6 +440,7 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
     from harness import diagnose
     from timm_rollout.clutter import ClutterRecipe, make_cluttered, split_file
 
+    monkeypatch.chdir(tmp_path)  # the data and the evaluations in one tree: recorded relative to each other
     make_cluttered(SAMPLE, tmp_path / "c", ClutterRecipe(fragments=24, seed=0), per_class=64)
     torch.manual_seed(0)
     run = tmp_path / "gap"
@@ -492,7 +493,9 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
         diagnose.update_evaluation(old)
     command = shlex.split(str(e.value).split("re-evaluate it: ")[1])  # a command that repeats the evaluation:
     assert command[:3] == ["python", "-m", "harness.eval"]  # typed as given, no flag refused, every argument kept
-    assert vars(harness_eval.build_parser().parse_args(command[3:])) == {**record["args"], "output": str(old)}
+    assert record["args"]["dataset"] == "../c"  # typed absolute, in the tree: relative to the evaluation
+    assert vars(harness_eval.build_parser().parse_args(command[3:])) == {
+        **record["args"], "dataset": str(tmp_path / "c"), "output": str(old), "overwrite": True}  # it holds one
     record["data"].update(split_content=full["data"]["split_content"], content=full["data"]["content"])
     (old / "results.json").write_text(json.dumps(record))  # an evaluation that recorded its content hashes
     assert diagnose.update_evaluation(old) == ["mask localisation"]

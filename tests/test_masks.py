@@ -172,7 +172,7 @@ def test_boxes_that_contradict_their_masks_are_refused_naming_the_likely_convent
     assert "3 boxes of column 'bbox' contradict their masks (read as clutter: 0 fill, 1 clutter, 2 object)" in message
     assert "row 0: [2.0, 3.0, 8.0, 8.0] read as [x, y, w, h] spans x 2..10, y 3..11, its object x 2..8, y 3..8" \
         in message
-    assert "every such box reads as [x1, y1, x2, y2] (corners): convert with w = x2 - x1, h = y2 - y1" in message
+    assert "every such box reads as [x1, y1, x2, y2] (corners): pass --bbox-format xyxy" in message
     assert message.endswith("or remove the 'bbox' column to take the boxes from the masks")
     centres = [(x + w / 2, y + h / 2, w, h) for x, y, w, h in RECTS]
     assert "[cx, cy, w, h] (centre and size)" in _error(_save(tmp_path / "centre", masks, centres))
@@ -255,7 +255,7 @@ def test_foreground_metrics_against_a_plain_loop_and_by_hand():
     assert on_object["pooling_object_mass"] == 1.0 and on_object["content_chance"] is None
 
 
-def test_eval_reads_a_foreground_mask_without_boxes_and_diagnose_keeps_it(tmp_path, capsys):
+def test_eval_reads_a_foreground_mask_without_boxes_and_diagnose_keeps_it(tmp_path, capsys, monkeypatch):
     """harness.eval of the uniform (gap) pooling on 16x16 images with foreground masks and no bbox column: boxes
     from the masks, object share = the object's pixel share, no fill metrics, the objects taken out for context
     top-1; diagnose finds it up to date. A contradicting box column is one line, exit 2."""
@@ -267,6 +267,10 @@ def test_eval_reads_a_foreground_mask_without_boxes_and_diagnose_keeps_it(tmp_pa
                 tmp_path / "gap", safe_serialization=True, data_config={"mean": (0.5,) * 3, "std": (0.25,) * 3})
     argv = ["--model", "vit_tiny_cifar_gap", "--checkpoint", str(tmp_path / "gap"), "--dataset", folder,
             "--heatmaps", "0", "--device", "cpu", "--amp", "none", "--k", "3"]
+    found = harness_eval.main([*argv, "--output", str(tmp_path / "eval0")])["metrics"]
+    with pytest.raises(UserError, match=r"eval0 names its data set folder by name only \(\.\.\./ds: .*harness.eval$"):
+        diagnose.update_evaluation(tmp_path / "eval0")  # evaluated from outside the tree of tmp_path
+    monkeypatch.chdir(tmp_path)  # the data and the evaluation in one tree: recorded relative to each other
     found = harness_eval.main([*argv, "--output", str(tmp_path / "eval")])["metrics"]
     recorded = json.loads((tmp_path / "eval" / "results.json").read_text())["data"]
     assert recorded["mask_convention"] == "foreground"  # how the masks were read, in the record

@@ -294,3 +294,33 @@ def test_help_lists_aliases_defaults_and_each_metric_once():
     assert "paired by seed (default: 0)" in study and "(default: )" not in study and "[0]" not in study
     for metric in compare.SHOWABLE:  # once, and the default ones once more in the default
         assert len(re.findall(rf"(?<!\w){metric}(?!\w)", shown)) == 1 + (metric in compare.METRICS), metric
+
+
+def test_an_evaluation_of_linked_folders_names_them_as_typed_never_by_their_targets(tmp_path, monkeypatch):
+    """results.json and features.safetensors name a data set folder in the working directory's tree relative to the
+    evaluation, through the symbolic link it was typed through, and one outside the tree by its name only."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from timm_rollout.data import SAMPLE_DIR
+
+    real = tmp_path / "machine" / "disk"
+    shutil.copytree(SAMPLE_DIR, real / "sample")
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "tree" / "data").symlink_to(real)
+    (tmp_path / "mnt").symlink_to(real)
+    monkeypatch.chdir(tmp_path / "tree")
+    for typed, recorded in ((tmp_path / "tree" / "data" / "sample", "../../data/sample"),
+                            (tmp_path / "mnt" / "sample", ".../sample")):
+        out = tmp_path / "tree" / "eval" / typed.parent.name
+        harness_eval.main(["--model", "vit_tiny_cifar_cls", "--dataset", str(typed),
+                           "--per-class", "2", "--heatmaps", "0", "--save-features", "--device", "cpu",
+                           "--output", str(out)])
+        results = json.loads((out / "results.json").read_text())
+        with safe_open(str(out / "features.safetensors"), framework="pt") as f:
+            features = f.metadata()["dataset"]
+        assert results["data"]["dataset"] == results["data"]["argument"] == results["args"]["dataset"] == features \
+            == recorded
+        assert results["args"]["output"] == "."
+        assert "disk" not in json.dumps({k: results[k] for k in ("data", "args")})

@@ -850,18 +850,52 @@ def test_a_run_records_the_code_it_ran_and_no_folder_of_this_machine(quick_run: 
                                 "dirty": bool(status.strip())}
     assert args["code"]["version"] == timm_rollout.__version__
     assert summary["code"] == {code_label(args["code"]): 2}
-    assert not os.path.isabs(args["dataset_resolved"])
-    assert Path(resolve_recorded(args["dataset_resolved"], quick_run)) == SAMPLE_DIR.resolve()
+    assert args["dataset_resolved"] == args["dataset"] == SAMPLE  # the package's sample by its name, as typed
+    assert resolve_recorded(args["dataset_resolved"], quick_run) == SAMPLE
 
 
-def test_portable_paths_by_hand(tmp_path: Path) -> None:
-    from timm_rollout.records import portable_path, resolve_recorded
+def test_portable_paths_by_hand(tmp_path: Path, monkeypatch) -> None:
+    """As typed when relative; relative to the record when absolute in the working directory's tree, through a
+    symbolic link as typed (never its target); else the folder's name only."""
+    from timm_rollout.records import portable_path, recorded_data, resolve_recorded
 
-    (tmp_path / "data" / "set").mkdir(parents=True)
-    out = tmp_path / "study" / "runs" / "a"
+    tree, real = tmp_path / "tree", tmp_path / "machine" / "disk" / "set"
+    real.mkdir(parents=True)
+    out = tree / "study" / "runs" / "a"
     out.mkdir(parents=True)
-    assert portable_path(str(tmp_path / "data" / "set"), out) == "../../../data/set"
-    assert resolve_recorded("../../../data/set", out) == str((tmp_path / "data" / "set").resolve())
+    (tree / "data").symlink_to(real.parent)  # tree/data/set is real, through a link
+    monkeypatch.chdir(tree)
+    assert portable_path(str(tree / "data" / "set"), out) == "../../../data/set"  # not ../../../../machine/...
+    assert resolve_recorded("../../../data/set", out) == str(tree / "data" / "set")  # the link kept
+    assert portable_path("../machine/disk/set", out) == "../machine/disk/set"  # relative: as typed
+    assert portable_path(str(real), out) == portable_path(str(tmp_path / "x" / ".." / "set"), out) == ".../set"
+    assert portable_path(str(tree / "data"), tmp_path / "elsewhere") == ".../data"  # a record outside the tree
     assert portable_path("uoft-cs/cifar10", out) == "uoft-cs/cifar10" == resolve_recorded("uoft-cs/cifar10", out)
+    assert recorded_data("cifar10", "uoft-cs/cifar10", out) == "uoft-cs/cifar10"  # an alias's Hub id
+    assert recorded_data(str(tree / "data" / "set"), str(real), out) == "../../../data/set"  # not the resolved one
+    assert recorded_data("data/set", str(real), out) == "../../../data/set"  # where the record finds it again
+    assert recorded_data("cifar10-sample", "/site-packages/cifar10_sample", out) == "cifar10-sample"
     assert portable_path(None, out) is None and resolve_recorded(None, out) is None
     assert resolve_recorded("/elsewhere/set", out) == "/elsewhere/set"  # an older record's absolute path
+    assert resolve_recorded(".../set", out) == ".../set"
+
+
+def test_a_run_on_a_linked_folder_outside_the_tree_records_its_name_only_and_resumes_with_it_typed(
+        tmp_path: Path, monkeypatch) -> None:
+    """train_args.json names a data set folder outside the working directory's tree by its name only (no folder of
+    the machine, no link target); resuming without --dataset is refused naming it, and with it continues."""
+    real = _sample_copy(tmp_path / "machine" / "disk" / "sample")
+    (tmp_path / "mnt").mkdir()
+    (tmp_path / "mnt" / "cifar").symlink_to(real)
+    (tmp_path / "tree").mkdir()
+    monkeypatch.chdir(tmp_path / "tree")
+    out = tmp_path / "tree" / "runs" / "a"
+    run = [*[arg if arg != SAMPLE else str(tmp_path / "mnt" / "cifar") for arg in TINY_RUN], "--output", str(out)]
+    train([*run, "--epochs", "1"])
+    record = json.loads((out / "train_args.json").read_text())
+    assert (record["dataset"], record["dataset_resolved"], record["output"]) == (".../cifar", ".../cifar", ".")
+    assert str(tmp_path) not in json.dumps(record) and "disk" not in json.dumps(record)
+    with pytest.raises(UserError, match=r"by name only \(\.\.\./cifar.*resume it with --dataset"):
+        main(["--resume", "--epochs", "2", "--output", str(out)])
+    train([*run, "--resume", "--epochs", "2"])
+    assert [r["epoch"] for r in read_log(out / "log.csv")] == [1, 2]

@@ -108,17 +108,41 @@ def code_label(code: dict | None = None) -> str:
     return label
 
 
+ELIDED = ".../"  # what a record holds before the name of a folder it does not place (portable_path)
+
+
 def portable_path(path: str | Path | None, base: str | Path) -> str | None:
-    """``path`` as a record written in ``base`` holds it: a local absolute path relative to ``base`` (a committed
-    record names no folder of its machine), anything else unchanged; :func:`resolve_recorded` reads it back."""
-    if path is None or not os.path.isabs(str(path)):
+    """``path`` as the user typed it, as a record written in ``base`` holds it, naming no folder of the machine and
+    never the target of a symbolic link: as typed when relative (an alias, a Hub id, a relative folder); relative to
+    ``base`` when absolute and both lie in the working directory's tree; else :data:`ELIDED` and the folder's name only
+    (the record's content hash says what it held). :func:`resolve_recorded` reads it back."""
+    if path is None or not os.path.isabs(os.path.expanduser(str(path))):
         return None if path is None else str(path)
-    return os.path.relpath(str(path), os.path.abspath(str(base)))
+    found, base, tree = (os.path.abspath(os.path.expanduser(str(p))) for p in (path, base, os.getcwd()))
+    if all(os.path.commonpath([p, tree]) == tree for p in (found, base)):
+        return os.path.relpath(found, base)
+    return ELIDED + os.path.basename(found)
+
+
+def recorded_data(typed: str, found: str, base: str | Path) -> str:
+    """A data set as a record written in ``base`` names it: the Hub id it was ``found`` as; a local folder (the
+    ``--dataset`` typed, not the folder its links resolve to) by :func:`portable_path` of its absolute path; an
+    alias of the package's sample by its name."""
+    if not os.path.isabs(found):
+        return found
+    local = os.path.expanduser(typed)
+    return portable_path(os.path.abspath(local), base) if os.path.exists(local) else typed
+
+
+def portable_args(args: dict, base: str | Path) -> dict:
+    """A command's arguments for a record written in ``base``: its folder arguments by :func:`portable_path`."""
+    return {**args, **{key: portable_path(args[key], base) for key in ("dataset", "output") if key in args}}
 
 
 def resolve_recorded(path: str | None, base: str | Path) -> str | None:
-    """A path read from a record written in ``base``: resolved against ``base`` where that names something."""
+    """A path read from a record written in ``base``: resolved against ``base`` (links kept) where that names
+    something, else as recorded (as typed, or :data:`ELIDED` and a folder's name)."""
     if path is None or os.path.isabs(path):
         return path
-    joined = os.path.realpath(os.path.join(os.path.abspath(str(base)), path))
+    joined = os.path.abspath(os.path.join(str(base), path))
     return joined if os.path.exists(joined) else path

@@ -18,12 +18,15 @@ from ..errors import UserError
 from ..records import (
     ARGS_FILE,
     CURVES_FILE,
+    ELIDED,
     LOG_FILE,
     MODEL_FILES,
     RESUME_FILE,
     SUMMARY_FILE,
     code_version,
-    portable_path,
+    portable_args,
+    recorded_data,
+    resolve_recorded,
     versions,
 )
 from .distributed import Dist
@@ -66,7 +69,7 @@ def merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) -> 
         if used:
             raise UserError(f"{out} was trained with {flag}, which was removed, so it cannot continue exactly; "
                             "start a new --output")
-    merged = vars(args).copy()
+    merged, recorded = vars(args).copy(), portable_args(vars(args), out)  # recorded: as the record holds them
     for key, value in vars(args).items():
         if key in RESUME_FREE:
             continue
@@ -79,11 +82,15 @@ def merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) -> 
             continue
         if key == "epochs" and key in parser.given and value > saved[key]:
             continue  # training goes on to the typed count, on a schedule rebuilt for it
-        if key in parser.given and json.loads(json.dumps(value)) != saved[key]:
+        if key in parser.given and json.loads(json.dumps(recorded[key])) != saved[key]:
             flag = "--" + key.replace("_", "-")
             raise UserError(f"{flag} {as_typed(value)} differs from the saved run's {as_typed(saved[key])}; drop it to "
                             "resume with the saved value, or start a new --output")
         merged[key] = saved[key]
+    merged["dataset"] = args.dataset if "dataset" in parser.given else resolve_recorded(merged["dataset"], out)
+    if merged["dataset"].startswith(ELIDED):
+        raise UserError(f"{out} names its data set folder by name only ({merged['dataset']}: it lay outside the "
+                        "working directory's tree); resume it with --dataset naming that folder")
     return argparse.Namespace(**merged)
 
 
@@ -142,9 +149,9 @@ def write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) ->
     """``train_args.json``: every argument and everything resolved from it, written once per run."""
     amp = precision_name(data.amp_dtype)
     write_json(out / ARGS_FILE, {
-        **vars(args), "dataset_resolved": portable_path(data.train.dataset, out), "train_split": data.train.split,
-        "eval_split": data.eval.split, "fingerprints": {"train": data.train.fingerprint,
-                                                        "eval": data.eval.fingerprint},
+        **portable_args(vars(args), out), "dataset_resolved": recorded_data(args.dataset, data.train.dataset, out),
+        "train_split": data.train.split, "eval_split": data.eval.split,
+        "fingerprints": {"train": data.train.fingerprint, "eval": data.eval.fingerprint},
         "content": {"train": data.train.content, "eval": data.eval.content},
         "fp32_precision": fp32_precision(d.device),
         "class_names": data.train.class_names, "num_classes": data.num_classes, "mean": list(data.mean),
