@@ -26,7 +26,7 @@ from timm_rollout.atomic import write_text
 from timm_rollout.cli import CliParser, output_dir, run_cli
 from timm_rollout.errors import UserError
 from timm_rollout.pooling import OPTIONS, POOL_ARG, POOLED_ARCHITECTURE, STOCK_ARCHITECTURE, pool_name
-from timm_rollout.records import ARGS_FILE, COMPARISON_FILE, REPORT_FILE, RESULTS_FILE
+from timm_rollout.records import ARGS_FILE, COMPARISON_FILE, REPORT_FILE, RESULTS_FILE, code_label, code_labels
 
 __all__ = [
     "METRICS",
@@ -543,7 +543,8 @@ def main(argv: list[str] | None = None) -> list[Group]:
         _check_metrics(results, args.metrics)
     groups = summarise(results, args.metrics)
     out = Path(args.output)
-    write_text(out / REPORT_FILE, render_markdown(groups, args.metrics))
+    write_text(out / REPORT_FILE, render_markdown(groups, args.metrics) + f"\nCode: compared with {code_label()}; "
+               f"evaluated with {code_labels(results)}.\n")
     shown = [m for m in args.metrics if any(g.mean.get(m) is not None for g in groups)]
     plot_comparison([g.label for g in groups], shown, {g.label: g.mean for g in groups},
                     {g.label: ci_half_widths(g, shown) for g in groups}, out / COMPARISON_FILE,

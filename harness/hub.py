@@ -33,6 +33,8 @@ from timm_rollout.records import (
     CONFIG_FILE,
     SUMMARY_FILE,
     WEIGHTS_FILE,
+    code_label,
+    code_labels,
     data_card_title,
     resolve_recorded,
     sha256_file,
@@ -284,6 +286,8 @@ def model_card(
             k: _fmt(v) for k, v in summary.items() if isinstance(v, (int, float, str))}
     if isinstance(train_args.get("versions"), dict):
         details["Software"] = train_args["versions"]
+    epochs = "; ".join(f"{label}: {n} epochs" for label, n in ((summary or {}).get("code") or {}).items())
+    details["Code"] = {"training": epochs or code_labels([train_args]), "card": code_label()}
     return {
         "tags": ["image-classification", "timm", *(["vision-transformer", "attention-rollout"] if vit else [])],
         "license": LICENSE,
@@ -359,12 +363,14 @@ def _evaluation(results: dict[str, Any]) -> str:
         found = [f"{m}{suffix}" for m in MAP_LABELS if f"{m}{suffix}" in metrics] if suffix != key else [key]
         rows += [f"| {k} | {_fmt(metrics[k])} | {definition.format(**params, map=k.removesuffix(suffix))} |"
                  for k in found if metrics.get(k) is not None]
+    if data.get("mask_convention") == "foreground":  # 0 is all that is not the object: background, not clutter
+        rows = [row.replace("clutter", "background") for row in rows]
     if data.get("dataset") and _is_local(str(data["dataset"])):  # a local folder: by its name
         data = {**data, "dataset": Path(str(data["dataset"])).name}
     named = (("dataset", "data set"), ("split", "split"), ("num_images", "images:"))
     where = ", ".join(f"{label} {data[key]}" for key, label in named if data.get(key) is not None)
     text = "\n## Evaluation\n\n"
-    text += "Metrics of `python -m harness.eval`" + (f" ({where})" if where else "") + ", "
+    text += "Metrics of `python -m harness.eval`" + (f" ({where})" if where else "") + f" by {code_labels([results])}, "
     text += "computed on the L2-normalised pooled features `forward_head(forward_features(x), pre_logits=True)`.\n\n"
     if rows:
         text += "| Metric | Value | Definition |\n|---|---|---|\n" + "\n".join(rows) + "\n"

@@ -108,6 +108,11 @@ def code_label(code: dict | None = None) -> str:
     return label
 
 
+def code_labels(records: list[dict]) -> str:
+    """The code versions (:func:`code_label`) that wrote ``records`` (evaluations, runs), sorted, comma-separated."""
+    return ", ".join(sorted({code_label(r["code"]) if r.get("code") else "not recorded" for r in records}))
+
+
 ELIDED = ".../"  # what a record holds before the name of a folder it does not place (portable_path)
 
 

@@ -56,7 +56,7 @@ from timm_rollout.records import (
     REPORT_FILE,
     RESULTS_FILE,
     SUMMARY_FILE,
-    code_label,
+    code_labels,
     data_card_title,
 )
 from timm_rollout.train.log import read_log, seeds_phrase
@@ -389,9 +389,8 @@ def run_line(args: argparse.Namespace, out: Path, arm: str, seed: int, run: Path
         env = record["environment"]
         evaluated.append(f"`{folder.relative_to(out)}` ({record['timing']['total'] / 60:.1f} min, "
                          f"{env.get('machine', env['device'])}, {env['dtype']})")
-    codes = sorted({code_label(r["code"]) if r.get("code") else "not recorded" for r in [result, *found]})
     return (f"- {arm}, seed {seed}: training `{run.relative_to(out)}` ({trained}); evaluation "
-            + ", ".join(evaluated) + f"; evaluation code {', '.join(codes)}")
+            + ", ".join(evaluated) + f"; evaluation code {code_labels([result, *found])}")
 
 
 def also_results(args: argparse.Namespace, arm: str, seed: int) -> tuple[list[Path], list[dict[str, Any]]]:
