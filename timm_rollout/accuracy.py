@@ -6,7 +6,8 @@ import torch
 
 
 def topk_hits(logits: torch.Tensor, labels: torch.Tensor, k: int = 1) -> torch.Tensor | None:
-    """(N,) bool: whether each row's label is among its ``k`` highest logits; None if fewer than k classes."""
-    if logits.shape[1] < k:
+    """(N,) bool: whether each row's label is among its ``k`` highest logits; None unless there are more than k classes
+    (with k or fewer, every label is)."""
+    if logits.shape[1] <= k:
         return None
     return (logits.topk(k, dim=1).indices == labels.to(logits.device)[:, None]).any(dim=1)

@@ -15,6 +15,11 @@ LOG_COLUMNS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr
 OPTIONAL_COLUMNS = ("rollout_effective_patches", "rollout_cosine_to_mean")
 
 
+def top5_text(row: dict[str, Any]) -> str:
+    """``, top-5 91.20%`` for a row (log row or summary) with top-5 accuracy; nothing without (5 classes or fewer)."""
+    return f", top-5 {row['eval_top5']:.2f}%" if row.get("eval_top5") is not None else ""
+
+
 def write_log(path: str | os.PathLike, rows: Sequence[dict[str, Any]]) -> None:
     """Write ``rows`` (one dict per finished epoch, keys ``LOG_COLUMNS``, some of ``OPTIONAL_COLUMNS``) as CSV;
     an optional column some row has is written with empty cells for the rows without it (e.g. resumed epochs)."""
@@ -48,7 +53,7 @@ def seeds_phrase(n: int) -> str:
 
 
 def plot_curves(path: str | os.PathLike, rows: Sequence[dict[str, Any]], title: str) -> None:
-    """Two panels per epoch: train and eval loss; eval top-1 and top-5 accuracy (%)."""
+    """Two panels per epoch: train and eval loss; eval top-1 and (with more than 5 classes) top-5 accuracy (%)."""
     from matplotlib.figure import Figure
 
     epochs = [r["epoch"] for r in rows]
@@ -59,7 +64,8 @@ def plot_curves(path: str | os.PathLike, rows: Sequence[dict[str, Any]], title: 
     ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="Loss")
     ax_loss.legend()
     ax_acc.plot(epochs, [r["eval_top1"] for r in rows], marker=".", label="top-1")
-    ax_acc.plot(epochs, [r["eval_top5"] for r in rows], marker=".", label="top-5")
+    if any("eval_top5" in r for r in rows):  # only with more than 5 classes
+        ax_acc.plot(epochs, [r.get("eval_top5", float("nan")) for r in rows], marker=".", label="top-5")
     ax_acc.set(xlabel="epoch", ylabel="eval accuracy (%)", title="Eval accuracy")
     ax_acc.legend()
     for ax in (ax_loss, ax_acc):

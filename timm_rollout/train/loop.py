@@ -21,6 +21,7 @@ from ..progress import progress, tqdm
 from ..records import RESUME_FILE, code_label
 from .distributed import Dist, init_distributed, reduce_sum
 from .flags import as_typed, build_parser
+from .log import top5_text
 from .output import (
     RUN_FILES,
     check_same_data,
@@ -201,7 +202,7 @@ def _epoch_loss(losses: torch.Tensor, run: Run, d: Dist, epoch: int) -> float:
 
 def _report_epoch(r: dict[str, float], epochs: int) -> None:
     tqdm.write(f"epoch {r['epoch']}/{epochs}: train loss {r['train_loss']:.4f}, eval loss {r['eval_loss']:.4f}, "
-               f"top-1 {r['eval_top1']:.2f}%, top-5 {r['eval_top5']:.2f}%, {r['img_per_s']:.0f} img/s",
+               f"top-1 {r['eval_top1']:.2f}%{top5_text(r)}, {r['img_per_s']:.0f} img/s",
                file=sys.stderr)
 
 

@@ -31,7 +31,7 @@ from ..records import (
 )
 from .distributed import Dist
 from .flags import as_typed
-from .log import plot_curves, write_log
+from .log import plot_curves, top5_text, write_log
 from .setup import RunData, Trainer
 from .validation import EVAL_BATCH
 
@@ -185,10 +185,10 @@ def machine_label(d: Dist, data: RunData, args: argparse.Namespace) -> str:
 
 def write_summary(out: Path, args: argparse.Namespace, data: RunData, t: Trainer) -> None:
     rows, last = t.rows, t.rows[-1]
-    summary = {"epochs": args.epochs, **{k: last[k] for k in ("train_loss", "eval_loss", "eval_top1", "eval_top5")},
+    summary = {"epochs": args.epochs, **{k: last.get(k) for k in ("train_loss", "eval_loss", "eval_top1", "eval_top5")},
                "best_eval_top1": max(r["eval_top1"] for r in rows), "wall_seconds": sum(r["seconds"] for r in rows),
                "machines": t.machines, "code": t.codes, "train_images": len(data.train), "eval_images": len(data.eval)}
     write_json(out / SUMMARY_FILE, summary)
-    print(f"{args.model} on {args.dataset}: eval top-1 {last['eval_top1']:.2f}%, top-5 {last['eval_top5']:.2f}% "
+    print(f"{args.model} on {args.dataset}: eval top-1 {last['eval_top1']:.2f}%{top5_text(last)} "
           f"after {args.epochs} epochs ({summary['wall_seconds']:.0f} s; evaluated in "
           f"{precision_name(data.amp_dtype)}, batches of {EVAL_BATCH}) -> {out}")

@@ -128,6 +128,9 @@ def prepare_data(args: argparse.Namespace, d: Dist) -> RunData:
     """Load the splits, check they fit the run's flags, and derive the sizes and settings they imply."""
     train_set, eval_set, mean, std = _load_data(args)
     num_classes = args.num_classes or train_set.num_classes
+    if len(present := train_set.labels.unique().tolist()) < 2:
+        raise UserError(f"the train split {train_set.split!r} holds images of one class only "
+                        f"({train_set.class_names[present[0]]!r}); a classifier needs 2 or more: add another class")
     if int(train_set.labels.max()) >= num_classes:
         raise UserError(f"labels go up to {int(train_set.labels.max())} but --num-classes is {num_classes}; "
                         "raise --num-classes or drop it")

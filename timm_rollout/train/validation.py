@@ -32,26 +32,28 @@ def _eval_pass(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
 @torch.no_grad()
 def validate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean, std, d: Dist,
              amp_dtype: torch.dtype | None) -> dict[str, float]:
-    """Eval loss and top-1/top-5 accuracy (%) of ``model`` (and a rollout-pooled model's pooling diagnostics), each
-    rank taking every ``world``-th image; one all-reduce and one host sync per evaluation."""
+    """Eval loss and top-1/top-5 accuracy (%; top-5 only with more than 5 classes) of ``model`` (and a rollout-pooled
+    model's pooling diagnostics), each rank taking every ``world``-th image; one all-reduce and one host sync per
+    evaluation."""
     was_training = model.training
     model.eval()
     count, images, labels = len(labels), images[d.rank::d.world], labels[d.rank::d.world]  # count: all ranks
     sums = torch.zeros(5, dtype=torch.float64, device=d.device)  # loss, top-1, top-5, effective patches, cosine
-    pooled = False
+    pooled, classes = False, 0
     for start in range(0, len(labels), EVAL_BATCH):
         x = normalize(images[start:start + EVAL_BATCH].to(d.device, non_blocking=True), mean, std)
         y = labels[start:start + EVAL_BATCH].to(d.device, non_blocking=True)
         with autocast(d.device, amp_dtype):
             logits, diagnostics = _eval_pass(model, x)
         logits = logits.float()
-        hits = [topk_hits(logits, y, k).sum().double() for k in (1, min(5, logits.shape[1]))]
-        sums[:3] += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(), *hits])
+        classes = logits.shape[1]
+        hits = [topk_hits(logits, y, k).sum().double() for k in (1, 5) if k < classes]  # top-5 with over 5 classes
+        sums[:1 + len(hits)] += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(), *hits])
         if diagnostics is not None:
             sums[3:] += diagnostics.double()
             pooled = True
     sums = reduce_sum(sums, d).cpu()
     model.train(was_training)
     loss, top1, top5, patches, cosine = (sums / max(count, 1)).tolist()
-    out = {"eval_loss": loss, "eval_top1": 100 * top1, "eval_top5": 100 * top5}
+    out = {"eval_loss": loss, "eval_top1": 100 * top1, **({"eval_top5": 100 * top5} if classes > 5 else {})}
     return {**out, "rollout_effective_patches": patches, "rollout_cosine_to_mean": cosine} if pooled else out
