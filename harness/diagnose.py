@@ -200,10 +200,11 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
 
 
 def eval_command(args: argparse.Namespace, folder: str | Path) -> str:
-    """The ``harness.eval`` command that repeats an evaluation into ``folder`` (where it is now): its recorded
-    arguments, those at their defaults left out (typed, some are refused: ``--bank-k`` without ``--bank-split``)."""
+    """The ``harness.eval --overwrite`` command that repeats an evaluation into ``folder`` (where it is now): its
+    recorded arguments, those at their defaults left out (typed, some are refused: ``--bank-k`` without
+    ``--bank-split``)."""
     parser, words = harness_eval.build_parser(), ["python", "-m", "harness.eval"]
-    for dest, value in {**vars(args), "output": str(folder)}.items():
+    for dest, value in {**vars(args), "output": str(folder), "overwrite": True}.items():
         if value is None or value is False or value == parser.get_default(dest):
             continue
         flag = "--" + dest.replace("_", "-")

@@ -72,6 +72,7 @@ from timm_rollout.pooling import attention_free, pool_name, set_pooling
 from timm_rollout.progress import Stopwatch
 from timm_rollout.records import (
     COSINE_FILE,
+    EVAL_FILES,
     FAITHFULNESS_FILE,
     FEATURES_FILE,
     HEATMAPS_FILE,
@@ -136,6 +137,7 @@ def build_parser() -> CliParser:
     p.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="autocast dtype (auto: bf16 only where native)")
     p.add_argument("--output", required=True, type=output_dir, help="folder for results.json, figures and features")
+    p.add_argument("--overwrite", action="store_true", help="replace an evaluation already in --output")
     return p
 
 
@@ -158,6 +160,9 @@ def _check_args(args: argparse.Namespace, given: frozenset[str]) -> None:
             raise UserError(f"{flag} only applies with {fix.split()[0]}; add {fix} or drop {flag}")
     if args.bank_split is not None and args.bank_split == args.split:
         raise UserError(f"--bank-split {args.bank_split} is the evaluated split; use another split (e.g. train)")
+    if not args.overwrite and (held := [n for n in EVAL_FILES if (Path(args.output) / n).exists()]):
+        raise UserError(f"{args.output} holds an evaluation ({', '.join(held)}); pass --overwrite to replace it, or "
+                        "choose another --output")
     check_model(args.model)
     if _attention_asked(args, given):
         _refuse_attention(args, build_meta(args.model, args.checkpoint), given)
@@ -444,6 +449,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     with clock.stage("load_model"):
         model, info = _load(args, sel.full, device)
     left_out = _left_out(model, data, args)
+    for name in EVAL_FILES if args.overwrite else ():  # data and model passed their checks: the old evaluation goes
+        (out / name).unlink(missing_ok=True)
     features = partial(extract, model, mean=info["mean"], std=info["std"], device=device, amp_dtype=amp_dtype,
                        batch_size=args.batch_size)
     with clock.stage("extract"):

@@ -67,18 +67,27 @@ def runs(checkpoint, tmp_path_factory) -> list[Path]:
     return outputs
 
 
-def test_an_interrupted_re_evaluation_leaves_the_finished_pair_intact(runs, checkpoint, monkeypatch):
-    """Predictions and results.json are written last, together: a re-evaluation (another seed, so other images)
-    that fails on its way leaves the earlier evaluation's two files as they were."""
-    before = {name: (runs[1] / name).read_bytes() for name in ("predictions.json.gz", "results.json")}
+def test_a_re_evaluation_is_refused_without_overwrite_and_never_mixes_two(runs, checkpoint, monkeypatch, tmp_path):
+    """Without --overwrite a folder holding an evaluation is refused before any work, its files as they were; with
+    it, a re-evaluation (another seed, so other images) that fails on its way leaves none of the old files beside a
+    new one: they go once data and model are loaded, before anything new is written."""
+    folder = tmp_path / "again"
+    shutil.copytree(runs[1], folder)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert {"results.json", "predictions.json.gz", "features.safetensors", "heatmaps.png"} <= set(before)
+    with pytest.raises(UserError, match=r"again holds an evaluation \(results.json, predictions.json.gz, features"
+                                        r".safetensors, cosine_matrix.png, heatmaps.png\); pass --overwrite to "):
+        harness_eval.main(_args(checkpoint, folder, "--per-class", "10", "--seed", "4", "--device", "cpu"))
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
     def fail(*args, **kwargs):
         raise RuntimeError("interrupted")
 
     monkeypatch.setattr(harness_eval, "_figures", fail)
     with pytest.raises(RuntimeError, match="interrupted"):
-        harness_eval.main(_args(checkpoint, runs[1], "--per-class", "10", "--seed", "4", "--device", "cpu"))
-    assert {name: (runs[1] / name).read_bytes() for name in before} == before
+        harness_eval.main(_args(checkpoint, folder, "--per-class", "10", "--seed", "4", "--device", "cpu",
+                                "--overwrite"))
+    assert list(folder.iterdir()) == []
 
 
 def test_results_json_has_metrics_and_provenance(runs, checkpoint):

@@ -32,6 +32,8 @@ FEATURES_FILE = "features.safetensors"
 COSINE_FILE = "cosine_matrix.png"
 HEATMAPS_FILE = "heatmaps.png"
 FAITHFULNESS_FILE = "faithfulness.png"
+EVAL_FILES = (RESULTS_FILE, PREDICTIONS_FILE, LEGACY_PREDICTIONS_FILE, FEATURES_FILE, COSINE_FILE, HEATMAPS_FILE,
+              FAITHFULNESS_FILE)  # all of them: what `harness.eval --overwrite` removes first
 # A comparison (python -m harness.compare) and a study (scripts/study.py; it also writes CURVES_FILE and HEATMAPS_FILE).
 REPORT_FILE = "report.md"
 COMPARISON_FILE = "comparison.png"

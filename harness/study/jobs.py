@@ -76,7 +76,8 @@ def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder:
         if want not in (None, dtype):
             print(f"= {folder} evaluated in {dtype}, evaluating again in {want} (--eval-amp {args.eval_amp})")
     cmd = [sys.executable, "-m", "harness.eval", "--model", model, "--checkpoint", str(run), "--dataset",
-           dataset or args.dataset, "--output", str(folder), "--seed", str(seed), "--device", args.device]
+           dataset or args.dataset, "--output", str(folder), "--seed", str(seed), "--device", args.device,
+           "--overwrite"]  # what a crash or an outdated evaluation left there is redone
     if args.eval_amp:
         cmd += ["--amp", args.eval_amp]
     if pool:
