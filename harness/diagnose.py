@@ -152,7 +152,7 @@ def update_evaluation(folder: str | Path, device: str | None = None, runs: str |
     folder holding the evaluated checkpoint now (found by its name), for evaluations made elsewhere."""
     path = Path(folder) / RESULTS_FILE
     results = read_results(path)
-    args = argparse.Namespace(**results["args"])
+    args = argparse.Namespace(**{"bbox_format": None, **results["args"]})  # older records: the default xywh
     _locate(folder, args, runs, results["data"].get("dataset"))
     start, dev = time.perf_counter(), resolve_device(device or args.device)
     sel = harness_eval._select(args)

@@ -68,6 +68,7 @@ from timm_rollout.device import (
 )
 from timm_rollout.errors import UserError
 from timm_rollout.explain import MAP_LABELS, READOUTS
+from timm_rollout.masks import BOX_FORMATS
 from timm_rollout.pooling import attention_free, pool_name, set_pooling
 from timm_rollout.progress import Stopwatch
 from timm_rollout.records import (
@@ -105,6 +106,8 @@ def build_parser() -> CliParser:
     p.add_argument("--split", default="test", help="split to evaluate (default: test)")
     p.add_argument("--image-column", help="image column (detected when omitted)")
     p.add_argument("--label-column", help="label column (detected when omitted)")
+    p.add_argument("--bbox-format", choices=BOX_FORMATS,
+                   help="what the bbox column holds (torchvision box_convert names) (default: xywh, COCO [x, y, w, h])")
     sel = p.add_mutually_exclusive_group()
     sel.add_argument("--classes", nargs="+", metavar="NAME", help="evaluate only these classes (default: all)")
     sel.add_argument("--num-classes", type=number(int, 2), metavar="K",
@@ -333,7 +336,7 @@ class Selection:
 def _select(args: argparse.Namespace) -> Selection:
     """Load the evaluated split and pick its classes and images; one-line errors for selections that cannot work."""
     full = load_image_set(args.dataset, args.split, image_column=args.image_column, label_column=args.label_column,
-                          boxes=True)
+                          boxes=True, box_format=args.bbox_format)
     class_ids = select_classes(full.class_names, args.classes, args.num_classes)
     if len(class_ids) < 2:
         raise UserError("select at least 2 classes: centroid separation and silhouette compare classes")
@@ -577,6 +580,7 @@ def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None
         "class_names": [full.class_names[c] for c in sel.class_ids],
         "class_ids": sel.class_ids, "per_class_counts": {full.class_names[c]: int(counts[c]) for c in sel.class_ids},
         "num_images": len(data), "mask_convention": data.mask_convention,
+        "bbox_format": None if data.boxes is None else args.bbox_format or BOX_FORMATS[0],
         "intra_left_out": [full.class_names[c] for c in metrics.lone_classes(data.labels).tolist()],
         "bank": None if bank is None else {
             "split": bank.split, "fingerprint": bank.fingerprint, "content": bank.content, "num_images": len(bank),

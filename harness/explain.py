@@ -34,7 +34,7 @@ from timm_rollout.data import dataset_arg, load_image_set
 from timm_rollout.device import device_arg, resolve_device
 from timm_rollout.errors import UserError
 from timm_rollout.explain import explain
-from timm_rollout.masks import BoxColumnError
+from timm_rollout.masks import BOX_FORMATS, BoxColumnError
 from timm_rollout.pooling import attention_free
 
 __all__ = ["build_parser", "denormalize", "main", "prepare_image"]
@@ -55,6 +55,8 @@ def build_parser() -> CliParser:
                      help="data set alias, Hub id or local folder; pick the image with --index")
     p.add_argument("--split", default="test", help="split of --dataset (default: test)")
     p.add_argument("--index", type=int, default=0, help="image index in --dataset's split")
+    p.add_argument("--bbox-format", choices=BOX_FORMATS,
+                   help="what --dataset's bbox column holds, as harness.eval --bbox-format (default: xywh)")
     p.add_argument("--target-class", type=non_negative_int,
                    help="class explained by the gradient map (default: predicted)")
     p.add_argument("--no-flow", action="store_true", help="skip attention flow (one max-flow per patch)")
@@ -67,6 +69,8 @@ def _check_args(args: argparse.Namespace) -> None:
     from timm_rollout.loading import build_meta, check_model  # here, so that --help loads no timm
 
     prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
+    if args.bbox_format and not args.dataset:
+        raise UserError("--bbox-format reads the boxes of a --dataset image; drop it for --image")
     if "num_classes" in args.model_kwargs and (args.dataset or args.checkpoint or prefixed):
         raise UserError("drop --model-kwargs num_classes: the class count comes from the checkpoint or the data set")
     check_model(args.model, None if prefixed or args.checkpoint else args.model_kwargs)
@@ -123,7 +127,7 @@ def _load_input(args: argparse.Namespace) -> tuple[Image.Image, str, str, list[s
             raise UserError(f"--image {path} is not an image PIL can read ({e}); pass a JPEG, PNG, ...") from None
         return image, path.name, path.stem, None, None
     try:
-        data = load_image_set(args.dataset, args.split, boxes=True)
+        data = load_image_set(args.dataset, args.split, boxes=True, box_format=args.bbox_format)
     except BoxColumnError as e:  # boxes only outline the object here: a column the metrics refuse is drawn nowhere
         print(f"no box outlined: {e}")
         data = load_image_set(args.dataset, args.split)

@@ -446,10 +446,12 @@ def load_image_set(
     label_column: str | None = None,
     boxes: bool = False,
     split_flag: str = "--split",
+    box_format: str | None = None,
 ) -> ImageSet:
     """Load one split of an image classification data set (an alias of :data:`ALIASES`, a Hub id or a local
-    folder) as decoded uint8 RGB tensors; columns are detected unless named. ``boxes``: also read the ``bbox`` and
-    ``mask`` columns (:mod:`timm_rollout.masks`). ``split_flag``: the flag that names ``split``, for errors."""
+    folder) as decoded uint8 RGB tensors; columns are detected unless named. ``boxes``: also read the ``bbox`` (in
+    ``box_format``, default xywh) and ``mask`` columns (:mod:`timm_rollout.masks`). ``split_flag``: the flag that
+    names ``split``, for errors."""
     import datasets
 
     spec = resolve_dataset(dataset)
@@ -482,7 +484,7 @@ def load_image_set(
         class_names = list(feature.names)
     else:
         class_names = [str(i) for i in range(int(labels.max()) + 1 if len(labels) else 0)]
-    located = read_localisation(ds, dataset, tuple(images.shape[2:])) if boxes else (None, None, None)
+    located = read_localisation(ds, dataset, tuple(images.shape[2:]), box_format) if boxes else (None, None, None)
     return ImageSet(images, labels, class_names, spec.path, split, ds._fingerprint, *located)
 
 

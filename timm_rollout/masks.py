@@ -1,8 +1,9 @@
 """Object boxes and content masks a data set brings: their conventions, read and checked when a split is loaded.
 
 The harness (``load_image_set(..., boxes=True)``) reads two optional columns, training leaves them alone: ``bbox``
-(one ``[x, y, w, h]`` pixel box per image, COCO order) and ``mask`` (one mask per image in the clutter convention,
-0 fill, 1 clutter, 2 object, or the foreground one, 0 background, 1 object). What is accepted and refused:
+(one pixel box per image, ``[x, y, w, h]`` in COCO order unless ``--bbox-format`` says otherwise) and ``mask`` (one
+mask per image in the clutter convention, 0 fill, 1 clutter, 2 object, or the foreground one, 0 background, 1
+object). What is accepted and refused:
 ``harness/README.md`` ("Object boxes and masks a data set brings").
 """
 
@@ -17,7 +18,7 @@ import torch
 
 from .errors import UserError
 
-BOX_COLUMN = "bbox"  # one object box per image, [x, y, w, h] in pixels (COCO order)
+BOX_COLUMN = "bbox"  # one object box per image in pixels, [x, y, w, h] (COCO order) unless --bbox-format says
 MASK_COLUMN = "mask"  # a per-pixel mask per image, in one of CONVENTIONS
 FILL, CLUTTER, OBJECT = 0, 1, 2  # the clutter convention's values: flat fill, visible clutter, the object
 BACKGROUND = 3  # a foreground mask's background in the harness's encoding: fill or clutter, not told apart
@@ -31,45 +32,56 @@ class BoxColumnError(UserError):
     """A ``bbox`` or ``mask`` column the localisation metrics refuse (``harness.explain`` then draws no box)."""
 
 
-def _box(cell: object) -> list[float] | None:
-    """``[x, y, w, h]`` (or ``[[x, y, w, h]]``) as four finite floats with w, h > 0; None for anything else."""
+def _numbers(cell: object) -> list[float] | None:
+    """A ``bbox`` cell's four finite numbers (one box, or ``[[one box]]``); None for anything else."""
     if isinstance(cell, list) and len(cell) == 1 and isinstance(cell[0], list):
         cell = cell[0]
     if not isinstance(cell, list) or len(cell) != 4:
         return None
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in cell):
         return None
-    return [float(v) for v in cell] if min(cell[2:]) > 0 else None
+    return [float(v) for v in cell]
 
 
-def _box_column(split_ds, name: str) -> tuple[torch.Tensor, list] | None:
-    """float32 (N, 4) boxes of a ``bbox`` column of one ``[x, y, w, h]`` per image (or ``[[x, y, w, h]]``) and its
-    cells; None without one. Anything else (several boxes, none, non-finite or non-positive sizes) is refused: the
-    harness scores one object per image."""
+def _as_xywh(box: list[float], box_format: str) -> list[float]:
+    """One box's four numbers read in ``box_format`` as ``[x, y, w, h]`` (those of ``xywh`` as they are)."""
+    if box_format == "xywh":
+        return box
+    x0, y0, x1, y1 = _READINGS[box_format][1](*box)
+    return [x0, y0, x1 - x0, y1 - y0]
+
+
+def _box_column(split_ds, name: str, box_format: str) -> tuple[torch.Tensor, torch.Tensor, list] | None:
+    """A ``bbox`` column of one box per image in ``box_format``: float32 (N, 4) ``[x, y, w, h]``, the float64 numbers
+    as the column holds them, and its cells; None without one. Anything else (several boxes, none, non-finite
+    numbers, no positive width and height) is refused: the harness scores one object per image."""
     if BOX_COLUMN not in split_ds.features:
         return None
     cells = split_ds.select_columns([BOX_COLUMN]).with_format("arrow")[:].column(BOX_COLUMN).to_pylist()
-    boxes = [_box(c) for c in cells]
-    bad = next((i for i, b in enumerate(boxes) if b is None), None)
+    held = [_numbers(c) for c in cells]
+    boxes = [None if b is None else _as_xywh(b, box_format) for b in held]
+    bad = next((i for i, b in enumerate(boxes) if b is None or min(b[2:]) <= 0), None)
     if bad is not None:
         raise BoxColumnError(f"data set {name!r}: row {bad} of column {BOX_COLUMN!r} is {str(cells[bad])[:80]}, "
-                             "not one box [x, y, w, h] of finite numbers with w, h > 0; keep one box per image, or "
-                             "rename the column to evaluate without boxes")
-    return torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4), cells
+                             f"not one box {_READINGS[box_format][0]} of finite numbers with a positive width and "
+                             "height; keep one box per image, or rename the column to evaluate without boxes")
+    return (torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4),
+            torch.tensor(held, dtype=torch.float64).reshape(-1, 4), cells)
 
 
-def _check_inside(boxes: torch.Tensor, cells: list, name: str, size: tuple[int, int]) -> None:
-    """Refuse a box that is not at least a pixel wide and high and inside its ``size`` = (H, W) image (to within a
-    pixel): the sign of another format ([x1, y1, x2, y2], centres, fractions of the image), which would otherwise
-    give wrong localisation numbers."""
+def _check_inside(boxes: torch.Tensor, cells: list, name: str, size: tuple[int, int], box_format: str) -> None:
+    """Refuse a box (``[x, y, w, h]``, read in ``box_format``) that is not at least a pixel wide and high and inside
+    its ``size`` = (H, W) image (to within a pixel): the sign of another format, which would otherwise give wrong
+    localisation numbers."""
     h, w = size
     x, y, bw, bh = boxes.double().unbind(dim=1)
     out = (torch.minimum(bw, bh) < 1) | (torch.minimum(x, y) < -1) | (x + bw > w + 1) | (y + bh > h + 1)
     if out.any():
         i = int(out.nonzero()[0])
         raise BoxColumnError(f"data set {name!r}: row {i} of column {BOX_COLUMN!r} is {str(cells[i])[:80]}, "
-                             f"not a box [x, y, w, h] in pixels (COCO order) inside its {h}x{w} image; convert the "
-                             "column to that format (not [x1, y1, x2, y2], centres or fractions of the image)")
+                             f"not a box {_READINGS[box_format][0]} in pixels inside its {h}x{w} image; name the "
+                             f"column's format with --bbox-format ({', '.join(BOX_FORMATS)}), or convert it to one "
+                             "(e.g. from fractions of the image)")
 
 
 def _decode(cell: dict) -> np.ndarray:
@@ -148,55 +160,63 @@ def object_boxes(masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(found[:, None], boxes, 0.0), found
 
 
-# Box conventions a column may be in, as the [x0, y0, x1, y1] edges they give (float64 (N, 4) columns a, b, c, d),
-# and how to convert each to [x, y, w, h]: the first is the one the harness reads.
-_READINGS = (
-    ("[x, y, w, h] (COCO order)", lambda a, b, c, d: (a, b, a + c, b + d), ""),
-    ("[x1, y1, x2, y2] (corners)", lambda a, b, c, d: (a, b, c, d), "w = x2 - x1, h = y2 - y1"),
-    ("[cx, cy, w, h] (centre and size)", lambda a, b, c, d: (a - c / 2, b - d / 2, a + c / 2, b + d / 2),
-     "x = cx - w / 2, y = cy - h / 2"),
-    ("[y, x, h, w] (rows first)", lambda a, b, c, d: (b, a, b + d, a + c), "swap x with y and w with h"),
-)
+# Box formats a column may hold, as the [x0, y0, x1, y1] edges each gives (of float64 columns, or numbers, a, b, c,
+# d); the first three are --bbox-format's (torchvision.ops.box_convert's names, xywh the default), the last is only
+# named in errors, with its fix.
+_READINGS = {
+    "xywh": ("[x, y, w, h] (COCO order)", lambda a, b, c, d: (a, b, a + c, b + d)),
+    "xyxy": ("[x1, y1, x2, y2] (corners)", lambda a, b, c, d: (a, b, c, d)),
+    "cxcywh": ("[cx, cy, w, h] (centre and size)", lambda a, b, c, d: (a - c / 2, b - d / 2, a + c / 2, b + d / 2)),
+    "yxhw": ("[y, x, h, w] (rows first)", lambda a, b, c, d: (b, a, b + d, a + c)),
+}
+BOX_FORMATS = ("xywh", "xyxy", "cxcywh")
 
 
-def _fits(boxes: torch.Tensor, edges: torch.Tensor, reading) -> torch.Tensor:
-    """(N,) bool: whether ``boxes`` read by ``reading`` put every edge within :data:`TOLERANCE` of ``edges``."""
-    got = torch.stack(reading(*boxes.double().unbind(dim=1)), dim=1)
+def _fits(boxes: torch.Tensor, edges: torch.Tensor, box_format: str) -> torch.Tensor:
+    """(N,) bool: whether ``boxes`` read in ``box_format`` put every edge within :data:`TOLERANCE` of ``edges``."""
+    got = torch.stack(_READINGS[box_format][1](*boxes.double().unbind(dim=1)), dim=1)
     return ((got - edges).abs() <= TOLERANCE).all(dim=1)
 
 
-def check_boxes(boxes: torch.Tensor, masks: torch.Tensor, convention: str, name: str) -> None:
-    """Refuse (N, 4) ``boxes`` that are not the bounding boxes of their (N, H, W) ``masks``' objects (the
-    masks read in ``convention``), naming the box convention the column looks like and how to convert it."""
+def check_boxes(boxes: torch.Tensor, masks: torch.Tensor, convention: str, name: str, box_format: str) -> None:
+    """Refuse (N, 4) ``boxes`` (the column's numbers, read in ``box_format``) that are not the bounding boxes of
+    their (N, H, W) ``masks``' objects (the masks read in ``convention``), naming the format the column looks like."""
     found, _ = object_boxes(masks)
     edges = torch.cat([found[:, :2], found[:, :2] + found[:, 2:]], dim=1).double()
-    wrong = ~_fits(boxes, edges, _READINGS[0][1])
+    wrong = ~_fits(boxes, edges, box_format)
     if not wrong.any():
         return
     i = int(wrong.nonzero()[0])
-    x0, y0, x1, y1 = (f"{v:g}" for v in _READINGS[0][1](*boxes[i].double().tolist()))
+    label, reading = _READINGS[box_format]
+    x0, y0, x1, y1 = (f"{v:g}" for v in reading(*boxes[i].tolist()))
     o = [f"{v:g}" for v in edges[i].tolist()]
     n = int(wrong.sum())
-    count, label, how = max(((int(_fits(boxes[wrong], edges[wrong], reading).sum()), label, how)
-                             for label, reading, how in _READINGS[1:]), key=lambda fit: fit[0])
+    count, other = max(((int(_fits(boxes[wrong], edges[wrong], k).sum()), k) for k in _READINGS if k != box_format),
+                       key=lambda fit: fit[0])
+    fix = f"pass --bbox-format {other}" if other in BOX_FORMATS else "swap x with y and w with h"
     likely = "" if 2 * count <= n else (f"; {'every such box' if count == n else f'{count} of them'} reads as "
-                                        f"{label}: convert with {how}")
+                                        f"{_READINGS[other][0]}: {fix}")
     raise BoxColumnError(
         f"data set {name!r}: {n} boxes of column {BOX_COLUMN!r} contradict their masks (read as "
         f"{convention}: {CONVENTIONS[convention]}), e.g. row {i}: {[round(v, 3) for v in boxes[i].tolist()]} read "
-        f"as [x, y, w, h] spans x {x0}..{x1}, y {y0}..{y1}, its object x {o[0]}..{o[2]}, y {o[1]}..{o[3]}{likely}; "
-        f"give each box as [x, y, w, h] pixels of its object's bounding box, or remove the {BOX_COLUMN!r} column to "
+        f"as {label.split(' (')[0]} spans x {x0}..{x1}, y {y0}..{y1}, its object x {o[0]}..{o[2]}, y {o[1]}..{o[3]}"
+        f"{likely}; give each box as its object's bounding box in pixels, or remove the {BOX_COLUMN!r} column to "
         "take the boxes from the masks")
 
 
-def read_localisation(split_ds, name: str, size: tuple[int, int]
+def read_localisation(split_ds, name: str, size: tuple[int, int], box_format: str | None = None
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, str | None]:
-    """A split's checked object boxes (float32 (N, 4)), masks (uint8 (N, H, W)) and convention, or Nones."""
-    column, read = _box_column(split_ds, name), read_masks(split_ds, name, size)
+    """A split's checked object boxes (float32 (N, 4) ``[x, y, w, h]``, the ``bbox`` column read in ``box_format``,
+    None: xywh, not asked for), masks (uint8 (N, H, W)) and convention, or Nones."""
+    fmt = box_format or BOX_FORMATS[0]
+    column, read = _box_column(split_ds, name, fmt), read_masks(split_ds, name, size)
+    if column is None and box_format is not None:
+        raise UserError(f"--bbox-format {box_format}: data set {name!r} has no {BOX_COLUMN!r} column to read; drop "
+                        "--bbox-format")
     boxes = None if column is None else column[0]
     if read is None:
         if column is not None:
-            _check_inside(*column, name, size)
+            _check_inside(column[0], column[2], name, size, fmt)
         return boxes, None, None
     masks, convention = read
     derived, found = object_boxes(masks)
@@ -209,5 +229,5 @@ def read_localisation(split_ds, name: str, size: tuple[int, int]
             f"rename the {MASK_COLUMN!r} column to evaluate without masks")
     if boxes is None:
         return derived, masks, convention
-    check_boxes(boxes, masks, convention, name)
+    check_boxes(column[1], masks, convention, name, fmt)
     return boxes, masks, convention

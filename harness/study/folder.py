@@ -21,7 +21,7 @@ from .plan import ARMS, POSTHOC
 REMEMBERED = ("also_eval", "primary", "interaction")
 # Study flags that change what is computed: a re-run must repeat them to reuse the folder (arms and seeds may grow).
 IDENTITY = ("model", "dataset", "epochs", "train_args", "max_train_samples", "eval_per_class", "bank_per_class",
-            "faithfulness_images")
+            "faithfulness_images", "bbox_format")
 # Those that make two studies the same recipe (all but the data set), so that their primary comparisons can be set
 # against each other.
 SAME_RECIPE = tuple(k for k in IDENTITY if k != "dataset")

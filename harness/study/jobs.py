@@ -78,6 +78,8 @@ def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder:
     cmd = [sys.executable, "-m", "harness.eval", "--model", model, "--checkpoint", str(run), "--dataset",
            dataset or args.dataset, "--output", str(folder), "--seed", str(seed), "--device", args.device,
            "--overwrite"]  # what a crash or an outdated evaluation left there is redone
+    if args.bbox_format:
+        cmd += ["--bbox-format", args.bbox_format]
     if args.eval_amp:
         cmd += ["--amp", args.eval_amp]
     if pool:

@@ -99,7 +99,7 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
     column and colour range per arm (each evaluation's own heatmaps.png adds its other maps)."""
     from timm_rollout.loading import load_model  # here, so that --help loads no timm
 
-    data = load_image_set(args.dataset, "test", boxes=True)
+    data = load_image_set(args.dataset, "test", boxes=True, box_format=args.bbox_format)
     gen = torch.Generator().manual_seed(seed)
     pick = torch.randperm(len(data.labels), generator=gen)[: args.heatmaps].sort().values
     images, labels = data.images[pick], data.labels[pick]
