@@ -4,9 +4,10 @@
 # `local`, SLURM_CPUS CPUs, default: all), starts munged, slurmctld and slurmd, and waits until the node is idle.
 # Run as root; running it again restarts the daemons with a fresh configuration. Stop: scripts/slurm_local.sh stop
 set -euo pipefail
-stop() {  # the daemons this script started, by the pid files they write
-    for f in /run/slurmd.pid /run/slurmctld.pid /run/munge/munged.pid; do
-        [ -s "$f" ] && kill "$(cat "$f")" 2>/dev/null || true
+stop() {  # the daemons this script started, by the pid files they write (and only if the pid is still theirs)
+    for d in slurmd:/run/slurmd.pid slurmctld:/run/slurmctld.pid munged:/run/munge/munged.pid; do
+        pid=$(cat "${d#*:}" 2>/dev/null) || continue
+        if [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "${d%%:*}" ]; then kill "$pid"; fi
     done
     sleep 1
 }

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -81,8 +80,9 @@ def fake_slurm(tmp_path, monkeypatch) -> Path:
     (["--partition", "gpu"], "--partition is a Slurm setting; add --executor slurm, or drop it to run here"),
     (["--executor", "slurm", "--report-only"], "--report-only runs nothing on the cluster; drop --executor slurm"),
     (["--executor", "slurm", "--partition", "nowhere"], "Slurm has no partition 'nowhere'; pick one that sinfo lists"),
-    (["--executor", "slurm", "--sbatch-args", "--comment 'x"], "--sbatch-args does not split as shell words"),
-    (["--status", "--epochs", "2"], "--status reads the study folder alone: drop --dataset, --epochs (--arms and --se"),
+    (["--executor", "slurm", "--sbatch-args", "--comment 'x"], "argument --sbatch-args: does not split as shell wo"),
+    (["--executor", "slurm", "--sbatch-args=--comment x"], "argument --sbatch-args: write each option as --name or --"),
+    (["--status", "--epochs", "2"], "--status reads the study folder alone: drop --dataset, --epochs"),
 ])
 def test_slurm_mistakes_are_one_line_before_anything_is_recorded(fake_slurm, tmp_path, flags, message):
     out = tmp_path / "study"
@@ -128,15 +128,15 @@ def test_one_array_of_the_missing_runs_its_cap_the_report_job_and_each_task_s_co
         assert not fn.args[0].commit and fn.args[0].threads == 1
         run = str(fn.args[3][arm, 0])
         assert plan.train_command(fn.args[0], arm, 0, run) == plan.train_command(local, arm, 0, run)
-    assert submitit.core.utils.DelayedSubmission.load(out / "slurm" / "1002_submitted.pkl").function.fn.func is render
+    report = submitit.core.utils.DelayedSubmission.load(out / "slurm" / "1002_submitted.pkl").function.fn
+    assert report.func is render and not report.args[0].commit
     # --status from the folder: the queue, a task that left it unfinished, its log
     (fake_slurm / "queue.txt").write_text("1001_0|RUNNING\n1001_1|PENDING\n")
     capsys.readouterr()
     study.main(["--output", str(out), "--status"])
-    assert capsys.readouterr().out.splitlines() == [
-        "cls-s0                       running (job 1001_0, 0 of 3 epochs saved)",
-        "gap-s0                       queued (job 1001_1, 0 of 3 epochs saved)",
-        f"rollout-s0                   failed (job 1001_2, 0 of 3 epochs saved), log {out}/slurm/1001_2_0_log.err"]
+    assert [line.split(None, 1) for line in capsys.readouterr().out.splitlines()] == [
+        ["cls-s0", "running (job 1001_0, 0 of 3 epochs saved)"], ["gap-s0", "queued (job 1001_1, 0 of 3 epochs saved)"],
+        ["rollout-s0", f"failed (job 1001_2, 0 of 3 epochs saved), log {out}/slurm/1001_2_0_log.err"]]
     # The same command again submits only what is neither finished nor in the queue, the report after both.
     assert study.main(_argv(out, *slurm, arms=("cls", "gap", "rollout"))) is None
     assert "--array" not in (fake_slurm / "sbatch-1003.sh").read_text()
@@ -144,14 +144,23 @@ def test_one_array_of_the_missing_runs_its_cap_the_report_job_and_each_task_s_co
     assert json.loads((out / "slurm" / "jobs.json").read_text())["rollout-s0"] == "1003"
 
 
-def test_status_of_a_local_study_from_its_files(local_study, capsys):
-    (local_study / "eval" / "rollout-s0" / "results.json").rename(local_study / "results.json.kept")
-    try:
-        study.main(["--output", str(local_study), "--status", "--seeds", "0", "1"])
-    finally:
-        (local_study / "results.json.kept").rename(local_study / "eval" / "rollout-s0" / "results.json")
-    assert [line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines()] == [
-        "evaluated", "trained", "not started", "not started"]
+def test_status_of_a_local_study_from_its_files(local_study, tmp_path, capsys):
+    out = shutil.copytree(local_study, tmp_path / "study")
+    shutil.rmtree(out / "eval" / "gap-s0")
+    (out / "runs" / "gap-s0" / "summary.json").unlink()  # as if stopped after its last epoch's state was saved
+    (out / "runs" / "gap-s0" / "resume.safetensors").write_bytes(b"")
+    (out / "eval" / "rollout-s0" / "results.json").unlink()
+    record = json.loads((out / "study.json").read_text())
+    (out / "study.json").write_text(json.dumps({**record, "seeds": [0, 1]}))
+    study.main(["--output", str(out), "--status"])
+    assert [line.split(None, 1) for line in capsys.readouterr().out.splitlines()] == [
+        ["gap-s0", "started (3 of 3 epochs saved)"], ["rollout-s0", "trained"], ["gap-s1", "not started"],
+        ["rollout-s1", "not started"]]
+    shutil.rmtree(out / "runs" / "gap-s0")
+    shutil.copytree(local_study / "eval" / "rollout-s0", out / "eval" / "rollout-s0", dirs_exist_ok=True)
+    study.main(["--output", str(out), "--status"])
+    assert [line.split(None, 1) for line in capsys.readouterr().out.splitlines()][:2] == [
+        ["gap-s0", "not started"], ["rollout-s0", "evaluated"]]
 
 
 class Recording(submitit.DebugExecutor):
@@ -225,7 +234,8 @@ def _slurm_up() -> bool:
 def test_a_real_slurm_runs_the_study_requeues_a_task_and_matches_the_local_pool(local_study, tmp_path, monkeypatch,
                                                                                   capsys):
     """Through sbatch: one array of two tasks (one CPU each), one task requeued by ``scontrol requeue`` once its run
-    has saved an epoch, each run committed from here as its task ends, then the report."""
+    has saved an epoch, the report job after them; then the same command with --commit commits each run and the
+    report from here."""
     repo = tmp_path / "repo"
     repo.mkdir()
     for argv in (["init", "-q"], ["config", "user.email", "t@t"], ["config", "user.name", "t"]):
@@ -233,35 +243,29 @@ def test_a_real_slurm_runs_the_study_requeues_a_task_and_matches_the_local_pool(
     shutil.copyfile(ROOT / ".gitignore", repo / ".gitignore")
     out = repo / "results" / "toy"
     monkeypatch.setattr(cluster, "NODE_LOCAL", ())
-    monkeypatch.setattr(cluster, "POLL_S", 1.0)
-    requeued = []
-
-    def requeue_one() -> None:
-        deadline = time.time() + 600
-        while not requeued and time.time() < deadline:
-            time.sleep(0.2)
-            for arm, job in cluster.submitted(out).items():
-                if (out / "runs" / arm / "resume.safetensors").exists() and (cluster.queue() or {}).get(job) == \
-                        "RUNNING" and not (out / "runs" / arm / "summary.json").exists():
-                    subprocess.run(["scontrol", "requeue", job], check=True)
-                    requeued.append((arm, job))
-                    break
-
-    watcher = threading.Thread(target=requeue_one)
-    watcher.start()
-    study.main(_argv(out, "--executor", "slurm", "--cpus-per-task", "1", "--time", "10", "--commit",
-                     arms=("gap", "rollout")))
-    watcher.join()
+    argv = _argv(out, "--executor", "slurm", "--cpus-per-task", "1", "--time", "10", "--commit",
+                 arms=("gap", "rollout"))
+    assert study.main(argv) is None
+    report_job = capsys.readouterr().out.split("+ submitted the report as job ")[1].split(",")[0]
+    requeued, released, deadline = [], [], time.time() + 900
+    while time.time() < deadline and (set(live := cluster.queue()) & {*cluster.submitted(out).values(), report_job}):
+        for run, job in cluster.submitted(out).items():
+            if not requeued and (out / "runs" / run / "resume.safetensors").exists() and live.get(job) == "RUNNING":
+                subprocess.run(["scontrol", "requeue", job], check=True)
+                requeued.append(job)
+            elif job in requeued and job not in released and live.get(job) == "PENDING":
+                # Slurm holds a requeued job for two minutes; let it start at once
+                subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True)
+                released.append(job)
+        time.sleep(0.2)
     assert requeued, "no task was requeued"
-    job = requeued[0][1]
-    assert (out / "slurm" / f"{job}_0_log.out").read_text().count("-m timm_rollout.train") == 2
-    for name in ("gap", "rollout"):
-        _same_run(out, local_study, name)
-    log = subprocess.run(["git", "log", "--format=%s"], cwd=repo, capture_output=True, text=True).stdout
-    assert [line.split(" (")[0] for line in log.splitlines()] == [
-        "study: report", "study: rollout seed 0", "study: gap seed 0", "study: settings and commands of toy"] or \
-        [line.split(" (")[0] for line in log.splitlines()] == [
-        "study: report", "study: gap seed 0", "study: rollout seed 0", "study: settings and commands of toy"]
-    capsys.readouterr()
+    assert (out / "slurm" / f"{requeued[0]}_0_log.out").read_text().count("-m timm_rollout.train") == 2
+    for arm in ("gap", "rollout"):
+        _same_run(out, local_study, arm)
+    assert (out / "report.md").exists()  # rendered by the report job
     study.main(["--output", str(out), "--status"])
     assert [line.split()[1] for line in capsys.readouterr().out.splitlines()] == ["evaluated", "evaluated"]
+    assert study.main(argv) == out / "report.md"  # nothing left to run: commits and renders here
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=repo, capture_output=True, text=True).stdout.splitlines()
+    assert [line.split(" (")[0] for line in log] == ["study: report", "study: rollout seed 0", "study: gap seed 0",
+                                                     "study: settings and commands of toy"]

@@ -6,7 +6,6 @@ import argparse
 import os
 import shlex
 import sys
-from functools import partial
 from pathlib import Path
 
 from timm_rollout.cli import CliParser, as_type, non_negative_int, number, output_dir, positive_int, seed_arg
@@ -89,10 +88,9 @@ def build_parser() -> CliParser:
                    help="train nothing: report (and export) over the seeds every arm of --arms has finished")
     p.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
     p.add_argument("--executor", choices=("local", "slurm"), default="local",
-                   help="local: the runs in this machine's pool (--jobs); slurm: one Slurm job array of the missing "
-                        "runs, through submitit (pip install -e '.[slurm]'), the report as a job after it")
-    p.add_argument("--status", action="store_true",
-                   help="print the state of each run of --output (of --arms/--seeds when given) and exit")
+                   help="local: this machine's pool (--jobs); slurm: one Slurm job array of the missing runs "
+                        "(submitit: pip install -e '.[slurm]')")
+    p.add_argument("--status", action="store_true", help="print the state of each run of --output and exit")
     s = p.add_argument_group("Slurm (--executor slurm)")
     s.add_argument("--partition", metavar="NAME", help="partition of every task (default: the cluster's)")
     s.add_argument("--time", metavar="MINUTES", type=positive_int, default=240,
@@ -103,15 +101,12 @@ def build_parser() -> CliParser:
     s.add_argument("--array-parallelism", metavar="N", type=positive_int, help="tasks running at once (default: all)")
     s.add_argument("--account", metavar="NAME", help="Slurm account to charge")
     s.add_argument("--qos", metavar="NAME", help="Slurm quality of service")
-    s.add_argument("--sbatch-args", metavar="ARGS",
+    s.add_argument("--sbatch-args", metavar="ARGS", type=as_type(cluster.sbatch_options),
                    help="other sbatch options of every task, quoted, e.g. '--constraint=a100 --exclusive'")
     p.add_argument("--eval-amp", choices=AMP_CHOICES,
                    help="autocast dtype of every evaluation (none: fp32); an evaluation recorded at another one is "
                         "redone (default: harness.eval's auto, bf16 only where native, whatever was recorded kept)")
     return p
-
-
-LISTED = ("arms", "seeds")  # what --status takes besides --output
 
 
 def _check_required(args: argparse.Namespace) -> None:
@@ -124,11 +119,10 @@ def main(argv: list[str] | None = None) -> Path | None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.status:
-        extra = ", ".join(f"--{k.replace('_', '-')}" for k in sorted(parser.given - {"status", "output", *LISTED}))
+        extra = ", ".join(f"--{k.replace('_', '-')}" for k in sorted(parser.given - {"status", "output"}))
         if extra:
-            raise UserError(f"--status reads the study folder alone: drop {extra} (--arms and --seeds narrow the list)")
-        print("\n".join(cluster.status(Path(args.output), args.arms if "arms" in parser.given else None,
-                                        args.seeds if "seeds" in parser.given else None)))
+            raise UserError(f"--status reads the study folder alone: drop {extra}")
+        print("\n".join(cluster.status(Path(args.output))))
         return None
     if args.report_only and args.eval_amp:
         raise UserError("--report-only evaluates nothing, so --eval-amp would do nothing; run the study command "
@@ -149,14 +143,14 @@ def main(argv: list[str] | None = None) -> Path | None:
     todo = [] if args.report_only else [(arm, seed) for seed in args.seeds for arm in ARMS if arm in args.arms]
     if args.executor == "local":
         run_all(args, todo, runs, evals)
-    elif not cluster.run_slurm(args, todo, runs, evals, partial(render, args)):
+    elif not cluster.run_slurm(args, todo, runs, evals, render):
         return None  # the report is a job after the array
     return render(args, len(todo), (arms, seeds, commands))
 
 
 def render(args: argparse.Namespace, trained: int = 0, folder: tuple | None = None) -> Path:
-    """Write ``report.md`` (and commit it with ``--commit``) over the seeds every arm of ``--arms`` has finished;
-    ``folder``: the arms, seeds and commands of :func:`check_identity`, else read again (the report job)."""
+    """Write (and with ``--commit`` commit) ``report.md`` over the seeds every arm of ``--arms`` finished; ``folder``:
+    :func:`check_identity`'s arms, seeds and commands, else read again (the report job)."""
     out = Path(args.output)
     arms, seeds, commands = folder or check_identity(args, out)
     runs, evals = layout(out, seeds)
