@@ -106,8 +106,7 @@ def build_parser() -> CliParser:
     p.add_argument("--split", default="test", help="split to evaluate (default: test)")
     p.add_argument("--image-column", help="image column (detected when omitted)")
     p.add_argument("--label-column", help="label column (detected when omitted)")
-    p.add_argument("--bbox-format", choices=BOX_FORMATS,
-                   help="what the bbox column holds (torchvision box_convert names) (default: xywh, COCO [x, y, w, h])")
+    p.add_argument("--bbox-format", choices=BOX_FORMATS, help="what the bbox column holds (default: xywh, COCO)")
     sel = p.add_mutually_exclusive_group()
     sel.add_argument("--classes", nargs="+", metavar="NAME", help="evaluate only these classes (default: all)")
     sel.add_argument("--num-classes", type=number(int, 2), metavar="K",
