@@ -5,8 +5,8 @@
 What it trains, evaluates and reports is described in scripts/README.md. The modules, in the order a study meets
 them: :mod:`.command` (flags, the command), :mod:`.plan` (arms, train commands), :mod:`.folder` (``study.json``:
 identity and remembered settings; the folder layout), :mod:`.jobs` (training and evaluation processes, ``--jobs``,
-``--commit``), :mod:`.report` (``report.md``, its figures, the Hub exports), :mod:`.tables` (its markdown tables)
-and :mod:`.dose` (the dose analysis).
+``--commit``), :mod:`.cluster` (``--executor slurm``, ``--status``), :mod:`.report` (``report.md``, its figures, the
+Hub exports), :mod:`.tables` (its markdown tables) and :mod:`.dose` (the dose analysis).
 """
 
 from .command import build_parser, main
