@@ -64,6 +64,7 @@ PRIMARY = "top1"
 SHOWABLE = METRICS + POOLING_DIAGNOSTICS + LOCALISATION + ORIGINAL_METRICS  # what --metrics may name
 # run_fields that say how a model pools (model arguments included)
 POOLING_FIELDS = {"pooling", "readout", "global_pool", POOL_ARG, *(attr for attr, _ in OPTIONS.values())}
+SHOWN_AS = {"rollout_head_fusion": "head_fusion", "rollout_discard_ratio": "discard_ratio"}  # in group labels
 MIXED = "(differs between its runs)"  # a field of a group whose runs differ in it (a caller's own grouping)
 
 
@@ -193,12 +194,6 @@ def run_fields(result: dict[str, Any]) -> dict[str, str | None]:
     return {k: v if v is None or isinstance(v, str) else json.dumps(v) for k, v in found.items()}
 
 
-def _shown(name: str, value: str | None) -> str:
-    """A field in a label: ``head_fusion=max``, ``depth=2``, ``content=8cb7f094``."""
-    short = {"rollout_head_fusion": "head_fusion", "rollout_discard_ratio": "discard_ratio"}.get(name, name)
-    return f"{short}={value[:8] if name == 'content' and value else value}"
-
-
 def group_labels(results: Sequence[dict[str, Any]]) -> list[str]:
     """Each run's group label: :func:`run_label`, with the :func:`run_fields` in which runs of that label differ
     (e.g. ``vit_tiny_cifar_rollout (head_fusion=max discard_ratio=0.9) on cifar10/test``)."""
@@ -207,7 +202,8 @@ def group_labels(results: Sequence[dict[str, Any]]) -> list[str]:
     for result, label, own in zip(results, labels, fields, strict=True):
         peers = [f for other, f in zip(labels, fields, strict=True) if other == label]
         differ = [k for k in dict.fromkeys(k for f in peers for k in f) if len({f.get(k) for f in peers}) > 1]
-        named.append(run_label(result, [_shown(k, own[k]) for k in differ if own.get(k) is not None]))
+        named.append(run_label(result, [f"{SHOWN_AS.get(k, k)}={own[k][:8] if k == 'content' else own[k]}"
+                                        for k in differ if own.get(k) is not None]))
     return named
 
 
