@@ -150,11 +150,12 @@ def plot_heatmaps(
     heads = {name: "\n".join(textwrap.fill(line, 26) for line in name.split("\n")) for name in maps}  # fit a panel
     header = 0.16 * (max(head.count("\n") for head in heads.values()) + 3)  # column names + the first row's titles
     panel, gap_w, gap_h, left, right, bottom, top = 1.9, 0.25, 0.45, 0.6, 0.2, 1.05, 0.45 + header  # inches
-    fig_w, fig_h = left + cols * panel + (cols - 1) * gap_w + right, bottom + b * panel + (b - 1) * gap_h + top
+    tall = panel * min(h / w, 2)  # a panel's height: the images' aspect (up to 2:1), no empty bands above and below
+    fig_w, fig_h = left + cols * panel + (cols - 1) * gap_w + right, bottom + b * tall + (b - 1) * gap_h + top
     fig = Figure(figsize=(fig_w, fig_h))
     axes = fig.subplots(b, cols, squeeze=False, sharex=True, sharey=True)
     fig.subplots_adjust(left=left / fig_w, right=1 - right / fig_w, bottom=bottom / fig_h, top=1 - top / fig_h,
-                        wspace=gap_w / panel, hspace=gap_h / panel)
+                        wspace=gap_w / panel, hspace=gap_h / tall)
     drawn = {}
     for i in range(b):
         axes[i, 0].imshow(images[i].permute(1, 2, 0).numpy(), interpolation="nearest")

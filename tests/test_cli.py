@@ -73,8 +73,19 @@ CASES = [
     (TRAIN, ["--pool", "rollout", "--pool-kwargs", "head_fusion=median"], "unknown head_fusion 'median'"),
     (TRAIN, ["--model", "vit_small_patch16_224", "--model-kwargs", "class_token=False", "global_pool=avg", "--pool",
              "rollout"], "rollout pooling needs a class token"),
-    (TRAIN, ["--model", "resnet10t", "--pool", "avg"], "resnet10t (ResNet) is not a timm VisionTransformer-family "
-                                                       "model: it has no attention over patch tokens; set_pooling"),
+    (TRAIN, ["--model", "resnet10t", "--pool", "avg"], "drop --pool, or train a timm ViT (e.g. vit_tiny_cifar_rollout): "
+                                                       "resnet10t (ResNet) is not a timm VisionTransformer-family"),
+    # timm train.py's flags: refused naming ours, an abbreviation of ours (--drop of --drop-path) included
+    (TRAIN, ["--data-dir", "/data/cifar10"], "name the data set (a local folder, a Hub id or an alias) with --dataset "
+                                             "(--data-dir is a flag of timm's train.py)"),
+    (TRAIN, ["--drop", "0.1"], "set dropout with --model-kwargs drop_rate=0.1 (--drop is a flag of timm's train.py)"),
+    (TRAIN, ["--pretrained"], "start from local weights with --pretrained-file (nothing is downloaded) (--pretrained"),
+    (TRAIN, ["--aa", "rand-m9-mstd0.5"], "drop --aa: augmentation here is a padded random crop (--crop-padding)"),
+    (TRAIN, ["--reprob=0.25"], "drop --reprob: augmentation here is"),
+    (TRAIN, ["--model-ema-force-cpu"], "drop --model-ema-force-cpu: the EMA (--model-ema) stays on the training"),
+    # an unknown flag is named before a missing required one
+    (["harness.eval", "--model", "vit_tiny_cifar_cls"], ["--bogus"], "unrecognized arguments: --bogus (see python -m"),
+    (["harness.explain", "--model", "vit_tiny_cifar_cls"], ["--bogus"], "unrecognized arguments: --bogus (see python"),
     (EVAL, ["--model", "resnet10t", "--pool", "rollout", "--faithfulness"],
      "--pool and --faithfulness need attention, and resnet10t (ResNet) is not a timm VisionTransformer"),
     (EVAL, ["--model", "convnext_atto", "--heatmaps", "4"], "--heatmaps needs attention, and convnext_atto (ConvNeXt)"),
@@ -263,6 +274,13 @@ def test_parser_records_the_flags_typed() -> None:
     parser = build_parser()
     parser.parse_args(["--output", "o", "--lr", "5e-4", "--model-ema", "--model-kwargs", "depth=2"])
     assert parser.given == {"output", "lr", "model_ema", "model_kwargs"}
+
+
+def test_timm_train_py_spellings_of_our_flags_are_taken_as_ours() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["--output", "o", "--data", "x", "--val-split", "validation", "-b", "64", "-j", "3"])
+    assert (args.dataset, args.eval_split, args.batch_size, args.workers) == ("x", "validation", 64, 3)
+    assert parser.given == {"output", "dataset", "eval_split", "batch_size", "workers"}
 
 
 def test_diagnose_names_the_local_dir_folder_whose_weights_changed(tmp_path: Path) -> None:

@@ -167,3 +167,22 @@ def test_heatmap_columns_each_have_their_own_colour_range_and_bar(tmp_path, monk
     assert limits["peaked"] == pytest.approx((0.0, 9 / 10 * 4)) and limits["mild"] == pytest.approx((0.0, 2.0))
     bars = [ax for ax in fig.axes if ax.get_xlabel() == figures.UNIFORM_SCALE_LABEL]
     assert len(bars) == 2
+
+
+@pytest.mark.parametrize("size", [(16, 64), (32, 32), (64, 48)])
+def test_heatmap_panels_take_the_images_aspect_without_empty_bands(tmp_path, monkeypatch, size):
+    """Every panel of heatmaps.png fills the height the layout gives it: the image's own aspect (drawn with equal
+    axes) leaves at most a sliver of that slot empty (it used to leave a 16x64 image three quarters of a square)."""
+    drawn = []
+    monkeypatch.setattr(figures, "save_figure", lambda fig, path: drawn.append(fig))
+    grid = (size[0] // 8, size[1] // 8)
+    maps = {"a": _hot(grid, 0, 0).expand(2, -1), "b": _hot(grid, 1, 1).expand(2, -1)}
+    figures.plot_heatmaps(torch.zeros(2, 3, *size, dtype=torch.uint8), maps, ["x", "y"], ["x", "y"],
+                          tmp_path / "h.png", "t", grid=grid)
+    (fig,) = drawn
+    FigureCanvasAgg(fig).draw()  # applies each axes' equal aspect
+    panels = [ax for ax in fig.axes if ax.get_images()]
+    assert len(panels) == 6
+    for ax in panels:
+        slot, used = ax.get_position(original=True).height, ax.get_position().height  # fractions of the figure
+        assert (slot - used) * fig.get_figheight() < 0.05 * slot * fig.get_figheight() + 0.02, (size, slot, used)

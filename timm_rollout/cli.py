@@ -56,35 +56,52 @@ class CliParser(argparse.ArgumentParser):
     whose ``--help`` gives every flag's default (:class:`HelpWithDefaults`).
 
     ``checks`` run on the parsed namespace (mistakes that involve several flags); ``given`` holds the destinations
-    of the flags typed in the last parse; ``removed`` maps removed flags to what to use instead.
+    of the flags typed in the last parse; ``removed`` maps removed flags to what to use instead, ``foreign`` the
+    flags of timm's ``train.py`` this command lacks to its own (both refused even where argparse would take them
+    for the abbreviation of a flag: timm's ``--drop`` is no ``--drop-path``).
     """
 
     def __init__(self, *args: Any, checks: Sequence[Callable[[argparse.Namespace], None]] = (),
-                 removed: dict[str, str] | None = None, **kwargs: Any):
+                 removed: dict[str, str] | None = None, foreign: dict[str, str] | None = None, **kwargs: Any):
         super().__init__(*args, **{"formatter_class": HelpWithDefaults, **kwargs})
         # argparse reads -1e-3 or -.5e-1 as a flag: read them as numbers, for the validators to judge
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
         self.checks = list(checks)
-        self.removed = dict(removed or {})
+        self.removed, self.foreign = dict(removed or {}), dict(foreign or {})
         self.given: frozenset[str] = frozenset()
 
     def error(self, message: str) -> None:  # type: ignore[override]
         head, _, rest = message.partition(": ")
-        flag = head.removeprefix("argument ").split("/")[0]
-        if head.startswith("argument ") and rest.startswith(flag + " "):
-            message = rest  # the validator already names the flag
-        elif head.startswith("argument ") and rest in ("expected one argument", "expected at least one argument"):
-            message += f"; give it after the flag, or as {flag}='...' when it starts with '-'"
+        if head.startswith("argument "):
+            flag = head.removeprefix("argument ").split("/")[0]  # its first name: --batch-size, not --batch-size/-b
+            message = rest if rest.startswith(flag + " ") else f"argument {flag}: {rest}"  # the validator names it
+            if rest in ("expected one argument", "expected at least one argument"):
+                message += f"; give it after the flag, or as {flag}='...' when it starts with '-'"
         raise UserError(message)
 
     def parse_known_args(self, args=None, namespace=None):
+        return self._parse(args, namespace, strict=False)
+
+    def _parse(self, args, namespace, strict: bool):
+        """Parse; removed flags, and unknown ones when ``strict``, are refused first, before a missing required one."""
         args = sys.argv[1:] if args is None else list(args)
+        typed = [a.split("=", 1)[0] for a in args if a.startswith("-")]
+        if gone := next((flag for flag in typed if flag in self.removed), None):
+            raise UserError(f"{gone} was removed; {self.removed[gone]}")
+        if gone := next((flag for flag in typed if flag in self.foreign), None):
+            raise UserError(f"{self.foreign[gone].format(flag=gone)} ({gone} is a flag of timm's train.py)")
         unset = object()
         probe = argparse.Namespace(**{a.dest: unset for a in self._actions if a.dest != argparse.SUPPRESS})
-        _, extras = super().parse_known_args(args, probe)  # defaults are only filled in for attributes not set yet
-        gone = next((flag for flag in (e.split("=", 1)[0] for e in extras) if flag in self.removed), None)
-        if gone:
-            raise UserError(f"{gone} was removed; {self.removed[gone]}")
+        required = [a for a in [*self._actions, *self._mutually_exclusive_groups] if a.required]
+        for item in required:
+            item.required = False
+        try:
+            _, extras = super().parse_known_args(args, probe)  # defaults are only filled in for attributes not set yet
+        finally:
+            for item in required:
+                item.required = True
+        if strict and extras:
+            self._unrecognized(extras)
         self.given = frozenset(k for k, v in vars(probe).items() if v is not unset)
         return super().parse_known_args(args, namespace)
 
@@ -102,9 +119,7 @@ class CliParser(argparse.ArgumentParser):
                 action.required, action.type, action.choices = required, kind, choices
 
     def parse_args(self, args=None, namespace=None):
-        parsed, extras = self.parse_known_args(args, namespace)
-        if extras:
-            self._unrecognized(extras)
+        parsed, _ = self._parse(args, namespace, strict=True)
         for check in self.checks:
             check(parsed)
         return parsed

@@ -44,9 +44,12 @@ def _check_registered(name: str) -> None:
 
 
 def _rejected(arch: str, kwargs: dict[str, Any], error: Exception, fix: str = "fix or drop the model arguments",
-              ) -> UserError:
-    shown = {k: v for k, v in kwargs.items() if k not in ("pretrained", "pretrained_cfg_overlay")}
+              lead: str | None = None) -> UserError:
+    """The error for model arguments ``arch`` rejects: ending with ``fix``, or ``lead`` (a fix first) and the reason."""
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if lead:
+        return UserError(f"{lead} ({reason})")
+    shown = {k: v for k, v in kwargs.items() if k not in ("pretrained", "pretrained_cfg_overlay")}
     return UserError(f"{arch} cannot be built with {shown} ({reason}); {fix}")
 
 
@@ -72,10 +75,10 @@ def _weights_mismatch(error: Exception) -> str | None:
 
 
 def create_model(arch: str, fix: str = "fix or drop the model arguments",
-                 weights_fix: str = "pass weights of this model", **kwargs: Any) -> nn.Module:
+                 weights_fix: str = "pass weights of this model", lead: str | None = None, **kwargs: Any) -> nn.Module:
     """``timm.create_model`` for a registered ``arch``; arguments the model rejects are a one-line UserError ending
-    with ``fix``, and pretrained weights (``pretrained=True``) that do not fit the model one ending with
-    ``weights_fix``."""
+    with ``fix`` (or starting with ``lead``: :func:`_rejected`), and pretrained weights (``pretrained=True``) that do
+    not fit the model one ending with ``weights_fix``."""
     try:
         net = timm.create_model(arch, **kwargs)
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:
@@ -84,7 +87,7 @@ def create_model(arch: str, fix: str = "fix or drop the model arguments",
             shown = {k: v for k, v in kwargs.items() if k not in ("pretrained", "pretrained_cfg_overlay")}
             raise UserError(f"the pretrained weights do not fit {arch} built with {shown}: {mismatch}; {weights_fix}"
                             ) from None
-        raise _rejected(arch, kwargs, e, fix) from None
+        raise _rejected(arch, kwargs, e, fix, lead) from None
     record_input_size(net)
     return net
 
@@ -296,11 +299,14 @@ def _check_match(model: nn.Module, shapes: dict[str, tuple[int, ...]], name: str
     if not problems:
         return
     trained = (config or {}).get("architecture")
-    fix = (f"it was saved as {trained}: evaluate it as --model {trained} (or local-dir:{weights.parent})"
-           if trained and trained != name else
-           "pass the training folder that holds it (its config.json builds the model), or the --model (and "
-           "--model-kwargs, where the command has them) it was trained with")
-    raise UserError(f"checkpoint {weights} does not match {name}: {'; '.join(problems)}; {fix}")
+    if trained and trained != name:
+        counts = ", ".join(f"{len(k)} {what}" for k, what in ((missing, "missing"), (unexpected, "unexpected"),
+                                                               (resized, "of other shapes")) if k)
+        raise UserError(f"pass --model {trained} (or local-dir:{weights.parent}): --checkpoint {weights.parent} was "
+                        f"saved as {trained}, whose parameters {name} does not have ({counts})")
+    raise UserError(f"checkpoint {weights} does not match {name}: {'; '.join(problems)}; pass the training folder "
+                    "that holds it (its config.json builds the model), or the --model (and --model-kwargs, where the "
+                    "command has them) it was trained with")
 
 
 def _as_trained(arch: str, config: dict[str, Any] | None) -> str:
@@ -403,17 +409,19 @@ def _classifier(arch: str, config: dict[str, Any] | None) -> str:
     return saved or (registered.to_dict().get("classifier") if registered is not None else None) or "head"
 
 
-def _config_fix(arch: str, config: dict[str, Any] | None, weights: Path | None, from_config: list[str]) -> str:
-    """The end of the error for model arguments ``arch`` rejects: where those not typed by the caller come from (the
-    checkpoint's config) and how to build the model they belong to."""
+def _config_fix(arch: str, config: dict[str, Any] | None, weights: Path | None,
+                from_config: list[str]) -> tuple[str, str | None]:
+    """The end of the error for model arguments ``arch`` rejects (where those not typed by the caller come from: the
+    checkpoint's config), or for a checkpoint saved with another model, the error's start (the model to load)."""
     if not from_config:
-        return "fix or drop the model arguments"
+        return "fix or drop the model arguments", None
     folder = weights.parent if weights is not None else Path("RUN")
-    fix = f"the model arguments {from_config} come from the checkpoint's config, {folder / CONFIG_FILE}"
     trained = stock_architecture(config or {})
     if trained and trained != arch:
-        return f"{fix}, saved with {trained}: evaluate it as local-dir:{folder} (or --model {trained})"
-    return f"{fix}; re-export the model with timm.models.save_for_hf"
+        return "", (f"pass --model local-dir:{folder} (or --model {trained}): --checkpoint {folder} was saved with "
+                    f"{trained}, whose model arguments {arch} does not take")
+    return (f"the model arguments {from_config} come from the checkpoint's config, {folder / CONFIG_FILE}; re-export "
+            "the model with timm.models.save_for_hf"), None
 
 
 def build_meta(model: str, checkpoint: str | Path | None = None) -> nn.Module | None:
@@ -454,9 +462,9 @@ def load_model(
     if num_classes is not None:
         kwargs["num_classes"] = num_classes
 
-    fix = _config_fix(arch, config, weights, sorted(set(saved) - set(model_kwargs)))
-    net = create_model(arch, fix, pretrained=False, pretrained_cfg_overlay=_cfg_overlay(config, num_classes),
-                       **kwargs)
+    fix, lead = _config_fix(arch, config, weights, sorted(set(saved) - set(model_kwargs)))
+    net = create_model(arch, fix, lead=lead, pretrained=False,
+                       pretrained_cfg_overlay=_cfg_overlay(config, num_classes), **kwargs)
     if weights is not None:
         _check_match(net, shapes, arch, weights, config)
         load_checkpoint(net, str(weights), strict=True)

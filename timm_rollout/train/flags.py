@@ -28,7 +28,7 @@ from ..cli import (
 from ..data import dataset_arg
 from ..device import AMP_CHOICES, device_arg
 from ..errors import UserError
-from ..pooling import ROLLOUT, TIMM_POOLS, set_pooling
+from ..pooling import ROLLOUT, TIMM_POOLS, attention_free, set_pooling
 
 DESCRIPTION = "Train any timm model (the tiny CIFAR ViTs by default) on a Hugging Face image data set."
 # torch.compile's modes: reduce-overhead replays the compiled passes as CUDA graphs (GPUs; plain compilation on CPU).
@@ -38,6 +38,19 @@ POOLS = (*[p for p in TIMM_POOLS if p], ROLLOUT)  # --pool choices
 REMOVED = {"--stack": "train many runs as separate processes with scripts/study.py --jobs N",
            "--capture": "for CUDA graphs use --compile --compile-mode reduce-overhead",
            "--dropout-draws": "drop it: dropout and drop-path masks come from torch's generators, seeded per epoch"}
+_AUGMENT = "drop {flag}: augmentation here is a padded random crop (--crop-padding), --hflip, --mixup and --cutmix"
+TIMM_FLAGS = {  # timm train.py's common flags this command lacks -> its own way (CliParser foreign)
+    "--data-dir": "name the data set (a local folder, a Hub id or an alias) with --dataset",
+    "--gp": "pool with --pool (token, avg, rollout, ...)", "--drop": "set dropout with --model-kwargs drop_rate=0.1",
+    "--pretrained": "start from local weights with --pretrained-file (nothing is downloaded)",
+    "--initial-checkpoint": "start from weights with --pretrained-file",
+    "--img-size": "set the model's input size with --model-kwargs img_size=32",
+    "--input-size": "set the model's input size with --model-kwargs img_size=32",
+    "--amp-dtype": "pass --amp bf16 or --amp fp16", "--torchcompile": "pass --compile",
+    "--model-ema-force-cpu": "drop {flag}: the EMA (--model-ema) stays on the training device",
+    **dict.fromkeys(("--aa", "--reprob", "--remode", "--recount", "--color-jitter", "--scale", "--ratio", "--vflip",
+                     "--no-aug", "--aug-repeats", "--train-interpolation"), _AUGMENT),
+}
 # Optimizer schedules that train steps every update (timm's plateau steps on epochs only).
 SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", "rsqrt", "none")
 
@@ -45,7 +58,7 @@ SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", 
 def build_parser() -> CliParser:
     """The CLI; names follow timm's ``train.py`` where it has them. Bad values are one-line errors at parse time."""
     p = CliParser(prog="python -m timm_rollout.train", description=DESCRIPTION,
-                  checks=[_one_seed, _check_model_args], removed=REMOVED)
+                  checks=[_one_seed, _check_model_args], removed=REMOVED, foreign=TIMM_FLAGS)
     p.checks.append(lambda args: _check_dependent_flags(args, p.given))
     _data_args(p.add_argument_group("data"))
     _model_args(p.add_argument_group("model"))
@@ -60,7 +73,7 @@ def _data_args(g: argparse._ArgumentGroup) -> None:
                    help="alias (cifar10, cifar100, svhn, cifar10-sample), Hub id or local folder (required for a new "
                         "run; one resumed or trained further reuses its own)")
     g.add_argument("--train-split", default="train", help="split to train on")
-    g.add_argument("--eval-split", default=None, help="default: test, else validation")
+    g.add_argument("--eval-split", "--val-split", default=None, help="default: test, else validation")
     g.add_argument("--image-column", default=None, help="default: img or image")
     g.add_argument("--label-column", default=None, help="default: label or fine_label")
     g.add_argument("--max-train-samples", type=positive_int, default=None,
@@ -103,7 +116,7 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
 def _optimisation_args(g: argparse._ArgumentGroup) -> None:
     """Optimizer and schedule (timm factories)."""
     g.add_argument("--epochs", type=positive_int, default=200, help="passes over the training split")
-    g.add_argument("--batch-size", type=positive_int, default=128, help="per process")
+    g.add_argument("--batch-size", "-b", type=positive_int, default=128, help="per process")
     g.add_argument("--opt", default="adamw", type=as_type(_optimizer_arg), help="any timm optimizer name")
     g.add_argument("--lr", type=positive, default=5e-4, help="peak learning rate, after warmup")
     g.add_argument("--weight-decay", type=non_negative, default=1e-4,
@@ -124,7 +137,7 @@ def _run_args(g: argparse._ArgumentGroup) -> None:
                         "train faster as separate processes: scripts/study.py --seeds 0 1 2 --jobs 2); default 0")
     g.add_argument("--amp", default="auto", choices=AMP_CHOICES, help="auto: bf16 where it pays, else fp32")
     g.add_argument("--device", default="auto", type=device_arg, help="auto, cpu, cuda, cuda:1 ...")
-    g.add_argument("--workers", type=positive_int, default=None,
+    g.add_argument("--workers", "-j", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is far faster on a busy machine)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--save-every", type=positive_int, default=1,
@@ -179,11 +192,15 @@ def _check_model_args(args: argparse.Namespace) -> None:
     if args.pool_kwargs and args.pool != ROLLOUT:
         raise UserError("--pool-kwargs are rollout options; add --pool rollout or drop them")
     if args.pool is not None:
+        with torch.device("meta"):
+            model = timm.create_model(args.model, **kwargs)
+        if attention_free(model):  # no tokens to pool: the fix first
+            raise UserError(f"drop --pool, or train a timm ViT (e.g. vit_tiny_cifar_rollout): {attention_free(model)}")
         try:
-            with torch.device("meta"):
-                set_pooling(timm.create_model(args.model, **kwargs), args.pool, **args.pool_kwargs)
+            set_pooling(model, args.pool, **args.pool_kwargs)
         except ValueError as e:
-            raise UserError(f"--pool {args.pool} {as_typed(args.pool_kwargs)}: {e}") from None
+            shown = f" {as_typed(args.pool_kwargs)}" if args.pool_kwargs else ""
+            raise UserError(f"--pool {args.pool}{shown}: {e}") from None
 
 
 # A flag that only sets how another one works: typed without it, it is refused (what it sets, the flag it needs).
