@@ -73,8 +73,8 @@ CASES = [
     (TRAIN, ["--pool", "rollout", "--pool-kwargs", "head_fusion=median"], "unknown head_fusion 'median'"),
     (TRAIN, ["--model", "vit_small_patch16_224", "--model-kwargs", "class_token=False", "global_pool=avg", "--pool",
              "rollout"], "rollout pooling needs a class token"),
-    (TRAIN, ["--model", "resnet10t", "--pool", "avg"], "drop --pool, or train a timm ViT (e.g. vit_tiny_cifar_rollout): "
-                                                       "resnet10t (ResNet) is not a timm VisionTransformer-family"),
+    (TRAIN, ["--model", "resnet10t", "--pool", "avg"],
+     "drop --pool, or train a timm ViT (e.g. vit_tiny_cifar_rollout): resnet10t (ResNet) is not a timm VisionTransf"),
     # timm train.py's flags: refused naming ours, an abbreviation of ours (--drop of --drop-path) included
     (TRAIN, ["--data-dir", "/data/cifar10"], "name the data set (a local folder, a Hub id or an alias) with --dataset "
                                              "(--data-dir is a flag of timm's train.py)"),
