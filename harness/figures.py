@@ -379,6 +379,8 @@ def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], pat
         ax.set(ylabel=CURVE_PANELS[key][0], title=CURVE_PANELS[key][1])
         epoch_axis(ax)
         ax.grid(alpha=0.3)
+    if "rollout_effective_patches" in axes:  # a count of patches from 0: near-uniform weights do not look like a fall
+        axes["rollout_effective_patches"].set_ylim(bottom=0)
     handles, labels = axes["eval_top1"].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8, frameon=False)
     several = any(len(per_seed) > 1 for per_seed in logs.values())
