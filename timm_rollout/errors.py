@@ -25,15 +25,16 @@ def _version(package: str) -> str | None:
 
 
 def _matching_pair() -> str:
-    """``pip install torch==X torchvision==Y [--index-url ...]``: the installed torch with the torchvision of its
-    release (torch 2.N pairs with torchvision 0.(N + 15)), from the index the torch build came from."""
+    """``pip install torch==X torchvision==Y``: the installed torch with the torchvision of its release (torch 2.N
+    pairs with torchvision 0.(N + 15)) from pip's own index, which every pip reaches; PyTorch's index of the torch
+    build (``+cpu``, ``+cu121``) named after it, for where that one is reachable."""
     torch_version = _version("torch")
     if torch_version is None:
         return "pip install torch torchvision (from one index)"
     release, _, build = torch_version.partition("+")
     major, minor = [*release.split("."), "0"][:2]
     vision = f"==0.{int(minor) + 15}.*" if major == "2" and minor.isdigit() else ""
-    index = f" --index-url https://download.pytorch.org/whl/{build}" if build else ""
+    index = f" (or both from https://download.pytorch.org/whl/{build} with --index-url)" if build else ""
     return f"pip install torch=={release} torchvision{vision}{index}"
 
 
@@ -56,8 +57,9 @@ def install_error(error: BaseException) -> UserError | None:
     if not isinstance(error, (ImportError, RuntimeError, AttributeError, OSError)) or not _importing_torchvision(error):
         return None
     reason = str(error).strip().splitlines()[0][:120] if str(error).strip() else type(error).__name__
-    return UserError(f"torchvision {_version('torchvision')} does not match torch {_version('torch')} (importing it "
-                     f"fails: {reason}); install a matching pair from one index: {_matching_pair()}")
+    return UserError(f"install a matching torch/torchvision pair: {_matching_pair()}; torchvision "
+                     f"{_version('torchvision')} does not match torch {_version('torch')} (importing it fails: "
+                     f"{reason})")
 
 
 def _running_cli() -> bool:
