@@ -5,7 +5,9 @@ local pool's :func:`~.jobs.run_arm` of one run, requeued and resumed after a pre
 from __future__ import annotations
 
 import argparse
+import contextlib
 import getpass
+import io
 import json
 import os
 import shlex
@@ -105,7 +107,7 @@ def submit(args: argparse.Namespace, pairs: list[tuple[str, int]], runs: dict, e
     folder = Path(args.output) / SLURM_DIR
     executor = make_executor(args, folder.resolve())
     try:
-        with executor.batch():
+        with contextlib.redirect_stderr(io.StringIO()), executor.batch():  # sbatch's error comes once, below
             jobs = [executor.submit(InFolder(partial(run_arm, args, arm, seed, runs, evals)))
                     for arm, seed in pairs]
     except Exception as e:  # sbatch's refusal (account, QOS, limits), as its last line
@@ -158,7 +160,8 @@ def run_slurm(args: argparse.Namespace, todo: list[tuple[str, int]], runs: dict,
     if not pending:
         return True
     after = "afterany:" + ":".join(sorted({j.split("_")[0] for j in pending.values()}))
-    job = make_executor(args, (out / SLURM_DIR).resolve(), after).submit(InFolder(partial(report, task_args)))
+    executor = make_executor(args, (out / SLURM_DIR).resolve(), after)
+    job = executor.submit(InFolder(partial(report, task_args, len(todo))))
     then = "; then re-run this command to commit each run and the report" if args.commit else ""
     print(f"+ submitted the report as job {job.job_id}, to run when they end; watch with python scripts/study.py "
           f"--output {shlex.quote(str(out))} --status, or squeue -u {getpass.getuser()}{then}", flush=True)
