@@ -75,7 +75,6 @@ def sbatch_options(text: str) -> dict[str, str | bool]:
 def make_executor(args: argparse.Namespace, folder: Path, dependency: str | None = None) -> Any:
     """submitit's Slurm executor with the study's Slurm flags, its jobs started after ``dependency``."""
     import submitit
-
     executor = submitit.SlurmExecutor(folder, max_num_timeout=MAX_REQUEUES)
     params = {"job_name": f"study-{Path(args.output).name}", "partition": args.partition, "time": args.time,
               "gpus_per_task": args.gpus_per_task, "cpus_per_task": args.cpus_per_task,
@@ -87,8 +86,7 @@ def make_executor(args: argparse.Namespace, folder: Path, dependency: str | None
 
 
 class InFolder:
-    """A task of the study: ``fn`` run in the submitting command's directory (the study's paths are relative to
-    it). Requeued as it is after a preemption or a time limit: the run resumes from its own files."""
+    """A study task: ``fn`` in the submitting command's directory; requeued as it is, it resumes from the files."""
 
     def __init__(self, fn: Callable[[], Any]):
         self.fn, self.cwd = fn, os.getcwd()
@@ -145,9 +143,8 @@ def evaluated(arm: str, seed: int, evals: dict, also_eval: list[str] | None, out
 
 def run_slurm(args: argparse.Namespace, todo: list[tuple[str, int]], runs: dict, evals: dict,
               report: Callable[[argparse.Namespace], Any]) -> bool:
-    """Check (and with ``--commit`` commit) the evaluated runs of ``todo`` here, as the local pool does; submit those
-    neither evaluated nor in the queue as one job array, and ``report`` as a job after every pending task. True when
-    nothing is pending (render now). Tasks never commit: re-running the command with ``--commit`` does."""
+    """Check (and commit) the evaluated runs of ``todo`` here as the local pool does; submit those neither evaluated
+    nor queued as one job array, ``report`` as a job after them (tasks never commit). True: nothing pending."""
     out, jobs, live = Path(args.output), submitted(Path(args.output)), queue()
     task_args = argparse.Namespace(**{**vars(args), "commit": False})
     pending = {p: jobs[f"{p[0]}-s{p[1]}"] for p in todo if jobs.get(f"{p[0]}-s{p[1]}") in live}
