@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 
 from ..cli import (
     CliParser,
@@ -58,7 +59,7 @@ SCHEDULERS = ("cosine", "tanh", "step", "multistep", "poly", "constant", "wsd", 
 def build_parser() -> CliParser:
     """The CLI; names follow timm's ``train.py`` where it has them. Bad values are one-line errors at parse time."""
     p = CliParser(prog="python -m timm_rollout.train", description=DESCRIPTION,
-                  checks=[_one_seed, _check_model_args], removed=REMOVED, foreign=TIMM_FLAGS)
+                  checks=[_one_seed, _check_report_to, _check_model_args], removed=REMOVED, foreign=TIMM_FLAGS)
     p.checks.append(lambda args: _check_dependent_flags(args, p.given))
     _data_args(p.add_argument_group("data"))
     _model_args(p.add_argument_group("model"))
@@ -140,6 +141,9 @@ def _run_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--workers", "-j", type=positive_int, default=None,
                    help="CPU threads for torch (default: torch's choice; 1 is far faster on a busy machine)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--report-to", default="none", choices=("none", "tensorboard"),
+                   help="also log each epoch's row of log.csv to TensorBoard event files in --output (pip install -e "
+                        "'.[tensorboard]'); pass it again when resuming")
     g.add_argument("--save-every", type=positive_int, default=1,
                    help="epochs between checkpoint, export, log and plot writes (the last epoch is always saved)")
     g.add_argument("--compile", action="store_true",
@@ -172,6 +176,13 @@ def _one_seed(args: argparse.Namespace) -> None:
                         "processes side by side, e.g. scripts/study.py --seeds 0 1 2 --jobs 2 (faster in every "
                         "measurement of scripts/README.md)")
     args.seed = args.seed[0]
+
+
+def _check_report_to(args: argparse.Namespace) -> None:
+    """``--report-to tensorboard`` needs the tensorboard package (imported only when training logs to it)."""
+    if args.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("--report-to tensorboard needs the tensorboard package: pip install -e '.[tensorboard]' "
+                        "(or pip install tensorboard), or drop --report-to")
 
 
 def _check_model_args(args: argparse.Namespace) -> None:

@@ -1,4 +1,5 @@
-"""The per-epoch training log (``log.csv``) and its curves (``curves.png``), both written atomically."""
+"""The per-epoch training log (``log.csv``) and its curves (``curves.png``), both written atomically, and with
+``--report-to tensorboard`` the same rows as TensorBoard scalars (:class:`TensorBoardLog`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import csv
 import io
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ..atomic import save_figure, write_text
@@ -13,6 +15,36 @@ from ..atomic import save_figure, write_text
 LOG_COLUMNS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "img_per_s", "seconds")
 # Written when some row has them: the pooling diagnostics of a rollout-pooled model's evaluation pass.
 OPTIONAL_COLUMNS = ("rollout_effective_patches", "rollout_cosine_to_mean")
+# TensorBoard tag of each log column (step: the epoch); a column not named here is logged under its own name.
+BOARD_TAGS = {"train_loss": "loss/train", "eval_loss": "loss/eval", "eval_top1": "accuracy/top1",
+              "eval_top5": "accuracy/top5", "lr": "lr", "img_per_s": "throughput/img_per_s",
+              "seconds": "time/epoch_seconds", "rollout_effective_patches": "rollout/effective_patches",
+              "rollout_cosine_to_mean": "rollout/cosine_to_mean"}
+EVENT_FILES = "events.out.tfevents.*"  # TensorBoard's event files in a run folder
+
+
+class TensorBoardLog:
+    """Log rows as TensorBoard scalars (:data:`BOARD_TAGS`, step = epoch) into event files in ``folder``; an epoch
+    its event files already hold (a resumed run's) is not written again, one they lack is."""
+
+    def __init__(self, folder: Path) -> None:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        from torch.utils.tensorboard import SummaryWriter
+
+        found = EventAccumulator(str(folder), size_guidance={"scalars": 0}).Reload()
+        tag = BOARD_TAGS["train_loss"]
+        self.epochs = {e.step for e in found.Scalars(tag)} if tag in found.Tags()["scalars"] else set()
+        self.writer = SummaryWriter(str(folder))
+
+    def write(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Write the rows of epochs not written yet, and flush."""
+        for row in rows:
+            if row["epoch"] not in self.epochs:
+                for key, value in row.items():
+                    if key != "epoch":
+                        self.writer.add_scalar(BOARD_TAGS.get(key, key), value, row["epoch"])
+                self.epochs.add(row["epoch"])
+        self.writer.flush()
 
 
 def top5_text(row: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ from ..progress import progress, tqdm
 from ..records import RESUME_FILE, code_label
 from .distributed import Dist, init_distributed, reduce_sum
 from .flags import as_typed, build_parser
-from .log import top5_text
+from .log import EVENT_FILES, top5_text
 from .output import (
     RUN_FILES,
     check_same_data,
@@ -112,6 +112,8 @@ def _begin(run: Run, d: Dist) -> None:
         if d.main:
             for name in RUN_FILES if args.overwrite else ():
                 (run.out / name).unlink(missing_ok=True)
+            for events in run.out.glob(EVENT_FILES):  # an overwritten run's, or empty ones of a run that saved nothing
+                events.unlink()
             write_record(run.out, args, run.data, d)
         return
     if args.epochs > run.saved_epochs and d.main:
@@ -132,6 +134,8 @@ def _train(args: argparse.Namespace, parser: argparse.ArgumentParser, d: Dist) -
         _end_epoch(run, d, train_loss, lr, time.perf_counter() - t0, machine)
     if d.main:
         write_summary(run.out, run.args, run.data, run.t)
+    if run.t.board is not None:
+        run.t.board.writer.close()
     return run.out
 
 

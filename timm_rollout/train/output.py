@@ -31,14 +31,14 @@ from ..records import (
 )
 from .distributed import Dist
 from .flags import as_typed
-from .log import plot_curves, top5_text, write_log
+from .log import TensorBoardLog, plot_curves, top5_text, write_log
 from .setup import RunData, Trainer
 from .validation import EVAL_BATCH
 
 RUN_FILES = (*MODEL_FILES, ARGS_FILE, SUMMARY_FILE, LOG_FILE, CURVES_FILE, RESUME_FILE)
 # Flags that may differ when a run is resumed: where it lives and how it runs, not what it computes.
 RESUME_FREE = {"resume", "overwrite", "output", "workers", "device", "no_progress", "save_every", "compile",
-               "compile_mode"}
+               "compile_mode", "report_to"}
 
 
 def prepare_output(out: Path, args: argparse.Namespace) -> str:
@@ -162,7 +162,8 @@ def write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) ->
 
 
 def save_run(out: Path, t: Trainer, args: argparse.Namespace, data: RunData, d: Dist) -> None:
-    """Rank 0 writes the resume state, the model export, ``log.csv`` and ``curves.png``, all for one epoch."""
+    """Rank 0 writes the resume state, the model export, ``log.csv``, ``curves.png`` and with ``--report-to
+    tensorboard`` the event files (after the resume state, so they never hold an epoch a resume trains again)."""
     if d.main:
         save_resume(out / RESUME_FILE, model=t.model, optimizer=t.optimizer, ema=t.ema.module if t.ema else None,
                     scaler=t.scaler,
@@ -171,6 +172,9 @@ def save_run(out: Path, t: Trainer, args: argparse.Namespace, data: RunData, d: 
         save_model(out, t.export, data.train.class_names, data.mean, data.std, data.train.images.shape[1:])
         write_log(out / LOG_FILE, t.rows)
         plot_curves(out / CURVES_FILE, t.rows, f"{args.model} on {Path(args.dataset).name}")
+        if args.report_to == "tensorboard":
+            t.board = t.board or TensorBoardLog(out)
+            t.board.write(t.rows)
     t.saved_epoch = t.epoch
     if d.world > 1:
         dist.barrier()

@@ -89,6 +89,7 @@ class Trainer:
     rows: list[dict[str, float]] = field(default_factory=list)
     machines: dict[str, int] = field(default_factory=dict)  # epochs trained per machine and precision
     codes: dict[str, int] = field(default_factory=dict)  # epochs trained per code version (records.code_label)
+    board: Any = None  # --report-to tensorboard: the run's log.TensorBoardLog, opened at its first save
 
     @property
     def export(self) -> nn.Module:
