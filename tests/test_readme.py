@@ -55,3 +55,10 @@ def test_readme_snippet_runs_as_pasted(code: str, tmp_path: Path, monkeypatch: p
         assert namespace["feats"].shape == (8, 128) and namespace["model"].global_pool == "token"
     if "maps" in namespace:  # the capture snippet: one (B, N, N) rollout over 196 patches + [CLS]
         assert namespace["maps"].shape == (2, 197, 197)
+
+
+def test_the_front_readme_is_a_newcomers_page_of_at_most_300_lines() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    answer = text.split("## Install")[0].split("**The answer")[1]
+    assert len(re.findall(r"\[[\u2212+-]?\d", answer)) <= 3  # a few numbers before Install: few intervals
