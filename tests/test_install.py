@@ -84,4 +84,5 @@ def test_a_command_and_a_library_import_name_it_in_one_line(broken_torchvision):
     assert BROKEN in cli.stderr
     library = subprocess.run([sys.executable, "-c", "import timm_rollout, timm"], capture_output=True, text=True,
                              env=env, cwd=ROOT, timeout=300)  # the package registers its models as timm loads
-    assert library.returncode == 1 and library.stderr.splitlines()[-1].startswith("ImportError: install a matching torch/torchvision pair: ")
+    assert library.returncode == 1
+    assert library.stderr.splitlines()[-1].startswith("ImportError: install a matching torch/torchvision pair: ")
