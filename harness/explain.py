@@ -65,7 +65,7 @@ def build_parser() -> CliParser:
     return p
 
 
-def _check_args(args: argparse.Namespace) -> None:
+def _check_args(args: argparse.Namespace, command: str = "harness.explain") -> None:
     from timm_rollout.loading import build_meta, check_model  # here, so that --help loads no timm
 
     prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
@@ -74,14 +74,14 @@ def _check_args(args: argparse.Namespace) -> None:
     if "num_classes" in args.model_kwargs and (args.dataset or args.checkpoint or prefixed):
         raise UserError("drop --model-kwargs num_classes: the class count comes from the checkpoint or the data set")
     check_model(args.model, None if prefixed or args.checkpoint else args.model_kwargs)
-    _refuse_attention_free(args.model, build_meta(args.model, args.checkpoint))
+    _refuse_attention_free(args.model, build_meta(args.model, args.checkpoint), command)
 
 
-def _refuse_attention_free(name: str, model: torch.nn.Module | None) -> None:
+def _refuse_attention_free(name: str, model: torch.nn.Module | None, command: str = "harness.explain") -> None:
     """A one-line error for a model without attention to draw (nothing where it is None: not known yet)."""
     reason = attention_free(model) if model is not None else None
     if reason is not None:
-        raise UserError(f"cannot explain {name}: every map of harness.explain is drawn from attention, and {reason}; "
+        raise UserError(f"cannot explain {name}: every map of {command} is drawn from attention, and {reason}; "
                         "evaluate it with python -m harness.eval (accuracy, k-NN, geometry, linear probe)")
 
 

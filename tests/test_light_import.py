@@ -64,6 +64,8 @@ COMMANDS = [
     ("-m harness.diagnose", ["--device", "gpu0"], "error: argument --device: unknown device 'gpu0'"),
     ("-m harness.explain", ["--model", "vit_tiny_cifar_cls", "--target-class", "-1"],
      "error: argument --target-class: must be an integer >= 0, got -1"),
+    ("-m harness.explore", ["--model", "vit_tiny_cifar_cls", "--images", "0"],
+     "error: argument --images: must be an integer >= 1, got 0"),
     ("scripts/study.py", ["--epochs", "0"], "error: argument --epochs: must be an integer >= 1, got 0"),
     ("scripts/push_to_hub.py", ["run"], "error: the following arguments are required: --repo-id"),
     ("scripts/convert_checkpoint.py", ["--num-heads", "0"],

@@ -22,6 +22,7 @@ from .capture import capture_attention
 from .pooling import attention_pool
 from .rollout import (
     HEAD_FUSIONS,
+    fuse_and_discard,
     fuse_heads,
     patch_weights,
     pooling_weights,
@@ -173,9 +174,12 @@ def _pass(model: nn.Module, x: torch.Tensor, cap, logits: torch.Tensor, pool_tok
                          gradient_layers(attentions, grads))
 
 
-def readout_attention(p: AttentionPass, layer: int = -1) -> torch.Tensor:
-    """``r · mean_heads(A_layer)`` over the patches (``layer`` 0-based, negative from the end): (B, P)."""
-    fused = fuse_heads(p.attentions[layer], "mean")  # (B, N, N)
+def readout_attention(p: AttentionPass, layer: int = -1, head_fusion: str = "mean", head: int | None = None
+                      ) -> torch.Tensor:
+    """``r · fuse_heads(A_layer)`` over the patches (``layer`` 0-based, negative from the end; ``head``: that head's
+    attention alone): (B, P)."""
+    attn = p.attentions[layer]
+    fused = fuse_heads(attn if head is None else attn[:, head:head + 1], head_fusion)  # (B, N, N)
     return (p.readout.unsqueeze(1) @ fused).squeeze(1)[:, p.num_prefix_tokens:]
 
 
@@ -185,9 +189,11 @@ def rollout_map(p: AttentionPass, head_fusion: str = "mean", discard_ratio: floa
     return patch_weights(row, p.num_prefix_tokens)
 
 
-def rollout_buildup(p: AttentionPass, head_fusion: str = "mean") -> torch.Tensor:
-    """``r Â_l ... Â_1`` for l = 1..L (the rollout after each layer), patch columns renormalised: (B, L, P)."""
-    rows = [rollout_row(p.attentions[:depth], p.readout, head_fusion, 0.0, p.num_prefix_tokens)
+def rollout_buildup(p: AttentionPass, head_fusion: str = "mean", discard_ratio: float = 0.0) -> torch.Tensor:
+    """``r Â_l ... Â_1`` for l = 1..L (the rollout after each layer), patch columns renormalised: (B, L, P). Each
+    layer is fused (and its lowest entries discarded) once, then rolled out as one head."""
+    fused = [fuse_and_discard(a, head_fusion, discard_ratio, p.num_prefix_tokens)[:, None] for a in p.attentions]
+    rows = [rollout_row(fused[:depth], p.readout, "mean", 0.0, p.num_prefix_tokens)
             for depth in range(1, len(p.attentions) + 1)]
     return torch.stack([patch_weights(r, p.num_prefix_tokens) for r in rows], dim=1)
 

@@ -77,7 +77,8 @@ def _discard_lowest(fused: torch.Tensor, discard_ratio: float, num_prefix_tokens
     return out
 
 
-def _fuse_and_discard(attn: torch.Tensor, head_fusion: str, discard_ratio: float, prefix: int) -> torch.Tensor:
+def fuse_and_discard(attn: torch.Tensor, head_fusion: str, discard_ratio: float, prefix: int) -> torch.Tensor:
+    """(B, heads, N, N) attention fused over heads, its lowest ``discard_ratio`` dropped (:func:`_discard_lowest`)."""
     fused = fuse_heads(attn, head_fusion)
     return _discard_lowest(fused, discard_ratio, prefix) if discard_ratio > 0 else fused
 
@@ -95,7 +96,7 @@ def rollout_layers(
         raise ValueError("attention rollout needs at least one layer of attention")
     layers = []
     for attn in attentions:
-        fused = _fuse_and_discard(attn, head_fusion, discard_ratio, num_prefix_tokens)
+        fused = fuse_and_discard(attn, head_fusion, discard_ratio, num_prefix_tokens)
         eye = torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
         a = fused + eye
         layers.append(a / a.sum(dim=-1, keepdim=True))
@@ -141,7 +142,7 @@ def rollout_row(
             scaled = out / (attn.sum(dim=-1).mean(dim=1) + 1.0).unsqueeze(1)
             out = (scaled.unsqueeze(1) @ attn).mean(dim=1) + scaled
         else:
-            fused = _fuse_and_discard(attn, head_fusion, discard_ratio, num_prefix_tokens)
+            fused = fuse_and_discard(attn, head_fusion, discard_ratio, num_prefix_tokens)
             scaled = out / (fused.sum(dim=-1) + 1.0).unsqueeze(1)
             out = scaled @ fused + scaled
     return out.squeeze(1)
