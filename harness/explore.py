@@ -82,7 +82,7 @@ def build_parser() -> CliParser:
     p.add_argument("--model", required=True, help="registered timm name, hf-hub:org/name or local-dir:PATH")
     p.add_argument("--checkpoint", type=existing_path, help=".safetensors file or training output folder")
     p.add_argument("--model-kwargs", nargs="+", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
-                   help="extra timm.create_model arguments, e.g. depth=2")
+                   help="extra timm.create_model arguments of --model, e.g. depth=2")
     p.add_argument("--compare-model", help="a second model drawn beside the first (default: --model)")
     p.add_argument("--compare-checkpoint", type=existing_path, help="the second model's weights")
     src = p.add_mutually_exclusive_group(required=True)
@@ -110,16 +110,16 @@ def _check_args(args: argparse.Namespace) -> None:
         _refuse_attention_free(compare, build_meta(compare, args.compare_checkpoint), "harness.explore")
 
 
-def dataset_gallery(dataset: str, split: str, indices: Sequence[int] | None, count: int = 64,
-                    box_format: str | None = None) -> Gallery:
-    """Images ``indices`` of a data set split (default: the first ``count``), with its boxes and masks if any."""
+def dataset_gallery(dataset: str, split: str, indices: Sequence[int] | None = None, box_format: str | None = None
+                    ) -> Gallery:
+    """Images ``indices`` of a data set split (default: the first 64), with its boxes and masks if any."""
     try:
         data = load_image_set(dataset, split, boxes=True, box_format=box_format)
     except BoxColumnError as e:  # boxes only outline the object here: a column the metrics refuse is drawn nowhere
         print(f"no box outlined: {e}")
         data = load_image_set(dataset, split)
-    picked = list(indices) if indices else list(range(count))
-    if not all(-len(data) <= i < len(data) for i in picked) or (not indices and count > len(data)):
+    picked = list(range(min(64, len(data)))) if indices is None else list(indices)
+    if not all(-len(data) <= i < len(data) for i in picked):
         raise UserError(f"{split} has {len(data)} images: pass --indices in 0..{len(data) - 1} or --images up to "
                         f"{len(data)}")
     at = torch.tensor(picked) % len(data)
@@ -204,10 +204,13 @@ def _data_uri(rgb: np.ndarray) -> str:
 def _prepared(models: Sequence[tuple[str, nn.Module, dict]], gallery: Gallery) -> tuple[list[torch.Tensor], bool]:
     """Each model's normalised (N, 3, H, W) inputs (timm's eval transform) and whether all leave the pixels in place
     (so that boxes and masks still fit); a model of another input size than the first is refused."""
+    from timm_rollout.loading import check_input_size
+
     inputs, kept = [], True
     for name, model, _ in models:
         prepared = [prepare_image(image, model) for image in gallery.images]
         inputs.append(torch.stack([x for x, _, _ in prepared]))
+        check_input_size(model, inputs[-1], fix=f"explore {name} at the input size it was built for")
         kept = kept and all(k for _, _, k in prepared)
         if inputs[-1].shape != inputs[0].shape:
             raise UserError(f"{name} takes {tuple(inputs[-1].shape[-2:])} images, {models[0][0]} "
@@ -257,7 +260,8 @@ def main(argv: list[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
     start, device = time.perf_counter(), resolve_device(args.device)
     if args.dataset:
-        gallery = dataset_gallery(args.dataset, args.split, args.indices, args.images or 64, args.bbox_format)
+        picked = args.indices or (range(args.images) if args.images else None)
+        gallery = dataset_gallery(args.dataset, args.split, picked, args.bbox_format)
     else:
         read = [_load_input(argparse.Namespace(image=path)) for path in args.image]
         gallery = Gallery([r[0] for r in read], [r[1] for r in read], [None] * len(read), None)

@@ -533,6 +533,23 @@ def test_report_includes_the_folders_notes(finished, tmp_path):
     assert "## Notes" not in (copy / "report.md").read_text(encoding="utf-8")
 
 
+def test_the_report_links_a_page_of_every_trained_arm_of_seed_0_on_the_same_images(finished):
+    """explore.html (harness.explore): the trained arms' seed-0 models on the first 64 test images, linked."""
+    from timm_rollout.data import load_image_set, normalize
+    from timm_rollout.loading import load_model
+
+    assert "](explore.html)" in (finished / "report.md").read_text(encoding="utf-8")
+    page = (finished / "explore.html").read_text(encoding="utf-8")
+    data = json.loads(re.search(r'id="explore-data">(.*?)</script>', page, re.S).group(1))
+    assert [m["name"] for m in data["models"]] == list(ARMS)
+    assert [im["name"] for im in data["images"]] == [f"cifar10-sample/test #{i}" for i in range(64)]
+    images = load_image_set("cifar10-sample", "test").images[:2]
+    for arm, entry in zip(ARMS, data["models"], strict=True):
+        model, info = load_model(plan.arm_model(None, arm)[0], finished / "runs" / f"{arm}-s0")
+        probs = model(normalize(images, info["mean"], info["std"])).softmax(dim=1)
+        assert [top[0][1] for top in entry["top5"][:2]] == pytest.approx(probs.max(dim=1).values.tolist(), abs=1e-4)
+
+
 def test_heatmaps_0_renders_the_report_without_the_grid(finished, tmp_path):
     """--heatmaps 0 asks for no side-by-side grid: no figure (an earlier render's is removed), no section, and the
     rest of the report as with the grid."""
@@ -543,8 +560,9 @@ def test_heatmaps_0_renders_the_report_without_the_grid(finished, tmp_path):
     argv[argv.index("--heatmaps") + 1] = "0"
     study.main(argv)
     report = (copy / "report.md").read_text(encoding="utf-8")
-    assert not (copy / "heatmaps.png").exists()
+    assert not (copy / "heatmaps.png").exists() and not (copy / "explore.html").exists()
     assert "heatmaps.png" not in report and "## The same test images under every arm" not in report
+    assert "explore.html" not in report
     with_grid = (finished / "report.md").read_text(encoding="utf-8")
     assert _table_row(report, "top1") == _table_row(with_grid, "top1")
 

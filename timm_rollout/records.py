@@ -38,6 +38,7 @@ EVAL_FILES = (RESULTS_FILE, PREDICTIONS_FILE, LEGACY_PREDICTIONS_FILE, FEATURES_
 REPORT_FILE = "report.md"
 COMPARISON_FILE = "comparison.png"
 STUDY_FILE = "study.json"
+EXPLORE_FILE = "explore.html"  # a study's harness.explore page of its arms
 POOLING_FILE = "pooling.png"  # a study's pooling diagnostics per arm
 DOSE_FILE = "dose.png"  # a study's arm - base top-1 and object masses at each --also-eval dose
 LOCALISATION_FILE = "localisation.png"  # a study's pooling weight inside and outside the object's box per arm

@@ -16,6 +16,7 @@ from timm_rollout.masks import BOX_FORMATS
 from timm_rollout.records import (
     CURVES_FILE,
     DATA_DIR,
+    EXPLORE_FILE,
     HEATMAPS_FILE,
     HUB_DIR,
     LOCALISATION_FILE,
@@ -160,8 +161,8 @@ def render(args: argparse.Namespace, trained: int = 0, folder: tuple | None = No
                         "study command without --report-only to train what is missing")
     report = write_report(args, out, scope, commands, runs, evals)
     if args.commit:
-        names = (STUDY_FILE, REPORT_FILE, CURVES_FILE, HEATMAPS_FILE, POOLING_FILE, LOCALISATION_FILE, HUB_DIR,
-                 DATA_DIR)
+        names = (STUDY_FILE, REPORT_FILE, CURVES_FILE, HEATMAPS_FILE, EXPLORE_FILE, POOLING_FILE, LOCALISATION_FILE,
+                 HUB_DIR, DATA_DIR)
         commit_paths([out / name for name in names if (out / name).exists()],
                      f"study: report ({', '.join(scope[0])}; seeds {' '.join(map(str, scope[1]))})")
     print(f"study finished: {trained} runs trained or checked on {args.dataset}; report over seeds "

@@ -28,6 +28,7 @@ from harness.compare import (
     summarise,
 )
 from harness.eval import posthoc_readout
+from harness.explore import dataset_gallery, write_page
 from harness.features import saliency_maps
 from harness.figures import (
     plot_dose,
@@ -47,6 +48,7 @@ from timm_rollout.records import (
     CURVES_FILE,
     DATA_DIR,
     DOSE_FILE,
+    EXPLORE_FILE,
     HEATMAPS_FILE,
     HUB_DIR,
     LOCALISATION_FILE,
@@ -120,6 +122,15 @@ def plot_side_by_side(args: argparse.Namespace, panels: dict[str, tuple[str, Pat
                          data.boxes[pick] if data.boxes is not None else None, grid=next(iter(found.values())).grid)
 
 
+def write_explore(args: argparse.Namespace, runs: dict[str, tuple[str, Path]], seed: int, path: Path) -> Path:
+    """The harness.explore page of the first 64 test images under each trained arm's run of ``seed``."""
+    from timm_rollout.loading import load_model  # here, so that --help loads no timm
+
+    models = [(arm, *load_model(name, run)) for arm, (name, run) in runs.items()]
+    return write_page(models, dataset_gallery(args.dataset, "test", box_format=args.bbox_format), path,
+                      f"{', '.join(runs)} on {Path(args.dataset).name} (seed {seed})")
+
+
 def _figures(args: argparse.Namespace, out: Path, arms: list[str], seeds: list[int],
              runs: dict[tuple[str, int], Path], results: dict[tuple[str, int], dict[str, Any]]) -> bool:
     """Training curves of the trained arms, their pooling diagnostics (when every seed's evaluation has them;
@@ -138,8 +149,10 @@ def _figures(args: argparse.Namespace, out: Path, arms: list[str], seeds: list[i
     if args.heatmaps:
         panels = {a: (arm_model(args.model, backbone(a))[0], runs[backbone(a), first], POSTHOC.get(a)) for a in arms}
         plot_side_by_side(args, panels, first, out / HEATMAPS_FILE)
-    else:  # --heatmaps 0: no grid, and none left from an earlier render
-        (out / HEATMAPS_FILE).unlink(missing_ok=True)
+        write_explore(args, {a: panels[a][:2] for a in trained}, first, out / EXPLORE_FILE)
+    else:  # --heatmaps 0: no grid nor page, and none left from an earlier render
+        for name in (HEATMAPS_FILE, EXPLORE_FILE):
+            (out / name).unlink(missing_ok=True)
     return bool(records)
 
 
@@ -213,7 +226,9 @@ def write_report(args: argparse.Namespace, out: Path, scope: tuple[list[str], li
           if pooling else []),
         f"## Cosine similarity of class centroids (seed {seeds[0]})", "",
         *[f"![{a}]({evals[a, seeds[0]].relative_to(out)}/cosine_matrix.png)" for a in arms], "",
-        *(["## The same test images under every arm", "", "![heatmaps](heatmaps.png)", ""] if args.heatmaps else []),
+        *(["## The same test images under every arm", "", "![heatmaps](heatmaps.png)", "",
+           f"[Every map of the first 64 test images under each trained arm]({EXPLORE_FILE}): one page for any "
+           "browser, offline (`harness.explore`).", ""] if args.heatmaps else []),
         "## Shareable checkpoints", "",
         f"One seed of each trained arm, the one with {PICK_RULE}, as a Hub upload folder with its model card "
         "(`scripts/push_to_hub.py --dry-run`); `timm.create_model(\"local-dir:<folder>\", pretrained=True)` "
