@@ -45,12 +45,12 @@ def local_study(tmp_path_factory) -> Path:
     return out
 
 
-def _same_run(out: Path, local: Path, arm: str) -> None:
+def _same_run(out: Path, local: Path, arm: str, note: str = "") -> None:
     """The run's weights equal the local pool's tensor by tensor, and so does its evaluation's every metric."""
     mine, theirs = (load_file(folder / "runs" / f"{arm}-s0" / "model.safetensors") for folder in (out, local))
     assert mine.keys() == theirs.keys()
     for key in theirs:
-        assert torch.equal(mine[key], theirs[key]), key
+        assert torch.equal(mine[key], theirs[key]), f"{arm}: {key} {note}"
     mine, theirs = (json.loads((folder / "eval" / f"{arm}-s0" / "results.json").read_text()) for folder in (out, local))
     assert mine["metrics"] == theirs["metrics"] and mine["model"]["sha256"] == theirs["model"]["sha256"]
 
@@ -94,8 +94,10 @@ def test_slurm_mistakes_are_one_line_before_anything_is_recorded(fake_slurm, tmp
 
 def test_a_node_local_folder_a_missing_submitit_or_sbatch_are_one_line_each(tmp_path, monkeypatch):
     argv = ["--dataset", "cifar10-sample", "--epochs", "2", "--executor", "slurm", "--output"]
+    node_local = Path("/tmp") / f"study-{os.getpid()}"  # refused before it is made
     with pytest.raises(UserError, match=r"^\S+ is on a node-local disk \(/tmp/.*\); the nodes write the study there"):
-        study.main([*argv, str(tmp_path / "study")])
+        study.main([*argv, str(node_local)])
+    assert not node_local.exists()
     monkeypatch.setattr(cluster, "NODE_LOCAL", ())
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     with pytest.raises(UserError, match=r"^--executor slurm submits with sbatch, which is not on PATH here; run the"):
@@ -261,7 +263,7 @@ def test_a_real_slurm_runs_the_study_requeues_a_task_and_matches_the_local_pool(
     assert requeued, "no task was requeued"
     assert (out / "slurm" / f"{requeued[0]}_0_log.out").read_text().count("-m timm_rollout.train") == 2
     for arm in ("gap", "rollout"):
-        _same_run(out, local_study, arm)
+        _same_run(out, local_study, arm, f"(task {requeued[0]} requeued)")
     assert (out / "report.md").exists()  # rendered by the report job
     study.main(["--output", str(out), "--status"])
     assert [line.split()[1] for line in capsys.readouterr().out.splitlines()] == ["evaluated", "evaluated"]
