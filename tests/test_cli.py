@@ -125,8 +125,6 @@ CASES = [
      "ev_copy are both seed 0 of vit_tiny_cifar_cls on cifar10-sample/test, so one seed would count twice"),
     (["harness.diagnose", "{ev}"], ["--runs", "{run}"],
      "ev evaluated hf-hub:org/vit without local weights, so --runs has nothing to find for it; drop --runs"),
-    (["harness.sweep", "{run}", "--param", "lr", "--output", "{out}"], [],
-     "harness.sweep was removed; compare each value's study with python -m harness.compare "),
     (EXPLAIN, ["--image", "{missing}"], "does not exist; check the path"),
     (EXPLAIN, ["--dataset", "cifar10-sample", "--target-class", "-1"], "argument --target-class: must be an integer"),
     (EXPLAIN, ["--dataset", "cifar10-sample", "--image", "{file}"], "not allowed with argument"),
