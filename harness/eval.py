@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from harness import metrics
 from harness.faithfulness import evaluate_faithfulness
@@ -31,11 +30,12 @@ from harness.features import (
     extract,
     pooling_diagnostics,
     saliency_maps,
+    save_features,
 )
 from harness.figures import plot_cosine_matrix, plot_faithfulness, plot_heatmaps
 from harness.localisation import LOCALISATION
 from harness.predictions import write_predictions
-from timm_rollout.atomic import atomic_path, write_json
+from timm_rollout.atomic import write_json
 from timm_rollout.cli import (
     CliParser,
     as_type,
@@ -479,7 +479,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                                      maps=left_out is None)
     if args.save_features:
         with clock.stage("save_features"):
-            _save_features(out / FEATURES_FILE, info["name"], args.dataset, data, feats, bank, bank_feats)
+            save_features(out / FEATURES_FILE, info["name"], args.dataset, data, feats, bank, bank_feats)
 
     results = {
         "metrics": {**_metric_values(predicted, labels, geometry, sil), **diagnostic_metrics(diagnostics),
@@ -501,18 +501,6 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     write_predictions(out, _predictions_record(predicted, labels, sel.index))  # last, beside its results.json:
     write_json(out / RESULTS_FILE, results)  # an interrupted re-evaluation leaves the pair it had intact
     return results
-
-
-def _save_features(path: Path, model: str, dataset: str, data: ImageSet, feats: torch.Tensor, bank: ImageSet | None,
-                   bank_feats: torch.Tensor | None) -> None:
-    """``features.safetensors``: features and labels of the evaluated images and of the bank, if any."""
-    tensors = {"features": feats, "labels": data.labels}
-    metadata = {"model": model, "dataset": recorded_data(dataset, data.dataset, path.parent), "split": data.split}
-    if bank is not None:
-        tensors.update(bank_features=bank_feats, bank_labels=bank.labels)
-        metadata["bank_split"] = bank.split
-    with atomic_path(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 def _figures(model, info: dict, sel: Selection, cosine: tuple[np.ndarray, list[str]], args, device, amp_dtype,

@@ -9,17 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from harness.localisation import context_only, localisation_metrics
+from timm_rollout.atomic import atomic_path
 from timm_rollout.capture import capture_attention
-from timm_rollout.data import normalize
+from timm_rollout.data import ImageSet, normalize
 from timm_rollout.device import autocast, inference_batch_size
 from timm_rollout.explain import READOUTS, AttentionPass, gradient_pass, patch_grid, readout_maps
 from timm_rollout.progress import progress
+from timm_rollout.records import recorded_data
 from timm_rollout.rollout import (
     ROLLOUT_VARIANTS,
     cosine_to_mean,
@@ -32,7 +36,8 @@ from timm_rollout.rollout import (
 )
 
 __all__ = ["PoolingDiagnostics", "SaliencyMaps", "box_localisation", "context_hits", "extract",
-           "patch_pooling_weights", "pooling_diagnostics", "saliency_maps"]
+           "patch_pooling_weights", "pooling_diagnostics", "saliency_maps",
+           "save_features"]
 
 
 def _forward(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,3 +231,15 @@ def pooling_diagnostics(
                               fusion, ratio, torch.cat(layers),
                               {variant_name(*v): torch.cat(p) for v, p in zip(ROLLOUT_VARIANTS, variants, strict=True)},
                               patch_grid(model, images.shape[-2:], sums[0].numel()))
+
+
+def save_features(path: Path, model: str, dataset: str, data: ImageSet, feats: torch.Tensor, bank: ImageSet | None,
+                   bank_feats: torch.Tensor | None) -> None:
+    """``features.safetensors``: features and labels of the evaluated images and of the bank, if any."""
+    tensors = {"features": feats, "labels": data.labels}
+    metadata = {"model": model, "dataset": recorded_data(dataset, data.dataset, path.parent), "split": data.split}
+    if bank is not None:
+        tensors.update(bank_features=bank_feats, bank_labels=bank.labels)
+        metadata["bank_split"] = bank.split
+    with atomic_path(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
