@@ -40,17 +40,12 @@ def writeup_marks() -> dict[str, list[tuple[int, float | None]]]:
             for i, arm in enumerate(WRITEUP_ARMS)}
 
 
-def _probe_groups(out: Path, arms: Sequence[str], seeds: Sequence[int]) -> dict[str, Group]:
-    """Per arm, the probe evaluations of every seed (arms missing one are left out)."""
-    folders = {a: [out / PROBE_DIR / f"{a}-s{s}" for s in seeds] for a in arms}
-    done = {a: f for a, f in folders.items() if all((x / RESULTS_FILE).is_file() for x in f)}
-    return {a: summarise(load_results(f), list(WRITEUP_PROBE), label=lambda _r, a=a: a)[0] for a, f in done.items()}
-
-
 def probe_table(out: Path, groups: dict[str, Group], seeds: Sequence[int]) -> list[str]:
-    """The write-up's table beside ours, one row per quantity and arm."""
+    """The write-up's table beside ours, one row per quantity and arm (the probe of arms evaluated at every seed)."""
     arms = [a for a in (*WRITEUP_ARMS, "gap") if a in groups]
-    probe = _probe_groups(out, arms, seeds)
+    folders = {a: [out / PROBE_DIR / f"{a}-s{s}" for s in seeds] for a in arms}
+    probe = {a: summarise(load_results(f), list(WRITEUP_PROBE), label=lambda _r, a=a: a)[0]
+             for a, f in folders.items() if all((x / RESULTS_FILE).is_file() for x in f)}
     lines = ["| quantity | arm | write-up | ours, its definitions, its probe | ours, harness definitions, full test "
              "split |", "|---|---|---:|---:|---|"]
     for metric, (values, ours, what) in WRITEUP_PROBE.items():
