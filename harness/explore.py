@@ -243,7 +243,7 @@ def write_page(models: Sequence[tuple[str, nn.Module, dict]], gallery: Gallery, 
                        for n, y, x in zip(gallery.names, gallery.labels, inputs[0], strict=True)],
             "boxes": None if located is None or gallery.boxes is None else gallery.boxes.tolist(),
             "masks": masks, "models": entries}
-    text = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    text = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")  # no "</script" nor "<!--" in the page
     return write_text(path, TEMPLATE.read_text(encoding="utf-8").replace("__DATA__", text, 1))
 
 

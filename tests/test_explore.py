@@ -262,3 +262,18 @@ def test_a_model_without_attention_is_refused_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: cannot explain resnet18: every map of harness.explore is drawn from attention")
+
+
+def test_names_that_look_like_html_stay_data(tmp_path):
+    """A class or image name holding ``<!--<script>`` or ``</script>`` cannot end or hide the data element: the JSON
+    in the page holds no ``<`` at all, and reads back to the names given."""
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_cifar_cls", num_classes=2, depth=1).eval()
+    names = ["<!--<script>", "</script><b>x</b>"]
+    gallery = explore.Gallery([Image.new("RGB", (32, 32), c) for c in ("red", "blue")], names, [0, 1], names)
+    html = explore.write_page([("m", model, {"mean": CIFAR[0], "std": CIFAR[1]})], gallery, tmp_path / "index.html",
+                              "t")
+    text = re.search(r'id="explore-data">(.*?)</script>', html.read_text(), re.S).group(1)
+    assert "<" not in text
+    data = json.loads(text)
+    assert data["classes"] == names and [i["name"] for i in data["images"]] == names
