@@ -190,7 +190,8 @@ def run_fields(result: dict[str, Any]) -> dict[str, str | None]:
     kept = {k: v for k, v in args.items() if k != STOCK_ARCHITECTURE and (k not in defaults or v != defaults[k])}
     found = {"architecture": _stock(model.get("architecture"), args),
              "weights": _stock(model.get("checkpoint_architecture"), args), "pooling": model.get("global_pool"),
-             "readout": model.get("pool"), **kept, "content": data.get("split_content") or data.get("fingerprint")}
+             "readout": model.get("pool"), **kept, "content": data.get("split_content") or data.get("fingerprint"),
+             "boxes": data.get("box_content")}
     return {k: v if v is None or isinstance(v, str) else json.dumps(v) for k, v in found.items()}
 
 
@@ -202,7 +203,7 @@ def group_labels(results: Sequence[dict[str, Any]]) -> list[str]:
     for result, label, own in zip(results, labels, fields, strict=True):
         peers = [f for other, f in zip(labels, fields, strict=True) if other == label]
         differ = [k for k in dict.fromkeys(k for f in peers for k in f) if len({f.get(k) for f in peers}) > 1]
-        named.append(run_label(result, [f"{SHOWN_AS.get(k, k)}={own[k][:8] if k == 'content' else own[k]}"
+        named.append(run_label(result, [f"{SHOWN_AS.get(k, k)}={own[k][:8] if k in ('content', 'boxes') else own[k]}"
                                         for k in differ if own.get(k) is not None]))
     return named
 
@@ -220,9 +221,13 @@ def _check_like(base: Group, other: Group) -> None:
     """Refuse pairing groups that differ in more than one factor (the pooling, the architecture), naming what
     differs; fields that differ within a group, and the data (checked per seed), are left out."""
     a, b = base.fields, other.fields
+    if MIXED not in (a.get("boxes"), b.get("boxes")) and a.get("boxes") != b.get("boxes"):
+        raise UserError(f"{other.label} and {base.label} were scored on other object boxes (box_content "
+                        f"{str(b.get('boxes'))[:8]} vs {str(a.get('boxes'))[:8]}): evaluate both on the same boxes, "
+                        "read with the same --bbox-format")
     factors: dict[str, list[str]] = {}
     for k in dict.fromkeys([*a, *b]):
-        if k != "content" and MIXED not in (a.get(k), b.get(k)) and a.get(k) != b.get(k):
+        if k not in ("content", "boxes") and MIXED not in (a.get(k), b.get(k)) and a.get(k) != b.get(k):
             factors.setdefault(_factor(k, a.get(k), b.get(k)), []).append(f"{k} {a.get(k)} vs {b.get(k)}")
     if len(factors) > 1:
         raise UserError(f"{other.label} and {base.label} differ in " + " and in ".join(

@@ -51,6 +51,7 @@ from timm_rollout.cli import (
 from timm_rollout.data import (
     ImageSet,
     balanced_indices,
+    box_hash,
     check_class_names,
     dataset_arg,
     load_image_set,
@@ -568,6 +569,7 @@ def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None
         "class_ids": sel.class_ids, "per_class_counts": {full.class_names[c]: int(counts[c]) for c in sel.class_ids},
         "num_images": len(data), "mask_convention": data.mask_convention,
         "bbox_format": None if data.boxes is None else args.bbox_format or BOX_FORMATS[0],
+        "box_content": None if data.boxes is None else box_hash(data.boxes),  # the boxes as read, [x, y, w, h]
         "intra_left_out": [full.class_names[c] for c in metrics.lone_classes(data.labels).tolist()],
         "bank": None if bank is None else {
             "split": bank.split, "fingerprint": bank.fingerprint, "content": bank.content, "num_images": len(bank),

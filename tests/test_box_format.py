@@ -19,7 +19,7 @@ from harness import eval as harness_eval
 from harness import explain as harness_explain
 from harness.study import jobs
 from timm_rollout.cli import run_cli
-from timm_rollout.data import load_image_set
+from timm_rollout.data import box_hash, load_image_set
 from timm_rollout.errors import UserError
 from timm_rollout.masks import BoxColumnError
 
@@ -116,6 +116,7 @@ def test_eval_records_the_format_and_scores_the_same_boxes_alike(tmp_path):
     record = json.loads((tmp_path / "e2" / "results.json").read_text())
     assert (record["args"]["bbox_format"], record["data"]["bbox_format"]) == ("cxcywh", "cxcywh")
     assert (plain["args"]["bbox_format"], plain["data"]["bbox_format"]) == (None, "xywh")
+    assert record["data"]["box_content"] == plain["data"]["box_content"] == box_hash(rects)  # the same objects
 
 
 def test_explain_and_the_study_take_the_flag(tmp_path, monkeypatch, capsys):

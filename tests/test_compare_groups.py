@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _record(tmp_path: Path, name: str, seed: int, top1: float, args: dict | None = None, content: str = "c1",
-            pool: str | None = None) -> dict:
+            pool: str | None = None, boxes: str | None = None) -> dict:
     """A results.json of ``name`` (built with ``args``, pooled by ``pool``, default: as its name says) on
     cifar10/test whose split has content hash ``content``, written to its own folder."""
     pool = pool or ("rollout" if name.endswith("rollout") else "avg")
@@ -29,7 +29,7 @@ def _record(tmp_path: Path, name: str, seed: int, top1: float, args: dict | None
     record = {"model": {"name": name, "architecture": name, "checkpoint_architecture": name, "global_pool": pool,
                         "pool": pool, "model_args": {"global_pool": pool, **(args or {})}},
               "data": {"argument": "data/cifar10", "split": "test", "fingerprint": "f", "subset_fingerprint": "f",
-                       "split_content": content, "content": content},
+                       "split_content": content, "content": content, "box_content": boxes},
               "config": {"seed": seed}, "metrics": {"top1": top1}}
     (folder / "results.json").write_text(json.dumps(record))
     return {**record, "path": str(folder)}
@@ -114,3 +114,18 @@ def test_the_committed_studies_pair_their_arms_and_group_their_rollout_variants_
         group = next(g for g in groups.values() if sorted(g.runs) == sorted(arm.runs))  # the same runs
         assert group.mean["top1"] == pytest.approx(np.mean([r["metrics"]["top1"] for r in results
                                                             if r["path"] in arm.runs]))
+
+
+def test_runs_scored_on_other_boxes_are_apart_and_never_paired(tmp_path):
+    """The same images with other object boxes (another --bbox-format, or edited boxes): other groups, labelled by
+    the boxes' hash, and a pairing across them is refused in one line."""
+    gap, rollout = "vit_tiny_cifar_gap", "vit_tiny_cifar_rollout"
+    runs = [_record(tmp_path, gap, 0, 0.5, boxes="a" * 64), _record(tmp_path, gap, 1, 0.7, boxes="b" * 64)]
+    groups = compare.summarise(runs, ["top1"])
+    assert [(g.label, g.n) for g in groups] == [(f"{gap} (boxes=aaaaaaaa) on cifar10/test", 1),
+                                                (f"{gap} (boxes=bbbbbbbb) on cifar10/test", 1)]
+    base, other = compare.summarise([runs[0], _record(tmp_path, rollout, 0, 0.6, boxes="b" * 64)], ["top1"])
+    with pytest.raises(UserError, match=r"scored on other object boxes .*same --bbox-format"):
+        compare.compare_groups(base, other, ["top1"])
+    like = compare.summarise([runs[0], _record(tmp_path, rollout, 0, 0.6, boxes="a" * 64)], ["top1"])
+    assert compare.compare_groups(*like, ["top1"])[0].seeds == [0]

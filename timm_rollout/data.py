@@ -113,6 +113,11 @@ def content_hash(images: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor
     return digest.hexdigest()
 
 
+def box_hash(boxes: torch.Tensor) -> str:
+    """sha256 of object boxes (N, 4) as float64: two evaluations scored the same objects only when it is equal."""
+    return hashlib.sha256(boxes.to(torch.float64).contiguous().numpy().tobytes()).hexdigest()
+
+
 def resolve_dataset(dataset: str) -> DatasetSpec:
     """Alias, existing local folder, or Hub id -> :class:`DatasetSpec`."""
     if dataset in ALIASES:
