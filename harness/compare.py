@@ -77,11 +77,11 @@ class Group:
     runs: list[str] = field(default_factory=list)
     seeds: list[int | None] = field(default_factory=list)
     images: list[tuple | None] = field(default_factory=list)  # (evaluated subset, bank) fingerprints per run
-    fields: dict[str, str | None] = field(default_factory=dict)  # run_fields of its runs (MIXED where they differ)
     values: dict[str, list[float | None]] = field(default_factory=dict)
     mean: dict[str, float | None] = field(default_factory=dict)
     std: dict[str, float | None] = field(default_factory=dict)
     count: dict[str, int] = field(default_factory=dict)
+    fields: dict[str, str | None] = field(default_factory=dict)  # run_fields of its runs (MIXED where they differ)
 
     @property
     def n(self) -> int:
