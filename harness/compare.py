@@ -21,12 +21,12 @@ import torch
 from harness import stats
 from harness.figures import plot_comparison
 from harness.metrics import ACCURACIES, LOCALISATION, POOLING_DIAGNOSTICS
-from harness.predictions import read_predictions
+from harness.record import load_results, read_predictions
 from timm_rollout.atomic import write_text
 from timm_rollout.cli import CliParser, output_dir, run_cli
 from timm_rollout.errors import UserError
 from timm_rollout.pooling import OPTIONS, POOL_ARG, POOLED_ARCHITECTURE, STOCK_ARCHITECTURE, pool_name
-from timm_rollout.records import ARGS_FILE, COMPARISON_FILE, REPORT_FILE, RESULTS_FILE, code_label, code_labels
+from timm_rollout.records import ARGS_FILE, COMPARISON_FILE, REPORT_FILE, code_label, code_labels
 
 __all__ = [
     "METRICS",
@@ -44,9 +44,7 @@ __all__ = [
     "format_number",
     "format_p",
     "group_labels",
-    "load_results",
     "main",
-    "read_results",
     "render_comparison",
     "render_markdown",
     "run_fields",
@@ -99,28 +97,6 @@ class MetricComparison:
     p_holm: float | None = None
     per_image: stats.McNemar | None = None
     per_image_p_holm: float | None = None
-
-
-def read_results(folder: str | Path) -> dict[str, Any]:
-    """``results.json`` of an evaluation folder (or the file itself); one-line errors for a missing, invalid or
-    foreign file."""
-    path = Path(folder) if Path(folder).suffix == ".json" else Path(folder) / RESULTS_FILE
-    try:
-        result = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{path.parent} has no {RESULTS_FILE}; run python -m harness.eval --output {path.parent} "
-                        "first") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e}); re-run python -m harness.eval for it") from None
-    if "metrics" not in result or "model" not in result:
-        raise UserError(f"{path} is not a harness.eval results.json (no metrics/model); re-run the evaluation")
-    return result
-
-
-def load_results(folders: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """:func:`read_results` of each folder, with the folder under ``"path"``."""
-    return [{**read_results(f), "path": str(Path(f).parent if Path(f).suffix == ".json" else Path(f))}
-            for f in folders]
 
 
 @functools.cache

@@ -34,8 +34,7 @@ from harness.features import (
 )
 from harness.figures import plot_cosine_matrix, plot_faithfulness, plot_heatmaps
 from harness.localisation import LOCALISATION
-from harness.predictions import write_predictions
-from timm_rollout.atomic import write_json
+from harness.record import write_evaluation
 from timm_rollout.cli import (
     CliParser,
     as_type,
@@ -79,7 +78,6 @@ from timm_rollout.records import (
     FEATURES_FILE,
     HEATMAPS_FILE,
     PREDICTIONS_FILE,
-    RESULTS_FILE,
     code_version,
     portable_args,
     portable_path,
@@ -499,8 +497,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                     "predictions": PREDICTIONS_FILE},
         "timing": {**clock.seconds, "total": round(time.perf_counter() - start, 3)},
     }
-    write_predictions(out, _predictions_record(predicted, labels, sel.index))  # last, beside its results.json:
-    write_json(out / RESULTS_FILE, results)  # an interrupted re-evaluation leaves the pair it had intact
+    write_evaluation(out, results, _predictions_record(predicted, labels, sel.index))
     return results
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from huggingface_hub import HfApi, constants, get_token
 
-from harness.compare import read_results
 from harness.metrics import METRIC_DEFAULTS, METRIC_DEFINITIONS
+from harness.record import read_results
 from timm_rollout import online
 from timm_rollout.atomic import atomic_path, write_text
 from timm_rollout.data import ALIASES

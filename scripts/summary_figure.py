@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.compare import Group, compare_groups, load_results, summarise
+from harness.compare import Group, compare_groups, summarise
+from harness.record import load_results
 from harness.study.folder import arm_of
 from timm_rollout.atomic import save_figure
 from timm_rollout.cli import CliParser, existing_path, run_cli

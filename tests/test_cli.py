@@ -123,8 +123,6 @@ CASES = [
      "ev is passed twice; pass each evaluation folder once"),
     (["harness.compare", "{ev}", "{ev_copy}", "--output", "{out}"], [],
      "ev_copy are both seed 0 of vit_tiny_cifar_cls on cifar10-sample/test, so one seed would count twice"),
-    (["harness.diagnose", "{ev}"], ["--runs", "{run}"],
-     "ev evaluated hf-hub:org/vit without local weights, so --runs has nothing to find for it; drop --runs"),
     (EXPLAIN, ["--image", "{missing}"], "does not exist; check the path"),
     (EXPLAIN, ["--dataset", "cifar10-sample", "--target-class", "-1"], "argument --target-class: must be an integer"),
     (EXPLAIN, ["--dataset", "cifar10-sample", "--image", "{file}"], "not allowed with argument"),
@@ -281,27 +279,3 @@ def test_timm_train_py_spellings_of_our_flags_are_taken_as_ours() -> None:
     assert parser.given == {"output", "dataset", "eval_split", "batch_size", "workers"}
 
 
-def test_diagnose_names_the_local_dir_folder_whose_weights_changed(tmp_path: Path) -> None:
-    """An evaluation of ``--model local-dir:PATH`` (no --checkpoint) whose weights changed: the refusal names PATH (it
-    used to say "the weights of None")."""
-    import timm
-    import torch
-    from safetensors.torch import load_file, save_file
-    from timm.models import save_for_hf
-
-    from harness import diagnose
-    from harness import eval as harness_eval
-
-    torch.manual_seed(0)
-    run, out = tmp_path / "run", tmp_path / "ev"
-    save_for_hf(timm.create_model("vit_tiny_cifar_cls", num_classes=10, depth=1), run, safe_serialization=True)
-    harness_eval.main(["--model", f"local-dir:{run}", "--dataset", "cifar10-sample", "--per-class", "2", "--heatmaps",
-                       "0", "--device", "cpu", "--amp", "none", "--output", str(out)])
-    results = json.loads((out / "results.json").read_text())
-    del results["pooling_diagnostics"]
-    (out / "results.json").write_text(json.dumps(results))
-    weights = load_file(str(run / "model.safetensors"))
-    weights["head.bias"] += 1.0
-    save_file(weights, str(run / "model.safetensors"))
-    with pytest.raises(UserError, match=rf"ev: the weights of {run} changed since the evaluation \(sha256\)"):
-        diagnose.update_evaluation(out)

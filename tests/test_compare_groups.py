@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from harness import compare
+from harness.record import load_results
 from harness.study.folder import arm_of
 from timm_rollout.cli import run_cli
 from timm_rollout.errors import UserError
@@ -104,7 +105,7 @@ def test_the_committed_studies_pair_their_arms_and_group_their_rollout_variants_
     as before; compared without the study's arm labels, rollout and its max/0.9 variant are two groups of 3 (they
     were one of 6), each the plain mean of its runs' recorded top-1."""
     folders = sorted(p.parent for p in (REPO / "results" / study / "eval").glob("*-s*/results.json"))
-    results = compare.load_results(folders)
+    results = load_results(folders)
     arms = compare.summarise(results, ["top1"], label=lambda r: arm_of(r["path"]))
     for a, b in itertools.permutations(arms, 2):
         assert compare.compare_groups(a, b, ["top1"])[0].delta is not None

@@ -23,7 +23,8 @@ from harness import compare, metrics
 from harness import eval as harness_eval
 from harness.features import saliency_maps
 from harness.figures import upsample_patch_map
-from harness.predictions import read_predictions, write_predictions
+from harness.metrics import POOLING_DIAGNOSTICS
+from harness.record import SCHEMA, read_predictions, read_results, upgrade, write_evaluation
 from timm_rollout import attention_rollout, patch_weights, rollout_cls_row
 from timm_rollout.atomic import FIGURE_DPI, save_figure
 from timm_rollout.data import balanced_indices, load_image_set, normalize
@@ -173,67 +174,6 @@ def test_pooling_diagnostics_of_the_evaluated_images_against_a_plain_loop(peaked
     assert max(patches) < 60 and min(cosines) < 0.95  # far from uniform: the comparisons above have teeth
 
 
-def test_diagnose_adds_the_missing_diagnostics_as_eval_computes_them(peaked, runs, tmp_path, capsys):
-    from safetensors.torch import save_file
-
-    from harness import diagnose
-
-    checkpoint, out = peaked
-    full = json.loads((out / "results.json").read_text())
-    old = {**full, "metrics": {k: v for k, v in full["metrics"].items() if not k.startswith("rollout_")}}
-    del old["pooling_diagnostics"]
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "results.json").write_text(json.dumps(old))
-    assert diagnose.main([str(tmp_path / "old"), str(runs[1])]) == [tmp_path / "old"]  # runs[1] has them: skipped
-    back = json.loads((tmp_path / "old" / "results.json").read_text())
-    assert back["metrics"] == full["metrics"] and back["pooling_diagnostics"] == full["pooling_diagnostics"]
-    assert "1 of 2 evaluations updated" in capsys.readouterr().out
-    changed = tmp_path / "ckpt"
-    changed.mkdir()
-    for f in checkpoint.iterdir():
-        (changed / f.name).write_bytes(f.read_bytes())
-    weights = load_file(str(changed / "model.safetensors"))
-    weights["head.bias"] += 1.0
-    save_file(weights, str(changed / "model.safetensors"))
-    (tmp_path / "old" / "results.json").write_text(json.dumps({**old, "args": {**old["args"],
-                                                                               "checkpoint": str(changed)}}))
-    with pytest.raises(UserError, match=r"weights .* changed since the evaluation"):
-        diagnose.update_evaluation(tmp_path / "old")
-    assert "pooling_diagnostics" not in json.loads((tmp_path / "old" / "results.json").read_text())
-    with pytest.raises(UserError, match=r"weights .* changed since the evaluation"):  # found by name, still checked
-        diagnose.update_evaluation(tmp_path / "old", runs=tmp_path)
-    moved = tmp_path / "elsewhere" / changed.name  # evaluated on another machine: the unchanged weights moved here
-    moved.mkdir(parents=True)
-    for f in checkpoint.iterdir():
-        (moved / f.name).write_bytes(f.read_bytes())
-    assert diagnose.update_evaluation(tmp_path / "old", runs=tmp_path / "elsewhere")
-    back = json.loads((tmp_path / "old" / "results.json").read_text())
-    assert back["pooling_diagnostics"] == full["pooling_diagnostics"]
-
-
-def test_diagnose_finds_a_moved_local_dir_model_with_runs(peaked, tmp_path):
-    """An evaluation of ``--model local-dir:PATH`` made elsewhere: --runs finds PATH's folder by name (it used to
-    be ignored), the sha256 check still applies, and without --runs the error names it."""
-    from harness import diagnose
-
-    run, out = peaked
-    full = json.loads((out / "results.json").read_text())
-    old = {**full, "metrics": {k: v for k, v in full["metrics"].items() if not k.startswith("rollout_")},
-           "args": {**full["args"], "model": f"local-dir:{tmp_path / 'gone' / run.name}", "checkpoint": None}}
-    del old["pooling_diagnostics"]
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "results.json").write_text(json.dumps(old))
-    with pytest.raises(UserError, match=r"evaluated .*gone/peaked, which is not there .* pass --runs FOLDER"):
-        diagnose.update_evaluation(tmp_path / "old")
-    moved = tmp_path / "elsewhere" / run.name
-    moved.mkdir(parents=True)
-    for f in run.iterdir():
-        (moved / f.name).write_bytes(f.read_bytes())
-    assert diagnose.update_evaluation(tmp_path / "old", runs=tmp_path / "elsewhere")
-    back = json.loads((tmp_path / "old" / "results.json").read_text())
-    assert back["pooling_diagnostics"] == full["pooling_diagnostics"] and back["metrics"] == full["metrics"]
-
-
 def test_heatmaps_0_writes_no_heatmap_figure(peaked):
     _, out = peaked
     results = json.loads((out / "results.json").read_text())
@@ -339,8 +279,32 @@ def test_predictions_are_compressed_and_read_in_both_formats(runs, tmp_path):
     assert read_predictions(tmp_path) == pred and read_predictions(tmp_path / "missing") is None
     correct = compare.correct_per_image(tmp_path, "knn_loo")
     assert correct == {i: p == y for i, p, y in zip(pred["index"], pred["predicted"]["knn_loo"], labels, strict=True)}
-    write_predictions(tmp_path, pred)  # re-evaluated: the stale legacy file goes
+    write_evaluation(tmp_path, results, pred)  # re-evaluated: the stale legacy file goes
     assert not (tmp_path / "predictions.json").exists() and read_predictions(tmp_path) == pred
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.glob("results/**/results.json")), ids=lambda p: str(p.parent))
+def test_every_committed_record_is_current_and_an_older_layout_upgrades_to_it(path):
+    """Each committed results.json is of the current schema and reads with its numbers as written; the same record
+    stripped to the layout before the schema (no ``schema``, none of the keys added since) upgrades to the same keys,
+    the stripped ones null and every number unchanged."""
+    raw = json.loads(path.read_text())
+    assert raw["schema"] == SCHEMA and read_results(path) == raw
+    old = {k: v for k, v in raw.items() if k not in ("schema", "left_out", "code")}
+    old["data"] = {k: v for k, v in raw["data"].items() if k not in ("content", "split_content", "box_content")}
+    old["metrics"] = {k: v for k, v in raw["metrics"].items() if k not in POOLING_DIAGNOSTICS}
+    up = upgrade(json.loads(json.dumps(old)))
+    assert set(up) == set(raw) and set(up["data"]) == set(raw["data"]) and next(iter(up)) == "schema"
+    assert up["metrics"] == {**raw["metrics"], **dict.fromkeys(POOLING_DIAGNOSTICS)}
+    assert {k: up[k] for k in old} == {**old, "metrics": up["metrics"], "data": up["data"]}
+    assert up["left_out"] is up["code"] is up["data"]["content"] is up["data"]["box_content"] is None
+
+
+def test_a_record_of_a_newer_schema_is_refused(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps({"schema": SCHEMA + 1, "metrics": {}, "model": {}}))
+    with pytest.raises(UserError, match=rf"schema {SCHEMA + 1}, newer than this harness reads \({SCHEMA}\); upgrade"):
+        read_results(tmp_path)
 
 
 def test_same_seed_gives_identical_results(runs):

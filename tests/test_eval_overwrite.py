@@ -1,16 +1,13 @@
 """harness.eval into a folder that holds an evaluation: refused in one line without --overwrite; with it, every file
 of the old evaluation is gone before the first new one is written (none of them left beside the new record), other
-files stay; harness.diagnose's re-evaluation command says --overwrite."""
+files stay."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import shlex
 
 import pytest
 
-from harness import diagnose
 from harness import eval as harness_eval
 from timm_rollout.cli import run_cli
 from timm_rollout.records import EVAL_FILES
@@ -58,11 +55,3 @@ def test_a_refused_overwrite_keeps_the_old_evaluation(tmp_path):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == old
 
 
-def test_diagnose_names_a_re_evaluation_that_overwrites(tmp_path):
-    args = argparse.Namespace(**vars(harness_eval.build_parser().parse_args([*QUICK, "--output", str(tmp_path / "a")])))
-    (tmp_path / "b").mkdir()
-    (tmp_path / "b" / "results.json").write_text("{}")
-    words = shlex.split(diagnose.eval_command(args, tmp_path / "b"))
-    assert words[:3] == ["python", "-m", "harness.eval"] and "--overwrite" in words
-    parsed = harness_eval.build_parser().parse_args(words[3:])  # accepted where the evaluation is
-    assert vars(parsed) == {**vars(args), "output": str(tmp_path / "b"), "overwrite": True}

@@ -61,7 +61,6 @@ COMMANDS = [
     ("-m harness.eval", ["--model", "vit_tiny_cifar_cls", "--temperature", "0"],
      "error: argument --temperature: must be a number > 0, got 0"),
     ("-m harness.compare", ["run", "--metrics", "top2"], "error: argument --metrics: invalid choice: 'top2'"),
-    ("-m harness.diagnose", ["--device", "gpu0"], "error: argument --device: unknown device 'gpu0'"),
     ("-m harness.explain", ["--model", "vit_tiny_cifar_cls", "--target-class", "-1"],
      "error: argument --target-class: must be an integer >= 0, got -1"),
     ("-m harness.explore", ["--model", "vit_tiny_cifar_cls", "--images", "0"],

@@ -31,7 +31,7 @@ from harness.localisation import (
     pointing_hits,
     weight_inside_outside,
 )
-from harness.predictions import read_predictions
+from harness.record import load_results, read_predictions
 from timm_rollout import attention_rollout, capture_attention
 from timm_rollout.data import load_image_set, normalize
 from timm_rollout.errors import UserError
@@ -402,7 +402,7 @@ def test_eval_with_boxes_end_to_end(tmp_path, tmp_path_factory, monkeypatch):
     assert found["pooling_effective_patches"] == pytest.approx(64.0, abs=1e-3)
     assert all(0 <= found[k] <= 1 for k in LOCALISATION if k.endswith(("_box_mass", "_pointing")))
     assert "localisation" in results["timing"]
-    summary = compare.summarise(compare.load_results([tmp_path]), LOCALISATION)
+    summary = compare.summarise(load_results([tmp_path]), LOCALISATION)
     assert summary[0].mean["object_area_fraction"] == found["object_area_fraction"]
     assert compare.build_parser().parse_args([str(tmp_path), "--output", str(tmp_path / "cmp"), "--metrics",
                                               *LOCALISATION]).metrics == list(LOCALISATION)
@@ -427,17 +427,14 @@ def test_object_weights_figure(tmp_path):
         assert img.format == "PNG" and img.width > 300
 
 
-def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(tmp_path, monkeypatch):
+def test_eval_with_content_masks_and_compare_pairing_an_older_record_by_content(tmp_path, monkeypatch):
     """harness.eval on cluttered canvases with masks: the mask metrics of the uniform (gap) pooling against pixels
-    counted by hand. Then an older record of the same evaluation (no mask metrics, no content hashes), whose folder
-    was written again (another datasets fingerprint, the same canvases): harness.diagnose refuses it, the recorded
-    predictions being no proof of the pixels; with its content hashes recorded it adds exactly what eval computes,
-    and compare pairs it with a new evaluation by content; other content is refused."""
+    counted by hand. Then a record from before the schema (no content hashes) of the same evaluation, whose folder
+    was written again (another datasets fingerprint, the same canvases): compare refuses to pair it with a new
+    evaluation (nothing shows the same pixels); with its content hashes recorded it pairs them by content."""
     import json
     import os
-    import shlex
 
-    from harness import diagnose
     from timm_rollout.clutter import ClutterRecipe, make_cluttered, split_file
 
     monkeypatch.chdir(tmp_path)  # the data and the evaluations in one tree: recorded relative to each other
@@ -469,65 +466,28 @@ def test_eval_with_content_masks_and_diagnose_bringing_an_old_record_up_to_date(
     assert all(whole) and found["context_top1"] == pytest.approx(hits.mean(), abs=1e-12)
     few = harness_eval.main([*argv, "--per-class", "8", "--output", str(tmp_path / "few")])["metrics"]
     assert few["context_top1"] is None and few["content_chance"] is not None  # some objects stay: no mean of the rest
-    assert diagnose.update_evaluation(tmp_path / "few") == []  # None recorded: up to date
 
     old = tmp_path / "old"
     old.mkdir()
     for name in ("results.json", "predictions.json.gz"):
         (old / name).write_bytes((tmp_path / "new" / name).read_bytes())
     record = json.loads((old / "results.json").read_text())
+    del record["schema"]
     for key in ("split_content", "content"):
         del record["data"][key]
-    record["metrics"] = {k: (None if k in MASK_KEYS else v) for k, v in record["metrics"].items()}
     (old / "results.json").write_text(json.dumps(record))
     for split in ("train", "test"):  # written again: datasets gives the folder another fingerprint
         os.utime(tmp_path / "c" / split_file(split), (1e9, 1e9))
     assert load_image_set(str(tmp_path / "c"), "test").fingerprint != record["data"]["fingerprint"]
     again = harness_eval.main([*argv, "--output", str(tmp_path / "again")])
     with pytest.raises(UserError, match="evaluated on different data"):
-        compare.compare_groups(*compare.summarise(compare.load_results([old, tmp_path / "again"]),
+        compare.compare_groups(*compare.summarise(load_results([old, tmp_path / "again"]),
                                                   label=lambda r: r["path"]))
-    # The labels and top-1 predictions it recorded are reproduced, but that proves nothing about the pixels:
-    with pytest.raises(UserError, match=r"cannot be shown to be the evaluated ones .*no proof\); re-evaluate it: ") \
-            as e:
-        diagnose.update_evaluation(old)
-    command = shlex.split(str(e.value).split("re-evaluate it: ")[1])  # a command that repeats the evaluation:
-    assert command[:3] == ["python", "-m", "harness.eval"]  # typed as given, no flag refused, every argument kept
-    assert record["args"]["dataset"] == "../c"  # typed absolute, in the tree: relative to the evaluation
-    assert vars(harness_eval.build_parser().parse_args(command[3:])) == {
-        **record["args"], "dataset": str(tmp_path / "c"), "output": str(old), "overwrite": True}  # it holds one
     record["data"].update(split_content=full["data"]["split_content"], content=full["data"]["content"])
     (old / "results.json").write_text(json.dumps(record))  # an evaluation that recorded its content hashes
-    assert diagnose.update_evaluation(old) == ["mask localisation"]
-    back = json.loads((old / "results.json").read_text())
-    assert back["metrics"] == pytest.approx(full["metrics"]) and back["data"]["content"] == again["data"]["content"]
-    compare.compare_groups(*compare.summarise(compare.load_results([old, tmp_path / "again"]),
+    assert full["data"]["content"] == again["data"]["content"]
+    compare.compare_groups(*compare.summarise(load_results([old, tmp_path / "again"]),
                                               label=lambda r: r["path"]))  # the same content: paired
-    assert diagnose.update_evaluation(old) == []  # up to date
-    newer = json.loads((old / "results.json").read_text())
-    del newer["metrics"]["context_top1"]  # recorded before context_top1 existed
-    (old / "results.json").write_text(json.dumps(newer))
-    assert diagnose.update_evaluation(old) == ["mask localisation"]
-    assert json.loads((old / "results.json").read_text())["metrics"]["context_top1"] == full["metrics"]["context_top1"]
-    newer = json.loads((old / "results.json").read_text())
-    for key in ("position_prior_mass", "pooling_fixed_object_mass", "rollout_fixed_box_mass"):
-        del newer["metrics"][key]  # recorded before the position nulls existed
-    (old / "results.json").write_text(json.dumps(newer))
-    assert diagnose.outdated(newer) and diagnose.update_evaluation(old) == ["position nulls"]
-    back = json.loads((old / "results.json").read_text())["metrics"]
-    assert back["position_prior_mass"] == found["position_prior_mass"] > found["object_area_fraction"]
-    assert back["pooling_fixed_object_mass"] == pytest.approx(0.25)  # uniform weights: their average is uniform
-    assert back["rollout_fixed_box_mass"] == found["rollout_fixed_box_mass"]
-    from timm_rollout.records import code_version
-
-    assert json.loads((old / "results.json").read_text())["diagnosed"][-1] == {"added": ["position nulls"],
-                                                                              "code": code_version()}
-
-    record["data"]["fingerprint"] = record["data"]["subset_fingerprint"] = "elsewhere"
-    record["data"]["content"] = "0" * 64  # other pixels than the ones there now
-    (old / "results.json").write_text(json.dumps(record))
-    with pytest.raises(UserError, match="cannot be shown to be the evaluated ones"):
-        diagnose.update_evaluation(old)
 
 
 def test_same_images_pairs_by_content_where_both_records_hold_it_else_by_fingerprint():
@@ -544,34 +504,6 @@ def test_same_images_pairs_by_content_where_both_records_hold_it_else_by_fingerp
     assert compare.same_images(rewritten, images("z", "w", "C", "D")) == (True, True)  # all by content
     assert compare.same_images(rewritten, images("x", "y", "E", "D")) == (False, False)  # other data, same name
     assert compare.same_images(images("a", "b"), images("a", "b", "C", "D")) == (True, True)  # no content: names
-
-
-def test_diagnose_takes_a_runs_content_hash_only_for_the_data_the_evaluation_read(tmp_path):
-    """A training run's recorded content hash describes what the evaluation read only if the run read that split
-    under the fingerprint the evaluation recorded; else (the folder was written again in between) it is no proof."""
-    import argparse
-    import json
-
-    from harness import diagnose
-
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "train_args.json").write_text(json.dumps({
-        "dataset_resolved": "/data/c", "train_split": "train", "eval_split": "test",
-        "fingerprints": {"train": "ft", "eval": "fe"}, "content": {"train": "ct", "eval": "ce"}}))
-    args = argparse.Namespace(checkpoint=str(tmp_path / "run"), model="vit_tiny_cifar_gap")
-    ev = tmp_path / "eval"
-    assert diagnose._run_content(args, ev, "/data/c", "test", "fe") == "ce"
-    assert diagnose._run_content(args, ev, "/data/c", "train", "ft") == "ct"
-    assert diagnose._run_content(args, ev, "/data/c", "test", "another") is None  # the folder was written again
-    assert diagnose._run_content(args, ev, "/data/other", "test", "fe") is None
-    # Newer records name the folder relative to their own: the run's and the evaluation's, resolved, must match.
-    (tmp_path / "c").mkdir()
-    ev.mkdir()
-    record = json.loads((tmp_path / "run" / "train_args.json").read_text())
-    (tmp_path / "run" / "train_args.json").write_text(json.dumps({**record, "dataset_resolved": "../c"}))
-    assert diagnose._run_content(args, ev, "../c", "test", "fe") == "ce"
-    assert diagnose._run_content(args, ev, str(tmp_path / "c"), "test", "fe") == "ce"  # an older evaluation
-    assert diagnose._run_content(args, tmp_path, "../c", "test", "fe") is None  # another folder
 
 
 def test_eval_of_a_model_built_with_map_and_trained_with_rollout_scores_its_rollout_weights(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ import torch
 from harness import compare
 from harness import eval as harness_eval
 from harness import explain as harness_explain
+from harness.record import load_results
 from harness.study import build_parser as study_parser
 from timm_rollout.checkpoint import save_model
 from timm_rollout.cli import ParseKwargs
@@ -93,7 +94,7 @@ def test_local_dir_and_checkpoint_evaluations_group_and_pair_alike(data, tmp_pat
                 ["--model", "vit_tiny_patch16_224", "--checkpoint", str(runs[pool, seed])]
             harness_eval.main([*model, "--dataset", data, *EVAL, "--output", str(out)])
             folders.append(out)
-        results = compare.load_results(folders)
+        results = load_results(folders)
         compare.check_distinct(results)
         routes[route] = (results, compare.summarise(results, ["top1", "intra"]))
     (local, by_local), (checkpoint, by_checkpoint) = routes["local"], routes["checkpoint"]

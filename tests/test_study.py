@@ -20,7 +20,7 @@ from scipy import stats as sps
 
 from harness import figures, study
 from harness.compare import summarise
-from harness.predictions import read_predictions
+from harness.record import read_predictions
 from harness.study import folder, jobs, plan
 from harness.study import report as study_report
 from harness.study import tables as study_tables

@@ -26,7 +26,7 @@ CURVES_FILE = "curves.png"
 SUMMARY_FILE = "summary.json"
 # An evaluation (python -m harness.eval --output).
 RESULTS_FILE = "results.json"
-PREDICTIONS_FILE = "predictions.json.gz"  # gzip-compressed JSON (harness.predictions)
+PREDICTIONS_FILE = "predictions.json.gz"  # gzip-compressed JSON (harness.record)
 LEGACY_PREDICTIONS_FILE = "predictions.json"  # the same JSON uncompressed, as evaluations wrote it before
 FEATURES_FILE = "features.safetensors"
 COSINE_FILE = "cosine_matrix.png"

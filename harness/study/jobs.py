@@ -1,6 +1,5 @@
-"""Running a study: each job trains one run in its own trainer process and evaluates it (``harness.eval``, or
-``harness.diagnose`` for an evaluation that lacks something), ``--jobs`` side by side, and ``--commit`` commits each
-finished run with its evaluations."""
+"""Running a study: each job trains one run in its own trainer process and evaluates it (``harness.eval``),
+``--jobs`` side by side, and ``--commit`` commits each finished run with its evaluations."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from harness.diagnose import outdated
+from harness.record import SCHEMA
 from timm_rollout.device import precision_name, resolve_amp
 from timm_rollout.errors import UserError
 from timm_rollout.records import RESULTS_FILE, RESUME_FILE, SUMMARY_FILE, WEIGHTS_FILE, sha256_file
@@ -60,8 +59,8 @@ def train_run(args: argparse.Namespace, arm: str, seed: int, run: Path) -> None:
 def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder: Path, pool: str | None = None,
              dataset: str | None = None) -> None:
     """Evaluate one finished run (read out with ``pool``, default its own) unless ``folder`` already holds results
-    for these exact weights (then only what ``harness.diagnose`` adds is added, when it is missing). ``dataset``: on
-    that data set's test split instead of the study's (``--also-eval``: no k-NN bank, no faithfulness)."""
+    for these exact weights in the current layout (``schema``). ``dataset``: on that data set's test split instead
+    of the study's (``--also-eval``: no k-NN bank, no faithfulness)."""
     results = folder / RESULTS_FILE
     want = precision_name(resolve_amp(args.eval_amp, torch.device("cpu"))) if args.eval_amp not in (None, "auto") \
         else None  # auto: whatever the machine chose is kept
@@ -69,10 +68,11 @@ def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder:
         saved = json.loads(results.read_text(encoding="utf-8"))
         dtype = saved.get("environment", {}).get("dtype")  # records before precisions were kept: none
         if saved["model"].get("sha256") == sha256_file(run / WEIGHTS_FILE) and want in (None, dtype):
-            if outdated(saved):  # evaluated before the diagnostics, mask metrics or content hashes: add just those
-                _run([sys.executable, "-m", "harness.diagnose", str(folder), "--device", args.device], args.threads)
-            print(f"= {folder} evaluated, skipped")
-            return
+            if saved.get("schema") == SCHEMA:
+                print(f"= {folder} evaluated, skipped")
+                return
+            print(f"= {folder} evaluated by an older harness (results.json schema {saved.get('schema', 0)}), "
+                  "evaluating again")
         if want not in (None, dtype):
             print(f"= {folder} evaluated in {dtype}, evaluating again in {want} (--eval-amp {args.eval_amp})")
     cmd = [sys.executable, "-m", "harness.eval", "--model", model, "--checkpoint", str(run), "--dataset",

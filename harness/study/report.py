@@ -23,7 +23,6 @@ from harness.compare import (
     format_ci,
     format_number,
     format_p,
-    load_results,
     same_images,
     summarise,
 )
@@ -39,7 +38,7 @@ from harness.figures import (
 )
 from harness.hub import write_upload_folder
 from harness.metrics import LOCALISATION, POOLING_DIAGNOSTICS
-from harness.predictions import read_predictions
+from harness.record import load_results, read_predictions
 from timm_rollout.atomic import write_text
 from timm_rollout.data import load_image_set, normalize
 from timm_rollout.explain import MAP_LABELS

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.compare import Group, format_mean, load_results, summarise
+from harness.compare import Group, format_mean, summarise
+from harness.record import load_results
 from timm_rollout.records import RESULTS_FILE
 
 # Its probe table, [CLS] and rollout: (write-up's metric, harness metric on the full test split, what it is).

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from harness.features import extract
-from harness.predictions import read_predictions
+from harness.record import read_predictions
 from timm_rollout.data import load_image_set
 from timm_rollout.loading import load_model
 
