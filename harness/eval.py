@@ -10,9 +10,10 @@ files").
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -34,7 +35,17 @@ from harness.features import (
 )
 from harness.figures import plot_cosine_matrix, plot_faithfulness, plot_heatmaps
 from harness.localisation import LOCALISATION
-from harness.record import write_evaluation
+from harness.record import (
+    SCHEMA,
+    config_record,
+    data_record,
+    environment_record,
+    model_config,
+    predictions_record,
+    read_results,
+    summary_line,
+    write_evaluation,
+)
 from timm_rollout.cli import (
     CliParser,
     as_type,
@@ -50,7 +61,6 @@ from timm_rollout.cli import (
 from timm_rollout.data import (
     ImageSet,
     balanced_indices,
-    box_hash,
     check_class_names,
     dataset_arg,
     load_image_set,
@@ -59,10 +69,7 @@ from timm_rollout.data import (
 from timm_rollout.device import (
     AMP_CHOICES,
     device_arg,
-    device_name,
-    fp32_precision,
     inference_batch_size,
-    precision_name,
     resolve_amp,
     resolve_device,
 )
@@ -82,10 +89,9 @@ from timm_rollout.records import (
     portable_args,
     portable_path,
     recorded_data,
-    versions,
 )
 
-__all__ = ["build_parser", "diagnostic_metrics", "evaluate", "main", "posthoc_readout", "select_classes"]
+__all__ = ["Evaluation", "build_parser", "evaluate", "main", "posthoc_readout", "select_classes"]
 
 POST_HOC_POOLS = tuple(k for k in READOUTS if k != "map")  # a learned attention pool cannot be added post hoc
 # The flags that ask for parts reading attention (a model without it is refused them): dest -> flag.
@@ -155,18 +161,45 @@ def _check_args(args: argparse.Namespace, given: frozenset[str]) -> None:
     """Refuse flag combinations that cannot work; ``given``: the flags the user typed (:class:`CliParser`)."""
     from timm_rollout.loading import build_meta, check_model  # here, so that --help loads no timm
 
-    for dest, (needed, fix) in _NEEDS.items():
-        if dest in given and not getattr(args, needed):
-            flag = "--" + dest.replace("_", "-")
-            raise UserError(f"{flag} only applies with {fix.split()[0]}; add {fix} or drop {flag}")
-    if args.bank_split is not None and args.bank_split == args.split:
-        raise UserError(f"--bank-split {args.bank_split} is the evaluated split; use another split (e.g. train)")
+    _check_options(args, given)
     if not args.overwrite and (held := [n for n in EVAL_FILES if (Path(args.output) / n).exists()]):
         raise UserError(f"{args.output} holds an evaluation ({', '.join(held)}); pass --overwrite to replace it, or "
                         "choose another --output")
     check_model(args.model)
     if _attention_asked(args, given):
         _refuse_attention(args, build_meta(args.model, args.checkpoint), given)
+
+
+def _check_options(args: argparse.Namespace, given: set[str] | frozenset[str]) -> None:
+    """Refuse options that need another one (``given``: those set) and a bank drawn from the evaluated split."""
+    for dest, (needed, fix) in _NEEDS.items():
+        if dest in given and not getattr(args, needed):
+            flag = "--" + dest.replace("_", "-")
+            raise UserError(f"{flag} only applies with {fix.split()[0]}; add {fix} or drop {flag}")
+    if args.bank_split is not None and args.bank_split == args.split:
+        raise UserError(f"--bank-split {args.bank_split} is the evaluated split; use another split (e.g. train)")
+
+
+def evaluate(model: str | torch.nn.Module, dataset: Any = "cifar10", split: str = "test", *,
+             checkpoint: str | Path | None = None, **options: Any) -> Evaluation:
+    """Evaluate ``model`` (a timm model object; or a registered name, ``hf-hub:`` or ``local-dir:`` with its
+    ``checkpoint``) on ``split`` of ``dataset`` (an alias, Hub id or folder; or a ``datasets`` Dataset or
+    DatasetDict) as ``python -m harness.eval`` does; ``options`` are its flags by their Python names
+    (``per_class=100``, ``bank_split="train"``, ``faithfulness=True``, ``device="cpu"``...). A model object is put
+    in eval mode on the device (a copy of it when ``pool`` reads it out otherwise). Nothing is written until
+    :meth:`Evaluation.save`."""
+    defaults = {a.dest: a.default for a in build_parser()._actions if a.dest not in ("help", "output", "overwrite")}
+    unknown = sorted(set(options) - set(defaults) | set(options) & {"model", "dataset", "split", "checkpoint"})
+    if unknown:
+        raise TypeError(f"evaluate() got unknown options {', '.join(unknown)}; the options: "
+                        f"{', '.join(sorted(set(defaults) - {'model', 'dataset', 'split', 'checkpoint'}))}")
+    args = argparse.Namespace(**{**defaults, **options, "model": model, "dataset": dataset, "split": split,
+                                 "checkpoint": None if checkpoint is None else str(checkpoint)})
+    if isinstance(model, str):  # a name is checked before anything loads, as the CLI checks it
+        _check_args(argparse.Namespace(**vars(args), output=None, overwrite=True), frozenset(options))
+    else:
+        _check_options(args, set(options))
+    return _evaluate(args)
 
 
 def _attention_asked(args: argparse.Namespace, given: frozenset[str] | None) -> list[str]:
@@ -252,8 +285,9 @@ def posthoc_readout(model: torch.nn.Module, pool: str | None) -> str:
     return pool
 
 
-def _heatmap_figure(model, sel: Selection, info: dict, args, device, amp_dtype, out: Path) -> Path:
-    """heatmaps.png: ``--heatmaps`` seeded picks of the evaluated images, each titled with its index in the split."""
+def _heatmap_drawing(model, sel: Selection, info: dict, args, device, amp_dtype) -> Callable[[Path], Path]:
+    """heatmaps.png's maps, computed now and drawn into a folder later: ``--heatmaps`` seeded picks of the evaluated
+    images, each titled with its index in the split."""
     data = sel.data
     if args.heatmaps > len(data):
         print(f"note: --heatmaps {args.heatmaps} but {len(data)} images are evaluated: all of them drawn",
@@ -268,7 +302,7 @@ def _heatmap_figure(model, sel: Selection, info: dict, args, device, amp_dtype, 
     maps = {f"{MAP_LABELS[k]}\n(readout {found.readout})": v for k, v in found.maps.items()}
     title = f"{info['name']}: maps of its readout ({found.readout}, {data.split})"
     boxes = data.boxes[pick] if data.boxes is not None else None
-    return plot_heatmaps(images, maps, true, pred, out / HEATMAPS_FILE, title, boxes, grid=found.grid)
+    return lambda out: plot_heatmaps(images, maps, true, pred, out / HEATMAPS_FILE, title, boxes, grid=found.grid)
 
 
 def _predictions(feats: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
@@ -299,25 +333,6 @@ def _metric_values(predicted: dict[str, np.ndarray | None], labels: torch.Tensor
     ours = {k: geometry[k] for k in ("intra", "inter", "ratio")}
     original = {k: v for k, v in geometry.items() if k.endswith("_original")}
     return {**values, **ours, "silhouette": silhouette, **original}
-
-
-def diagnostic_metrics(diagnostics: PoolingDiagnostics | None) -> dict[str, float | None]:
-    """results.json's pooling diagnostics (:data:`harness.metrics.POOLING_DIAGNOSTICS`): means over the images."""
-    if diagnostics is None:
-        return dict.fromkeys(metrics.POOLING_DIAGNOSTICS)
-    return {"rollout_effective_patches": float(diagnostics.effective_patches.double().mean()),
-            "rollout_cosine_to_mean": float(diagnostics.cosine_to_mean.double().mean())}
-
-
-def _predictions_record(predicted: dict[str, np.ndarray | None], labels: torch.Tensor,
-                        index: torch.Tensor) -> dict[str, Any]:
-    """The predictions file's content: split index and label of each evaluated image, the class each accuracy
-    metric predicted for it, and whether its label is in the head's top 5 (one list per key)."""
-    return {
-        "index": index.tolist(), "label": labels.tolist(),
-        "predicted": {k: v.tolist() for k, v in predicted.items() if v is not None and k != "top5"},
-        "top5_hit": None if predicted["top5"] is None else predicted["top5"].astype(int).tolist(),
-    }
 
 
 @dataclass
@@ -352,17 +367,21 @@ def _select(args: argparse.Namespace) -> Selection:
 
 def _load(args: argparse.Namespace, full: ImageSet, device: torch.device) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The model to evaluate, checked against the data set, read out with ``--pool``."""
-    from timm_rollout.loading import check_input_size, load_model
+    from timm_rollout.loading import check_input_size, load_model, module_info
 
-    prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
-    default_classes = None if args.checkpoint or prefixed else full.num_classes
-    with torch.random.fork_rng(devices=[]):  # an untrained model's initial weights are reproducible too; the
-        torch.manual_seed(args.seed)         # caller's random state is left as it was
-        model, info = load_model(args.model, args.checkpoint, num_classes=default_classes, device=device)
-    if args.checkpoint is None and args.model.startswith("local-dir:"):  # its run folder: harness.compare reads
-        info["checkpoint"] = args.model.removeprefix("local-dir:")  # the training seed there, as for --checkpoint
+    if isinstance(args.model, torch.nn.Module):
+        model = copy.deepcopy(args.model) if args.pool not in (None, pool_name(args.model)) else args.model
+        model, info = model.to(device).eval(), module_info(model)
+    else:
+        prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
+        default_classes = None if args.checkpoint or prefixed else full.num_classes
+        with torch.random.fork_rng(devices=[]):  # an untrained model's initial weights are reproducible too; the
+            torch.manual_seed(args.seed)         # caller's random state is left as it was
+            model, info = load_model(args.model, args.checkpoint, num_classes=default_classes, device=device)
+        if args.checkpoint is None and args.model.startswith("local-dir:"):  # its run folder: harness.compare reads
+            info["checkpoint"] = args.model.removeprefix("local-dir:")  # the training seed there, as for --checkpoint
     _refuse_attention(args, model)  # where the meta device could not tell before
-    _check_head(info, full, args.dataset)
+    _check_head(info, full, args.dataset if isinstance(args.dataset, str) else full.dataset)
     check_input_size(model, full.images, fix="evaluate it on a data set of its input size")
     info["pool"] = posthoc_readout(model, args.pool)
     info["readout_note"] = _readout_note(info, args.pool)
@@ -436,11 +455,54 @@ def _pooling(model, info: dict, data: ImageSet, batch_size: int, device, amp_dty
                                              masks=data.masks, labels=data.labels, **kwargs)
 
 
-def evaluate(args: argparse.Namespace) -> dict[str, Any]:
-    """Run one evaluation and write its outputs; returns the results written to results.json."""
+@dataclass
+class Evaluation:
+    """One evaluation in memory: ``record`` is what results.json holds (``metrics``, the numbers), and :meth:`save`
+    writes every file ``python -m harness.eval`` writes."""
+
+    record: dict[str, Any]
+    predictions: dict[str, Any]  # predictions.json.gz's content
+    drawings: list[Callable[[Path], Path]]  # each draws one figure into a folder
+    features: Callable[..., None] | None  # writes features.safetensors: save_features(path, dataset=...)
+    args: argparse.Namespace  # the options, data set and folders as given
+
+    @property
+    def metrics(self) -> dict[str, float | None]:
+        return self.record["metrics"]
+
+    def save(self, folder: str | Path, overwrite: bool = False) -> dict[str, Any]:
+        """Write the evaluation into ``folder`` (created if missing); one holding an evaluation is refused unless
+        ``overwrite``, then its files go first. Returns results.json as written."""
+        out, start, clock = Path(folder), time.perf_counter(), Stopwatch()
+        held = [n for n in EVAL_FILES if (out / n).exists()]
+        if held and not overwrite:
+            raise UserError(f"{out} holds an evaluation ({', '.join(held)}); pass --overwrite to replace it, or "
+                            "choose another --output")
+        out.mkdir(parents=True, exist_ok=True)
+        for name in held:
+            (out / name).unlink()
+        with clock.stage("figures"):
+            figures = [draw(out).name for draw in self.drawings]
+        args, data = {**vars(self.args), "output": str(out), "overwrite": overwrite}, self.record["data"]
+        typed = args["dataset"] if isinstance(args["dataset"], str) else data["dataset"]
+        if self.features is not None:
+            with clock.stage("save_features"):
+                self.features(out / FEATURES_FILE, dataset=typed)
+        timing = {**self.record["timing"], **clock.seconds}
+        record = {**self.record, "data": {**data, "dataset": recorded_data(typed, data["dataset"], out),
+                                          "argument": portable_path(typed, out)},
+                  "args": portable_args({**args, "model": self.record["model"]["name"], "dataset": typed}, out),
+                  "outputs": {"figures": figures, "features": FEATURES_FILE if self.features else None,
+                              "predictions": PREDICTIONS_FILE},
+                  "timing": {**timing, "total": round(timing["total"] + time.perf_counter() - start, 3)}}
+        write_evaluation(out, record, self.predictions)
+        return read_results(out)
+
+
+def _evaluate(args: argparse.Namespace) -> Evaluation:
+    """Run one evaluation in memory (``args``: harness.eval's options; ``model`` and ``dataset`` may be objects)."""
     clock = Stopwatch()
     start = time.perf_counter()
-    out = Path(args.output)
     device = resolve_device(args.device)
     args.batch_size = args.batch_size or inference_batch_size(device)  # recorded in results.json as used
     amp_dtype = resolve_amp(args.amp, device)
@@ -450,8 +512,6 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     with clock.stage("load_model"):
         model, info = _load(args, sel.full, device)
     left_out = _left_out(model, data, args)
-    for name in EVAL_FILES if args.overwrite else ():  # data and model passed their checks: the old evaluation goes
-        (out / name).unlink(missing_ok=True)
     features = partial(extract, model, mean=info["mean"], std=info["std"], device=device, amp_dtype=amp_dtype,
                        batch_size=args.batch_size)
     with clock.stage("extract"):
@@ -474,119 +534,57 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if bank is not None:
         with clock.stage("linear_probe"):
             predicted["linear_probe"] = metrics.linear_probe_predictions(bank_feats, bank.labels, feats)
-    figures, faithfulness = _figures(model, info, sel, (cos, cos_names), args, device, amp_dtype, clock,
-                                     maps=left_out is None)
-    if args.save_features:
-        with clock.stage("save_features"):
-            save_features(out / FEATURES_FILE, info["name"], args.dataset, data, feats, bank, bank_feats)
-
-    results = {
-        "metrics": {**_metric_values(predicted, labels, geometry, sil), **diagnostic_metrics(diagnostics),
+    drawings, faithfulness = _drawings(model, info, sel, (cos, cos_names), args, device, amp_dtype, clock,
+                                       maps=left_out is None)
+    record = {
+        "schema": SCHEMA,
+        "metrics": {**_metric_values(predicted, labels, geometry, sil),
+                    **(dict.fromkeys(metrics.POOLING_DIAGNOSTICS) if diagnostics is None else diagnostics.metrics()),
                     **localisation},
         "pooling_diagnostics": None if diagnostics is None else diagnostics.record(),
         "cosine_matrix": {"classes": cos_names, "matrix": cos.round(6).tolist()},
         "faithfulness": faithfulness,
         "left_out": left_out,
-        "model": {**info, "pretrained_cfg": _config_of(model)},
-        "data": _data_record(args, sel, bank, out),
-        "config": _config_record(args, sample, int(feats.shape[1]), bank is not None),
-        "args": portable_args(vars(args), out),
-        "environment": _environment_record(device, amp_dtype, faiss_threads),
+        "model": {**info, "pretrained_cfg": model_config(model)},
+        "data": {**data_record(args, sel.full, data, sel.class_ids, bank), "dataset": data.dataset},
+        "config": config_record(args, sample, int(feats.shape[1]), bank is not None),
+        "args": None,  # these three: as saved (Evaluation.save)
+        "environment": environment_record(device, amp_dtype, faiss_threads),
         "code": code_version(),
-        "outputs": {"figures": figures, "features": FEATURES_FILE if args.save_features else None,
-                    "predictions": PREDICTIONS_FILE},
+        "outputs": None,
         "timing": {**clock.seconds, "total": round(time.perf_counter() - start, 3)},
     }
-    write_evaluation(out, results, _predictions_record(predicted, labels, sel.index))
-    return results
+    saver = partial(save_features, model=info["name"], data=data, feats=feats, bank=bank,
+                    bank_feats=bank_feats) if args.save_features else None
+    return Evaluation(record, predictions_record(predicted, labels, sel.index), drawings, saver, args)
 
 
-def _figures(model, info: dict, sel: Selection, cosine: tuple[np.ndarray, list[str]], args, device, amp_dtype,
-             clock: Stopwatch, maps: bool = True) -> tuple[list[str], dict[str, Any] | None]:
-    """The cosine matrix, heatmaps (with ``maps``: the model has attention) and ``--faithfulness``: the figures'
-    names and the faithfulness results."""
-    out, data = Path(args.output), sel.data
-    with clock.stage("figures"):
-        figures = [plot_cosine_matrix(*cosine, out / COSINE_FILE,
-                                      f"{info['name']}: centroid cosine similarity ({data.split})").name]
-        if args.heatmaps and maps:
-            figures.append(_heatmap_figure(model, sel, info, args, device, amp_dtype, out).name)
+def _drawings(model, info: dict, sel: Selection, cosine: tuple[np.ndarray, list[str]], args, device, amp_dtype,
+              clock: Stopwatch, maps: bool = True) -> tuple[list[Callable[[Path], Path]], dict[str, Any] | None]:
+    """The figures to draw (the cosine matrix; heatmaps with ``maps``, the model has attention; ``--faithfulness``)
+    and the faithfulness results."""
+    data = sel.data
+    cosine_title = f"{info['name']}: centroid cosine similarity ({data.split})"
+    drawings = [lambda out: plot_cosine_matrix(*cosine, out / COSINE_FILE, cosine_title)]
+    if args.heatmaps and maps:
+        with clock.stage("heatmaps"):
+            drawings.append(_heatmap_drawing(model, sel, info, args, device, amp_dtype))
     if not args.faithfulness:
-        return figures, None
+        return drawings, None
     with clock.stage("faithfulness"):
         n = min(args.faithfulness_images, len(data))
         faithfulness = evaluate_faithfulness(model, data.images[:n], data.labels[:n], info["mean"], info["std"],
                                              batch_size=args.batch_size, tie_seed=args.seed,
                                              seeds=[args.seed + i for i in range(1, 4)], device=device,
                                              dtype=amp_dtype)
-        figures.append(plot_faithfulness(faithfulness, out / FAITHFULNESS_FILE,
-                                         f"{info['name']}: faithfulness ({data.split})").name)
-    return figures, faithfulness
-
-
-def _config_record(args: argparse.Namespace, silhouette_sample: int, feature_dim: int,
-                   has_bank: bool) -> dict[str, Any]:
-    """results.json's ``config``: the settings every metric was computed with."""
-    return {
-        "seed": args.seed, "per_class": args.per_class, "k": args.k, "bank_k": args.bank_k,
-        "temperature": args.temperature, "silhouette_sample_size": silhouette_sample, "heatmaps": args.heatmaps,
-        "batch_size": args.batch_size, "feature_dim": feature_dim,
-        "linear_probe": metrics.LINEAR_PROBE if has_bank else None,
-    }
-
-
-# where timm would download the architecture's stock weights from: not where the evaluated weights came from
-_WEIGHT_SOURCE = ("state_dict", "url", "file", "hf_hub_id", "hf_hub_filename", "source", "tag")
-
-
-def _config_of(model: torch.nn.Module) -> dict[str, Any]:
-    """The model's timm ``pretrained_cfg`` (input size, mean/std, ...) without a weight source: its weights are
-    those of ``model.name`` / ``model.checkpoint`` in the record, even where timm keeps the stock weights' URL."""
-    return {k: v for k, v in model.pretrained_cfg.items() if k not in _WEIGHT_SOURCE}
-
-
-def _environment_record(device: torch.device, amp_dtype: torch.dtype | None, faiss_threads: int) -> dict[str, Any]:
-    """results.json's ``environment``: where and in which precision the evaluation ran, and the software."""
-    return {"device": str(device), "machine": device_name(device),
-            "dtype": precision_name(amp_dtype), "fp32_precision": fp32_precision(device),
-            "torch_threads": torch.get_num_threads(),
-            "faiss_threads": faiss_threads, "packages": versions()}
-
-
-def _data_record(args: argparse.Namespace, sel: Selection, bank: ImageSet | None, out: Path) -> dict[str, Any]:
-    """results.json's ``data``: what was evaluated and the bank; a local data set folder relative to ``out``."""
-    full, data = sel.full, sel.data
-    counts = torch.bincount(data.labels, minlength=full.num_classes)
-    return {
-        "dataset": recorded_data(args.dataset, data.dataset, out), "argument": portable_path(args.dataset, out),
-        "split": data.split,
-        "fingerprint": full.fingerprint,
-        "subset_fingerprint": data.fingerprint, "split_content": full.content, "content": data.content,
-        "class_names": [full.class_names[c] for c in sel.class_ids],
-        "class_ids": sel.class_ids, "per_class_counts": {full.class_names[c]: int(counts[c]) for c in sel.class_ids},
-        "num_images": len(data), "mask_convention": data.mask_convention,
-        "bbox_format": None if data.boxes is None else args.bbox_format or BOX_FORMATS[0],
-        "box_content": None if data.boxes is None else box_hash(data.boxes),  # the boxes as read, [x, y, w, h]
-        "intra_left_out": [full.class_names[c] for c in metrics.lone_classes(data.labels).tolist()],
-        "bank": None if bank is None else {
-            "split": bank.split, "fingerprint": bank.fingerprint, "content": bank.content, "num_images": len(bank),
-            "per_class": args.bank_per_class,
-        },
-    }
-
-
-def _summary(results: dict[str, Any]) -> str:
-    shown = ", ".join(f"{k} {v:.4f}" for k, v in results["metrics"].items() if v is not None)
-    env = results["environment"]  # bf16 results depend on the batch size too: say both
-    posthoc = " (a post-hoc readout, not the trained model)" if results["model"].get("readout_note") else ""
-    return f"{results['model']['name']}{posthoc} on {results['data']['num_images']} images: {shown} " \
-           f"({env['dtype']}, batches of {results['config']['batch_size']}, {results['timing']['total']:.1f} s)"
+    title = f"{info['name']}: faithfulness ({data.split})"
+    return [*drawings, lambda out: plot_faithfulness(faithfulness, out / FAITHFULNESS_FILE, title)], faithfulness
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    results = evaluate(args)
-    print(_summary(results))
+    results = _evaluate(args).save(args.output, overwrite=args.overwrite)
+    print(summary_line(results))
     return results
 
 

@@ -181,6 +181,11 @@ class PoolingDiagnostics:
     variant_patches: dict[str, torch.Tensor]  # variant name -> (N,)
     grid: tuple[int, int]  # (rows, cols) of the patches, mean_weights' layout
 
+    def metrics(self) -> dict[str, float]:
+        """results.json's pooling diagnostics (:data:`harness.metrics.POOLING_DIAGNOSTICS`): means over the images."""
+        return {"rollout_effective_patches": float(self.effective_patches.double().mean()),
+                "rollout_cosine_to_mean": float(self.cosine_to_mean.double().mean())}
+
     def record(self) -> dict:
         """results.json's ``pooling_diagnostics``: the rollout options, the mean weight map and a histogram of
         effective patches over bins a quarter patch wide from 1 to P (what the study's figure draws)."""

@@ -6,18 +6,27 @@ harness/README.md, "Output files".
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
+from harness import metrics
 from harness.metrics import POOLING_DIAGNOSTICS
 from timm_rollout.atomic import atomic_path, write_json
+from timm_rollout.data import ImageSet, box_hash
+from timm_rollout.device import device_name, fp32_precision, precision_name
 from timm_rollout.errors import UserError
-from timm_rollout.records import LEGACY_PREDICTIONS_FILE, PREDICTIONS_FILE, RESULTS_FILE
+from timm_rollout.masks import BOX_FORMATS
+from timm_rollout.records import LEGACY_PREDICTIONS_FILE, PREDICTIONS_FILE, RESULTS_FILE, versions
 
-__all__ = ["SCHEMA", "load_results", "read_predictions", "read_results", "upgrade", "write_evaluation"]
+__all__ = ["SCHEMA", "config_record", "data_record", "environment_record", "load_results", "model_config",
+           "predictions_record", "read_predictions", "read_results", "summary_line", "upgrade", "write_evaluation"]
 
 SCHEMA = 1  # results.json's layout: raise it when a key is added, renamed or changes meaning, and teach upgrade()
 # what results.json gained before it had a schema; a record made before holds them as null (never measured)
@@ -36,7 +45,8 @@ def upgrade(record: dict[str, Any], where: str | Path = RESULTS_FILE) -> dict[st
         record = {"schema": 1, **record, **{k: record.get(k) for k in _ADDED}}
         record["data"] = {**record["data"], **{k: record["data"].get(k) for k in _ADDED_DATA}}
         if record["data"].get("bank"):
-            record["data"]["bank"] = {**record["data"]["bank"], "content": record["data"]["bank"].get("content")}
+            bank = record["data"]["bank"]
+            record["data"]["bank"] = {**bank, "content": bank.get("content")}
         record["metrics"] = {**record["metrics"], **{k: record["metrics"].get(k) for k in POOLING_DIAGNOSTICS}}
         record.setdefault("pooling_diagnostics", None)
     return record
@@ -65,13 +75,14 @@ def load_results(folders: Sequence[str | Path]) -> list[dict[str, Any]]:
 
 
 def write_evaluation(folder: str | Path, results: dict[str, Any], predictions: dict[str, Any]) -> None:
-    """Atomically write the predictions, then ``results.json`` (so an interrupted re-evaluation leaves the pair it
-    had intact); the predictions byte-identical for the same content, a legacy ``predictions.json`` removed."""
+    """Atomically write the predictions, then ``results`` as ``results.json`` (so an interrupted re-evaluation
+    leaves the pair it had intact); the predictions byte-identical for the same content, a legacy
+    ``predictions.json`` removed."""
     data = (json.dumps(predictions, separators=(",", ":")) + "\n").encode("utf-8")
     with atomic_path(Path(folder) / PREDICTIONS_FILE) as tmp:
         tmp.write_bytes(gzip.compress(data, compresslevel=9, mtime=0))
     (Path(folder) / LEGACY_PREDICTIONS_FILE).unlink(missing_ok=True)
-    write_json(Path(folder) / RESULTS_FILE, {"schema": SCHEMA, **results})
+    write_json(Path(folder) / RESULTS_FILE, results)
 
 
 def read_predictions(folder: str | Path) -> dict[str, Any] | None:
@@ -83,3 +94,73 @@ def read_predictions(folder: str | Path) -> dict[str, Any] | None:
     if (folder / LEGACY_PREDICTIONS_FILE).is_file():
         return json.loads((folder / LEGACY_PREDICTIONS_FILE).read_text(encoding="utf-8"))
     return None
+
+
+def config_record(args: argparse.Namespace, silhouette_sample: int, feature_dim: int, has_bank: bool) -> dict[str, Any]:
+    """results.json's ``config``: the settings every metric was computed with."""
+    return {
+        "seed": args.seed, "per_class": args.per_class, "k": args.k, "bank_k": args.bank_k,
+        "temperature": args.temperature, "silhouette_sample_size": silhouette_sample, "heatmaps": args.heatmaps,
+        "batch_size": args.batch_size, "feature_dim": feature_dim,
+        "linear_probe": metrics.LINEAR_PROBE if has_bank else None,
+    }
+
+
+# where timm would download the architecture's stock weights from: not where the evaluated weights came from
+_WEIGHT_SOURCE = ("state_dict", "url", "file", "hf_hub_id", "hf_hub_filename", "source", "tag")
+
+
+def model_config(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's timm ``pretrained_cfg`` (input size, mean/std, ...) without a weight source: its weights are
+    those of ``model.name`` / ``model.checkpoint`` in the record, even where timm keeps the stock weights' URL."""
+    return {k: v for k, v in model.pretrained_cfg.items() if k not in _WEIGHT_SOURCE}
+
+
+def environment_record(device: torch.device, amp_dtype: torch.dtype | None, faiss_threads: int) -> dict[str, Any]:
+    """results.json's ``environment``: where and in which precision the evaluation ran, and the software."""
+    return {"device": str(device), "machine": device_name(device),
+            "dtype": precision_name(amp_dtype), "fp32_precision": fp32_precision(device),
+            "torch_threads": torch.get_num_threads(),
+            "faiss_threads": faiss_threads, "packages": versions()}
+
+
+def data_record(args: argparse.Namespace, full: ImageSet, data: ImageSet, class_ids: list[int],
+                bank: ImageSet | None) -> dict[str, Any]:
+    """results.json's ``data``: what was evaluated (``data``, drawn from the split ``full``) and the bank; where the
+    data set is (``dataset``, ``argument``) is filled in when the record is saved, relative to its folder."""
+    counts = torch.bincount(data.labels, minlength=full.num_classes)
+    return {
+        "dataset": None, "argument": None, "split": data.split,
+        "fingerprint": full.fingerprint,
+        "subset_fingerprint": data.fingerprint, "split_content": full.content, "content": data.content,
+        "class_names": [full.class_names[c] for c in class_ids],
+        "class_ids": class_ids, "per_class_counts": {full.class_names[c]: int(counts[c]) for c in class_ids},
+        "num_images": len(data), "mask_convention": data.mask_convention,
+        "bbox_format": None if data.boxes is None else args.bbox_format or BOX_FORMATS[0],
+        "box_content": None if data.boxes is None else box_hash(data.boxes),  # the boxes as read, [x, y, w, h]
+        "intra_left_out": [full.class_names[c] for c in metrics.lone_classes(data.labels).tolist()],
+        "bank": None if bank is None else {
+            "split": bank.split, "fingerprint": bank.fingerprint, "content": bank.content, "num_images": len(bank),
+            "per_class": args.bank_per_class,
+        },
+    }
+
+
+def predictions_record(predicted: dict[str, np.ndarray | None], labels: torch.Tensor,
+                        index: torch.Tensor) -> dict[str, Any]:
+    """The predictions file's content: split index and label of each evaluated image, the class each accuracy
+    metric predicted for it, and whether its label is in the head's top 5 (one list per key)."""
+    return {
+        "index": index.tolist(), "label": labels.tolist(),
+        "predicted": {k: v.tolist() for k, v in predicted.items() if v is not None and k != "top5"},
+        "top5_hit": None if predicted["top5"] is None else predicted["top5"].astype(int).tolist(),
+    }
+
+
+def summary_line(results: dict[str, Any]) -> str:
+    """The one line harness.eval ends with: the metrics, precision, batch size and time."""
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in results["metrics"].items() if v is not None)
+    env = results["environment"]  # bf16 results depend on the batch size too: say both
+    posthoc = " (a post-hoc readout, not the trained model)" if results["model"].get("readout_note") else ""
+    return f"{results['model']['name']}{posthoc} on {results['data']['num_images']} images: {shown} " \
+           f"({env['dtype']}, batches of {results['config']['batch_size']}, {results['timing']['total']:.1f} s)"

@@ -282,20 +282,21 @@ def test_rerun_skips_finished_work_and_redoes_only_what_is_missing(repo, finishe
     redo = finished / "eval" / "cls-posthoc-rollout-s1" / "results.json"
     stamp = kept.stat().st_mtime_ns
     redo.unlink()
-    older = finished / "eval" / "gap-s0" / "results.json"  # evaluated before the pooling diagnostics existed
+    older = finished / "eval" / "gap-s0" / "results.json"  # written before the schema and the pooling diagnostics
     full = json.loads(older.read_text())
-    stripped = {k: v for k, v in full.items() if k != "pooling_diagnostics"}
+    stripped = {k: v for k, v in full.items() if k not in ("schema", "pooling_diagnostics")}
     stripped["metrics"] = {k: v for k, v in full["metrics"].items() if not k.startswith("rollout_")}
     older.write_text(json.dumps(stripped))
     capfd.readouterr()
     study.main(_argv(finished))
     printed = capfd.readouterr().out
     assert printed.count("finished, skipped") == RUNS
-    assert printed.count("evaluated, skipped") == EVALS - 1
+    assert printed.count("evaluated, skipped") == EVALS - 2
+    assert f"= {older.parent} evaluated by an older harness (results.json schema 0), evaluating again" in printed
     assert kept.stat().st_mtime_ns == stamp
-    back = json.loads(older.read_text())  # only the diagnostics added, equal to the full evaluation's
-    assert back["metrics"] == full["metrics"] and back["pooling_diagnostics"] == full["pooling_diagnostics"]
-    assert back["timing"]["total"] == full["timing"]["total"]
+    back = json.loads(older.read_text())  # evaluated again: the full evaluation's numbers, in the current layout
+    assert back["schema"] == 1 and back["metrics"] == full["metrics"]
+    assert back["pooling_diagnostics"] == full["pooling_diagnostics"]
     assert json.loads(redo.read_text())["model"]["pool"] == "rollout"
     assert _git(repo, "log", "-1", "--format=%s", "--", str(redo)).startswith("study: cls seed 1 (top1 ")
     # Naming fewer arms reuses the folder: the report still covers every arm run before.

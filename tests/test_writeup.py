@@ -12,7 +12,7 @@ from harness.study import writeup
 
 
 def _result(metrics: dict[str, float]) -> dict:
-    return {"metrics": metrics, "model": {"architecture": "vit_tiny_cifar_cls"}}
+    return {"schema": 1, "metrics": metrics, "model": {"architecture": "vit_tiny_cifar_cls"}}
 
 
 def _full_groups(values: dict[str, list[dict[str, float]]]):

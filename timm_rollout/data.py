@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -444,7 +445,7 @@ def split_names(dataset: str) -> list[str]:
 
 
 def load_image_set(
-    dataset: str,
+    dataset: Any,
     split: str = "train",
     *,
     image_column: str | None = None,
@@ -454,13 +455,18 @@ def load_image_set(
     box_format: str | None = None,
 ) -> ImageSet:
     """Load one split of an image classification data set (an alias of :data:`ALIASES`, a Hub id or a local
-    folder) as decoded uint8 RGB tensors; columns are detected unless named. ``boxes``: also read the ``bbox`` (in
-    ``box_format``, default xywh) and ``mask`` columns (:mod:`timm_rollout.masks`). ``split_flag``: the flag that
-    names ``split``, for errors."""
+    folder, or a loaded ``datasets`` Dataset or DatasetDict) as decoded uint8 RGB tensors; columns are detected
+    unless named. ``boxes``: also read the ``bbox`` (in ``box_format``, default xywh) and ``mask`` columns
+    (:mod:`timm_rollout.masks`). ``split_flag``: the flag that names ``split``, for errors."""
     import datasets
 
-    spec = resolve_dataset(dataset)
-    splits, key = _load_splits(spec, dataset)
+    if isinstance(dataset, str):
+        spec = resolve_dataset(dataset)
+        splits, key = _load_splits(spec, dataset)
+    else:  # an object: named by its builder (or "in memory"); its fingerprint and content hash say what it holds
+        splits = dataset if isinstance(dataset, datasets.DatasetDict) else {split: dataset}
+        spec = DatasetSpec(f"{next(iter(splits.values())).info.dataset_name or 'datasets'} (in memory)", None, None)
+        dataset, key = spec.path, ""
     if split not in splits:
         raise UserError(f"data set {dataset!r} has no split {split!r}; its splits are {', '.join(splits)}: name one "
                         f"with {split_flag}")

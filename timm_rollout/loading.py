@@ -8,6 +8,7 @@ checked before ``timm.models.load_checkpoint``, so a mismatch is named. Pickled 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import re
 import zipfile
@@ -470,20 +471,27 @@ def load_model(
         load_checkpoint(net, str(weights), strict=True)
     net = net.to(device).eval()
 
+    info = module_info(net, model, arch, sha256_file(weights) if weights is not None else None)
+    return net, {**info, "checkpoint": str(checkpoint) if checkpoint is not None else None,
+                 "weights": str(weights) if weights is not None else None,
+                 "checkpoint_architecture": (config or {}).get("architecture"),
+                 "model_args": {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}}
+
+
+def module_info(net: nn.Module, name: str | None = None, architecture: str | None = None,
+                sha256: str | None = None) -> dict[str, Any]:
+    """A model's provenance as :func:`load_model` records it; for a model object (no ``sha256`` of a file), the
+    sha256 of its weights: each tensor's name, dtype, shape and bytes in ``state_dict`` order."""
     cfg = net.pretrained_cfg
-    info = {
-        "name": model,
-        "architecture": arch,
-        "checkpoint": str(checkpoint) if checkpoint is not None else None,
-        "weights": str(weights) if weights is not None else None,
-        "sha256": sha256_file(weights) if weights is not None else None,
-        "checkpoint_architecture": (config or {}).get("architecture"),
-        "num_classes": int(net.num_classes),
-        "global_pool": pool_name(net),
-        "model_args": {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()},
-        "label_names": cfg.get("label_names"),
-        "mean": list(cfg["mean"]),
-        "std": list(cfg["std"]),
-        "input_size": list(cfg["input_size"]),
-    }
-    return net, info
+    architecture = architecture or cfg.get("architecture") or type(net).__name__
+    if sha256 is None and name is None:
+        digest = hashlib.sha256()
+        for key, tensor in net.state_dict().items():
+            flat = tensor.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"{key}\0{flat.dtype}\0{tuple(tensor.shape)}\0".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes())
+        sha256 = digest.hexdigest()
+    return {"name": name or architecture, "architecture": architecture, "checkpoint": None, "weights": None,
+            "sha256": sha256, "checkpoint_architecture": None, "num_classes": int(net.num_classes),
+            "global_pool": pool_name(net), "model_args": {}, "label_names": cfg.get("label_names"),
+            "mean": list(cfg["mean"]), "std": list(cfg["std"]), "input_size": list(cfg["input_size"])}
