@@ -70,8 +70,9 @@ def runs(checkpoint, tmp_path_factory) -> list[Path]:
 
 def test_a_re_evaluation_is_refused_without_overwrite_and_never_mixes_two(runs, checkpoint, monkeypatch, tmp_path):
     """Without --overwrite a folder holding an evaluation is refused before any work, its files as they were; with
-    it, a re-evaluation (another seed, so other images) that fails on its way leaves none of the old files beside a
-    new one: they go once data and model are loaded, before anything new is written."""
+    it, a re-evaluation (another seed, so other images) that fails while computing leaves the old evaluation as it
+    was, and one that fails while writing leaves none of the old files beside a new one: they go just before the
+    first new file is written."""
     folder = tmp_path / "again"
     shutil.copytree(runs[1], folder)
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
@@ -84,10 +85,15 @@ def test_a_re_evaluation_is_refused_without_overwrite_and_never_mixes_two(runs, 
     def fail(*args, **kwargs):
         raise RuntimeError("interrupted")
 
-    monkeypatch.setattr(harness_eval, "_figures", fail)
+    again = _args(checkpoint, folder, "--per-class", "10", "--seed", "4", "--device", "cpu", "--overwrite")
+    monkeypatch.setattr(harness_eval, "_drawings", fail)
     with pytest.raises(RuntimeError, match="interrupted"):
-        harness_eval.main(_args(checkpoint, folder, "--per-class", "10", "--seed", "4", "--device", "cpu",
-                                "--overwrite"))
+        harness_eval.main(again)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    monkeypatch.undo()
+    monkeypatch.setattr(harness_eval, "plot_cosine_matrix", fail)  # the first figure Evaluation.save draws
+    with pytest.raises(RuntimeError, match="interrupted"):
+        harness_eval.main(again)
     assert list(folder.iterdir()) == []
 
 

@@ -16,7 +16,6 @@ import torch
 from PIL import Image
 from timm.models import save_for_hf
 
-from harness import diagnose
 from harness import eval as harness_eval
 from harness.localisation import LOCALISATION, localisation_metrics
 from timm_rollout.cli import run_cli
@@ -255,10 +254,10 @@ def test_foreground_metrics_against_a_plain_loop_and_by_hand():
     assert on_object["pooling_object_mass"] == 1.0 and on_object["content_chance"] is None
 
 
-def test_eval_reads_a_foreground_mask_without_boxes_and_diagnose_keeps_it(tmp_path, capsys, monkeypatch):
+def test_eval_reads_a_foreground_mask_without_boxes(tmp_path, capsys, monkeypatch):
     """harness.eval of the uniform (gap) pooling on 16x16 images with foreground masks and no bbox column: boxes
     from the masks, object share = the object's pixel share, no fill metrics, the objects taken out for context
-    top-1; diagnose finds it up to date. A contradicting box column is one line, exit 2."""
+    top-1. A contradicting box column is one line, exit 2."""
     rects = [(x % 12, (3 * x) % 12, 4, 4) for x in range(16)]  # each object elsewhere: every one can be taken out
     masks = _foreground(rects)
     folder = _save(tmp_path / "ds", masks)
@@ -267,9 +266,6 @@ def test_eval_reads_a_foreground_mask_without_boxes_and_diagnose_keeps_it(tmp_pa
                 tmp_path / "gap", safe_serialization=True, data_config={"mean": (0.5,) * 3, "std": (0.25,) * 3})
     argv = ["--model", "vit_tiny_cifar_gap", "--checkpoint", str(tmp_path / "gap"), "--dataset", folder,
             "--heatmaps", "0", "--device", "cpu", "--amp", "none", "--k", "3"]
-    found = harness_eval.main([*argv, "--output", str(tmp_path / "eval0")])["metrics"]
-    with pytest.raises(UserError, match=r"eval0 names its data set folder by name only \(\.\.\./ds: .*harness.eval$"):
-        diagnose.update_evaluation(tmp_path / "eval0")  # evaluated from outside the tree of tmp_path
     monkeypatch.chdir(tmp_path)  # the data and the evaluation in one tree: recorded relative to each other
     found = harness_eval.main([*argv, "--output", str(tmp_path / "eval")])["metrics"]
     recorded = json.loads((tmp_path / "eval" / "results.json").read_text())["data"]
@@ -279,7 +275,6 @@ def test_eval_reads_a_foreground_mask_without_boxes_and_diagnose_keeps_it(tmp_pa
     assert found["pooling_object_mass"] == pytest.approx(16 / 256) == found["object_area_fraction"]
     assert found["pooling_object_share"] == pytest.approx((masks == 1).mean(), abs=1e-6)
     assert all(found[k] is None for k in FILL_KEYS) and found["context_top1"] is not None
-    assert diagnose.update_evaluation(tmp_path / "eval") == []
     _save(tmp_path / "bad", masks, [(x, y, x + w, y + h) for x, y, w, h in rects])
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:

@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -36,6 +37,9 @@ def _run(cmd: list[str], threads: int | None) -> None:
     print("+ " + shlex.join(cmd) + "\n", end="", flush=True)  # one write: jobs print from several threads
     env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(cmd, check=False, env=env)
+    if done.returncode < 0:  # killed: preempted, timed out, requeued
+        raise UserError(f"step stopped by {signal.Signals(-done.returncode).name}: {shlex.join(cmd)}; a requeued "
+                        "task, or the study command run again, resumes it")
     if done.returncode != 0:
         raise UserError(f"step failed (exit {done.returncode}): {shlex.join(cmd)}; fix it and re-run the study "
                         "command, finished runs are kept")

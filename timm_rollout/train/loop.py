@@ -32,6 +32,7 @@ from .output import (
     restore,
     save_run,
     saved_args,
+    training_lock,
     trains_further,
     write_record,
     write_summary,
@@ -54,7 +55,8 @@ def train(argv: list[str] | None = None) -> Path:
     d = init_distributed(args.device)
     threads = torch.get_num_threads()
     try:
-        return _train(args, parser, d)
+        with training_lock(Path(args.output), d.main):
+            return _train(args, parser, d)
     finally:
         torch.set_num_threads(threads)
         if d.world > 1 and dist.is_initialized():
