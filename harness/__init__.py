@@ -5,11 +5,8 @@ import timm_rollout  # noqa: F401  (first: a broken torch/torchvision install is
 __all__ = ["Evaluation", "evaluate"]
 
 
-def __getattr__(name: str):
-    """``harness.evaluate`` and ``harness.Evaluation`` (harness.eval), imported when first used: importing the
-    package stays light for the command lines' ``--help``."""
+def __getattr__(name: str):  # harness.evaluate and harness.Evaluation load harness.eval when first used (light --help)
     if name in __all__:
         from harness import eval as evaluation
-
         return getattr(evaluation, name)
     raise AttributeError(f"module 'harness' has no attribute {name!r}")

@@ -162,9 +162,8 @@ def _check_args(args: argparse.Namespace, given: frozenset[str]) -> None:
     from timm_rollout.loading import build_meta, check_model  # here, so that --help loads no timm
 
     _check_options(args, given)
-    if not args.overwrite and (held := [n for n in EVAL_FILES if (Path(args.output) / n).exists()]):
-        raise UserError(f"{args.output} holds an evaluation ({', '.join(held)}); pass --overwrite to replace it, or "
-                        "choose another --output")
+    if args.output is not None:
+        _held(Path(args.output), args.overwrite)
     check_model(args.model)
     if _attention_asked(args, given):
         _refuse_attention(args, build_meta(args.model, args.checkpoint), given)
@@ -185,21 +184,30 @@ def evaluate(model: str | torch.nn.Module, dataset: Any = "cifar10", split: str 
     """Evaluate ``model`` (a timm model object; or a registered name, ``hf-hub:`` or ``local-dir:`` with its
     ``checkpoint``) on ``split`` of ``dataset`` (an alias, Hub id or folder; or a ``datasets`` Dataset or
     DatasetDict) as ``python -m harness.eval`` does; ``options`` are its flags by their Python names
-    (``per_class=100``, ``bank_split="train"``, ``faithfulness=True``, ``device="cpu"``...). A model object is put
-    in eval mode on the device (a copy of it when ``pool`` reads it out otherwise). Nothing is written until
-    :meth:`Evaluation.save`."""
-    defaults = {a.dest: a.default for a in build_parser()._actions if a.dest not in ("help", "output", "overwrite")}
+    (``per_class=100``, ``bank_split="train"``, ``faithfulness=True``, ``device="cpu"``...), refused as the CLI
+    refuses them. A model object is evaluated where ``device`` puts it, its training mode restored (a copy when
+    ``pool`` reads it out otherwise). Nothing is written until :meth:`Evaluation.save`."""
+    parser = build_parser()
+    defaults = {a.dest: a.default for a in parser._actions if a.dest not in ("help", "output", "overwrite")}
     unknown = sorted(set(options) - set(defaults) | set(options) & {"model", "dataset", "split", "checkpoint"})
     if unknown:
         raise TypeError(f"evaluate() got unknown options {', '.join(unknown)}; the options: "
                         f"{', '.join(sorted(set(defaults) - {'model', 'dataset', 'split', 'checkpoint'}))}")
-    args = argparse.Namespace(**{**defaults, **options, "model": model, "dataset": dataset, "split": split,
+    if options.get("bank_split") and not isinstance(dataset, str) and type(dataset).__name__ != "DatasetDict":
+        raise UserError("a Dataset object is one split, so bank_split has none to read; pass a DatasetDict")
+    args = argparse.Namespace(**{**defaults, **options, **parser.typed_values(options), "model": model,
+                                 "dataset": dataset, "split": split,
                                  "checkpoint": None if checkpoint is None else str(checkpoint)})
     if isinstance(model, str):  # a name is checked before anything loads, as the CLI checks it
-        _check_args(argparse.Namespace(**vars(args), output=None, overwrite=True), frozenset(options))
-    else:
-        _check_options(args, set(options))
-    return _evaluate(args)
+        _check_args(argparse.Namespace(**vars(args), output=None, overwrite=False), frozenset(options))
+        return _evaluate(args)
+    _check_options(args, set(options))
+    _refuse_attention(args, model, frozenset(options))
+    training = model.training
+    try:
+        return _evaluate(args)
+    finally:
+        model.train(training)
 
 
 def _attention_asked(args: argparse.Namespace, given: frozenset[str] | None) -> list[str]:
@@ -310,26 +318,17 @@ def _predictions(feats: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor
                  args: argparse.Namespace) -> dict[str, np.ndarray | None]:
     """Per-image predictions of the head and both k-NN protocols (the linear probe is added in its own stage);
     ``top5`` holds per-image hits instead."""
-    return {
-        "top1": logits.argmax(dim=1).numpy(),
-        "top5": metrics.topk_hits(logits, labels, 5),
-        "linear_probe": None,
-        "knn_loo": metrics.knn_loo_predictions(feats, labels, args.k),
-        "knn_bank": None if bank_feats is None else
-        metrics.knn_bank_predictions(bank_feats, bank_labels, feats, args.bank_k, args.temperature),
-    }
+    return {"top1": logits.argmax(dim=1).numpy(), "top5": metrics.topk_hits(logits, labels, 5), "linear_probe": None,
+            "knn_loo": metrics.knn_loo_predictions(feats, labels, args.k),
+            "knn_bank": None if bank_feats is None else
+            metrics.knn_bank_predictions(bank_feats, bank_labels, feats, args.bank_k, args.temperature)}
 
 
 def _metric_values(predicted: dict[str, np.ndarray | None], labels: torch.Tensor, geometry: dict[str, float | None],
                    silhouette: float) -> dict[str, float | None]:
     """results.json's metrics: accuracies from the per-image predictions, then geometry and silhouette."""
-    values: dict[str, float | None] = {}
-    for name in metrics.ACCURACIES:
-        pred = predicted[name]
-        if pred is None:
-            values[name] = None
-        else:
-            values[name] = float(pred.mean()) if name == "top5" else metrics.accuracy(pred, labels)
+    values = {name: None if (pred := predicted[name]) is None else float(pred.mean()) if name == "top5"
+              else metrics.accuracy(pred, labels) for name in metrics.ACCURACIES}
     ours = {k: geometry[k] for k in ("intra", "inter", "ratio")}
     original = {k: v for k, v in geometry.items() if k.endswith("_original")}
     return {**values, **ours, "silhouette": silhouette, **original}
@@ -372,6 +371,7 @@ def _load(args: argparse.Namespace, full: ImageSet, device: torch.device) -> tup
     if isinstance(args.model, torch.nn.Module):
         model = copy.deepcopy(args.model) if args.pool not in (None, pool_name(args.model)) else args.model
         model, info = model.to(device).eval(), module_info(model)
+        info["input_size"] = [3, *full.images.shape[2:]]  # the size it takes (checked below), not timm's default
     else:
         prefixed = args.model.startswith(("hf-hub:", "local-dir:"))
         default_classes = None if args.checkpoint or prefixed else full.num_classes
@@ -457,8 +457,8 @@ def _pooling(model, info: dict, data: ImageSet, batch_size: int, device, amp_dty
 
 @dataclass
 class Evaluation:
-    """One evaluation in memory: ``record`` is what results.json holds (``metrics``, the numbers), and :meth:`save`
-    writes every file ``python -m harness.eval`` writes."""
+    """One evaluation in memory: ``record`` is results.json's content, :meth:`save` writes every file harness.eval
+    writes."""
 
     record: dict[str, Any]
     predictions: dict[str, Any]  # predictions.json.gz's content
@@ -474,12 +474,8 @@ class Evaluation:
         """Write the evaluation into ``folder`` (created if missing); one holding an evaluation is refused unless
         ``overwrite``, then its files go first. Returns results.json as written."""
         out, start, clock = Path(folder), time.perf_counter(), Stopwatch()
-        held = [n for n in EVAL_FILES if (out / n).exists()]
-        if held and not overwrite:
-            raise UserError(f"{out} holds an evaluation ({', '.join(held)}); pass --overwrite to replace it, or "
-                            "choose another --output")
         out.mkdir(parents=True, exist_ok=True)
-        for name in held:
+        for name in _held(out, overwrite):
             (out / name).unlink()
         with clock.stage("figures"):
             figures = [draw(out).name for draw in self.drawings]
@@ -497,6 +493,15 @@ class Evaluation:
                   "timing": {**timing, "total": round(timing["total"] + time.perf_counter() - start, 3)}}
         write_evaluation(out, record, self.predictions)
         return read_results(out)
+
+
+def _held(out: Path, overwrite: bool) -> list[str]:
+    """The files of an evaluation in ``out``: refused in one line unless ``overwrite``."""
+    held = [n for n in EVAL_FILES if (out / n).exists()]
+    if held and not overwrite:
+        raise UserError(f"{out} holds an evaluation ({', '.join(held)}); pass --overwrite to replace it, or choose "
+                        "another --output")
+    return held
 
 
 def _evaluate(args: argparse.Namespace) -> Evaluation:

@@ -345,6 +345,20 @@ CURVE_PANELS = {  # log.csv column -> (y label, title); the last only when some 
 }
 
 
+def draw_seeds(ax, runs: Sequence[Sequence[dict[str, float]]], key: str, colour: str, label: str) -> None:
+    """One arm's ``key`` per epoch (``runs``: each seed's log rows): a thin line per seed where there are several,
+    and a bold mean over the epochs every seed logged, labelled."""
+    logged = [[r for r in rows if key in r] for rows in runs]
+    length = min(len(rows) for rows in logged)
+    if length == 0:
+        return
+    for rows in logged if len(runs) > 1 else []:
+        ax.plot([r["epoch"] for r in rows], [r[key] for r in rows], color=colour, lw=0.8, alpha=0.35)
+    mean = [sum(col) / len(col) for col in zip(*[[r[key] for r in rows[:length]] for rows in logged], strict=True)]
+    ax.plot([r["epoch"] for r in logged[0][:length]], mean, color=colour, lw=2, label=label,
+            marker="." if length < 3 else None)  # a line of one or two points is hard to see
+
+
 def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], path: Path, title: str,
                          marks: Mapping[str, Sequence[tuple[int, float | None]]] | None = None) -> Path:
     """Train loss, eval top-1 and (rollout-pooled arms) the effective patches of their pooling weights per epoch:
@@ -362,17 +376,8 @@ def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], pat
         colour = f"C{arm}"  # one colour per arm, any number of arms
         runs = [rows for _, rows in sorted(per_seed.items())]
         for key, ax in axes.items():
-            logged = [[r for r in rows if key in r] for rows in runs]
-            length = min(len(rows) for rows in logged)
-            if length == 0:
-                continue
-            for rows in logged if len(runs) > 1 else []:
-                ax.plot([r["epoch"] for r in rows], [r[key] for r in rows], color=colour, lw=0.8, alpha=0.35)
-            columns = zip(*[[r[key] for r in rows[:length]] for rows in logged], strict=True)
-            mean = [sum(col) / len(col) for col in columns]
-            ax.plot([r["epoch"] for r in logged[0][:length]], mean, color=colour, lw=2,
-                    marker="." if length < 3 else None,  # a line of one or two points is hard to see
-                    label=f"{short} ({'mean of ' if len(runs) > 1 else ''}{seeds_phrase(len(runs))})")
+            draw_seeds(ax, runs, key, colour, f"{short} ({'mean of ' if len(runs) > 1 else ''}"
+                                              f"{seeds_phrase(len(runs))})")
     if marks:
         _loss_marks(axes["train_loss"], [*logs], marks)
     for key, ax in axes.items():

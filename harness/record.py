@@ -98,12 +98,10 @@ def read_predictions(folder: str | Path) -> dict[str, Any] | None:
 
 def config_record(args: argparse.Namespace, silhouette_sample: int, feature_dim: int, has_bank: bool) -> dict[str, Any]:
     """results.json's ``config``: the settings every metric was computed with."""
-    return {
-        "seed": args.seed, "per_class": args.per_class, "k": args.k, "bank_k": args.bank_k,
-        "temperature": args.temperature, "silhouette_sample_size": silhouette_sample, "heatmaps": args.heatmaps,
-        "batch_size": args.batch_size, "feature_dim": feature_dim,
-        "linear_probe": metrics.LINEAR_PROBE if has_bank else None,
-    }
+    return {"seed": args.seed, "per_class": args.per_class, "k": args.k, "bank_k": args.bank_k,
+            "temperature": args.temperature, "silhouette_sample_size": silhouette_sample, "heatmaps": args.heatmaps,
+            "batch_size": args.batch_size, "feature_dim": feature_dim,
+            "linear_probe": metrics.LINEAR_PROBE if has_bank else None}
 
 
 # where timm would download the architecture's stock weights from: not where the evaluated weights came from
@@ -130,8 +128,7 @@ def data_record(args: argparse.Namespace, full: ImageSet, data: ImageSet, class_
     data set is (``dataset``, ``argument``) is filled in when the record is saved, relative to its folder."""
     counts = torch.bincount(data.labels, minlength=full.num_classes)
     return {
-        "dataset": None, "argument": None, "split": data.split,
-        "fingerprint": full.fingerprint,
+        "dataset": None, "argument": None, "split": data.split, "fingerprint": full.fingerprint,
         "subset_fingerprint": data.fingerprint, "split_content": full.content, "content": data.content,
         "class_names": [full.class_names[c] for c in class_ids],
         "class_ids": class_ids, "per_class_counts": {full.class_names[c]: int(counts[c]) for c in class_ids},
@@ -139,22 +136,17 @@ def data_record(args: argparse.Namespace, full: ImageSet, data: ImageSet, class_
         "bbox_format": None if data.boxes is None else args.bbox_format or BOX_FORMATS[0],
         "box_content": None if data.boxes is None else box_hash(data.boxes),  # the boxes as read, [x, y, w, h]
         "intra_left_out": [full.class_names[c] for c in metrics.lone_classes(data.labels).tolist()],
-        "bank": None if bank is None else {
-            "split": bank.split, "fingerprint": bank.fingerprint, "content": bank.content, "num_images": len(bank),
-            "per_class": args.bank_per_class,
-        },
-    }
+        "bank": None if bank is None else {"split": bank.split, "fingerprint": bank.fingerprint, "content":
+                                           bank.content, "num_images": len(bank), "per_class": args.bank_per_class}}
 
 
 def predictions_record(predicted: dict[str, np.ndarray | None], labels: torch.Tensor,
                         index: torch.Tensor) -> dict[str, Any]:
     """The predictions file's content: split index and label of each evaluated image, the class each accuracy
     metric predicted for it, and whether its label is in the head's top 5 (one list per key)."""
-    return {
-        "index": index.tolist(), "label": labels.tolist(),
-        "predicted": {k: v.tolist() for k, v in predicted.items() if v is not None and k != "top5"},
-        "top5_hit": None if predicted["top5"] is None else predicted["top5"].astype(int).tolist(),
-    }
+    return {"index": index.tolist(), "label": labels.tolist(),
+            "predicted": {k: v.tolist() for k, v in predicted.items() if v is not None and k != "top5"},
+            "top5_hit": None if predicted["top5"] is None else predicted["top5"].astype(int).tolist()}
 
 
 def summary_line(results: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.compare import Group, compare_groups, summarise
+from harness.figures import draw_seeds
 from harness.record import load_results
 from harness.study.folder import arm_of
 from timm_rollout.atomic import save_figure
@@ -51,13 +52,7 @@ def plot_curves(ax, study: Path, arms: list[str]) -> None:
         logs = [read_log(p) for p in sorted((study / "runs").glob(f"{arm}-s*/{LOG_FILE}")) if arm_of(p.parent) == arm]
         if not logs:
             continue
-        length = min(len(rows) for rows in logs)
-        curves = np.array([[r["eval_top1"] for r in rows[:length]] for rows in logs])
-        epochs = np.arange(1, length + 1)
-        for curve in curves:
-            ax.plot(epochs, curve, color=f"C{i}", lw=0.6, alpha=0.35)
-        ax.plot(epochs, curves.mean(0), color=f"C{i}", lw=2,
-                label=f"{ARM_NAMES.get(arm, arm)}, {seeds_phrase(len(logs))}")
+        draw_seeds(ax, logs, "eval_top1", f"C{i}", f"{ARM_NAMES.get(arm, arm)}, {seeds_phrase(len(logs))}")
     low = [line.get_ydata()[len(line.get_ydata()) // 10] for line in ax.get_lines() if line.get_lw() == 2]
     if low:
         ax.set_ylim(bottom=min(low) - 2)

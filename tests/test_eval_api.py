@@ -4,6 +4,7 @@ same model and images, its top-1 that of a plain loop; ``Evaluation.save`` write
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import datasets
@@ -86,3 +87,17 @@ def test_options_are_the_cli_flags_and_bad_ones_are_refused(sample):
         harness.evaluate(model, sample, bank_k=5)
     with pytest.raises(UserError, match="has no split 'validation'"):
         harness.evaluate(model, sample, "validation", **CPU)
+    for option, message in [({"k": 0}, "argument --k: must be an integer >= 1, got 0"),  # the CLI's own checks
+                            ({"per_class": 2.5}, "argument --per-class: expected an integer >= 2, got '2.5'"),
+                            ({"amp": "fp16x"}, "argument --amp: invalid choice: 'fp16x'"),
+                            ({"classes": "cat"}, "argument --classes: takes a list, got 'cat'"),
+                            ({"faithfulness": 1}, "argument --faithfulness: takes True or False, got 1")]:
+        with pytest.raises(UserError, match=re.escape(message)):
+            harness.evaluate(model, sample, **option)
+    with pytest.raises(UserError, match="a Dataset object is one split, so bank_split has none to read"):
+        harness.evaluate(model, sample["test"], bank_split="train")  # it would score the test images as the bank
+    cnn = timm.create_model("resnet18", num_classes=10).train()
+    with pytest.raises(UserError, match=r"--heatmaps needs attention, and resnet18 .*drop --heatmaps"):
+        harness.evaluate(cnn, sample, heatmaps=4)
+    ev = harness.evaluate(cnn, sample, per_class=2, heatmaps=0, **CPU)
+    assert cnn.training and ev.record["model"]["input_size"] == [3, 32, 32]  # its mode kept; the size it took

@@ -118,6 +118,22 @@ class CliParser(argparse.ArgumentParser):
             for action, required, kind, choices in saved:
                 action.required, action.type, action.choices = required, kind, choices
 
+    def typed_values(self, options: dict[str, Any]) -> dict[str, Any]:
+        """``options`` (flags' destinations -> Python values, as a library call takes them; None: the default)
+        through each flag's type and choices, refused as on the command line."""
+        typed = {}
+        for action in (a for a in self._actions if options.get(a.dest) is not None):
+            value, flag, many = options[action.dest], action.option_strings[0], action.nargs == "+"
+            if (action.nargs == 0 and not isinstance(value, bool)) or many != isinstance(value, (list, tuple)):
+                wanted = "True or False" if action.nargs == 0 else "a list" if many else "one value"
+                self.error(f"argument {flag}: takes {wanted}, got {value!r}")
+            try:
+                typed[action.dest] = value if action.nargs == 0 else self._get_values(
+                    action, [str(v) for v in (value if many else [value])])
+            except argparse.ArgumentError as e:
+                self.error(str(e))
+        return typed
+
     def parse_args(self, args=None, namespace=None):
         parsed, _ = self._parse(args, namespace, strict=True)
         for check in self.checks:

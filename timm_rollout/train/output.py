@@ -8,8 +8,6 @@ import contextlib
 import fcntl
 import json
 import os
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,7 +40,6 @@ from .setup import RunData, Trainer
 from .validation import EVAL_BATCH
 
 LOCK_FILE = ".train.lock"  # held by the process training into a run folder (a dot file: never committed)
-LOCK_WAIT = 60  # seconds a second process waits for it: a requeued Slurm task's predecessor may still be dying
 RUN_FILES = (*MODEL_FILES, ARGS_FILE, SUMMARY_FILE, LOG_FILE, CURVES_FILE, RESUME_FILE)
 # Flags that may differ when a run is resumed: where it lives and how it runs, not what it computes.
 RESUME_FREE = {"resume", "overwrite", "output", "workers", "device", "no_progress", "save_every", "compile",
@@ -209,33 +206,23 @@ def write_summary(out: Path, args: argparse.Namespace, data: RunData, t: Trainer
 @contextlib.contextmanager
 def training_lock(out: Path, main: bool) -> Iterator[None]:
     """Hold ``out``'s lock while training into it (rank 0): a second process training into the same folder, whose
-    saves would interleave with this one's, waits up to :data:`LOCK_WAIT` seconds for it, then is refused in one line.
-    The lock goes with the process however it ends (a kill included); a folder it created and left empty goes."""
+    saves would interleave with this one's, is refused in one line. The lock goes with the process however it ends
+    (a kill included); a folder made here and left empty (a refused run) goes too."""
     if not main:
         yield
         return
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    wait = LOCK_WAIT
-    fd, deadline = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644), time.monotonic() + wait
+    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        while not _locked(fd):
-            if time.monotonic() > deadline:
-                raise UserError(f"another process is training into {out} (it holds {out / LOCK_FILE}); wait for it "
-                                "to end, or train into another --output")
-            print(f"waiting for the process training into {out} (at most {wait:.0f} s)", file=sys.stderr)
-            time.sleep(min(5.0, max(wait / 10, 0.1)))
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UserError(f"another process is training into {out} (it holds {out / LOCK_FILE}); wait for it to "
+                            "end, or train into another --output") from None
         yield
     finally:
         os.close(fd)
-        if created and [p.name for p in out.iterdir()] == [LOCK_FILE]:  # refused before writing anything
+        if created and [p.name for p in out.iterdir()] == [LOCK_FILE]:
             (out / LOCK_FILE).unlink()
             out.rmdir()
-
-
-def _locked(fd: int) -> bool:
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False
-    return True
