@@ -60,7 +60,8 @@ def test_top1_of_a_vit_object_is_a_plain_loops_and_its_pooling_is_left_alone(sam
     with torch.no_grad():
         hits = [int(reference.eval()(normalize(data.images[i:i + 1], cfg["mean"], cfg["std"])).argmax()) == int(y)
                 for i, y in enumerate(data.labels)]
-    assert ev.metrics["top1"] == pytest.approx(sum(hits) / len(hits), abs=1e-12) and len(hits) == 1000
+    # one image apart at most: a batch of 1 and the harness's batches may round a near-tie in fp32 otherwise
+    assert ev.metrics["top1"] == pytest.approx(sum(hits) / len(hits), abs=1.001e-3) and len(hits) == 1000
 
 
 def test_a_checkpoint_by_name_saves_exactly_what_the_cli_writes(tmp_path: Path):
