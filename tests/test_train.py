@@ -220,7 +220,7 @@ def test_a_second_process_training_into_a_run_is_refused(tmp_path: Path) -> None
     train([*TINY_RUN, "--output", str(out), "--resume"])
     assert json.loads((out / "summary.json").read_text())["epochs"] == 3
     with pytest.raises(UserError, match="asked for 5 images but there are 10 classes"):
-        train([*TINY_RUN, "--max-train-samples", "5", "--output", str(tmp_path / "new")])
+        train([*TINY_RUN, "--max-train-samples", "5", "--output", str(tmp_path / "new" / "a" / "b")])
     assert not (tmp_path / "new").exists()
 
 

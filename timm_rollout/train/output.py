@@ -207,22 +207,25 @@ def write_summary(out: Path, args: argparse.Namespace, data: RunData, t: Trainer
 def training_lock(out: Path, main: bool) -> Iterator[None]:
     """Hold ``out``'s lock while training into it (rank 0): a second process training into the same folder, whose
     saves would interleave with this one's, is refused in one line. The lock goes with the process however it ends
-    (a kill included); a folder made here and left empty (a refused run) goes too."""
+    (a kill included); folders made here and left empty (a refused run) go too."""
     if not main:
         yield
         return
-    created = not out.exists()
+    made = [p for p in (out, *out.parents) if not p.exists()]  # the folders made here, innermost first
     out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fd, locked = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644), False
     try:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             raise UserError(f"another process is training into {out} (it holds {out / LOCK_FILE}); wait for it to "
                             "end, or train into another --output") from None
+        locked = True
         yield
     finally:
-        os.close(fd)
-        if created and [p.name for p in out.iterdir()] == [LOCK_FILE]:
+        if locked and made and [p.name for p in out.iterdir()] == [LOCK_FILE]:  # refused before writing anything
             (out / LOCK_FILE).unlink()
-            out.rmdir()
+            for folder in made:
+                with contextlib.suppress(OSError):  # another process's files since: it stays
+                    folder.rmdir()
+        os.close(fd)
