@@ -15,8 +15,8 @@ import torch
 
 from harness import stats
 from timm_rollout.atomic import save_figure
+from timm_rollout.curves import draw_seeds, epoch_axis, seeds_phrase
 from timm_rollout.explain import Explanation
-from timm_rollout.train.log import epoch_axis, seeds_phrase
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -343,20 +343,6 @@ CURVE_PANELS = {  # log.csv column -> (y label, title); the last only when some 
     "eval_top1": ("eval top-1 accuracy (%)", "Eval top-1 accuracy"),
     "rollout_effective_patches": ("effective patches of the rollout weights", "Rollout pooling: effective patches"),
 }
-
-
-def draw_seeds(ax, runs: Sequence[Sequence[dict[str, float]]], key: str, colour: str, label: str) -> None:
-    """One arm's ``key`` per epoch (``runs``: each seed's log rows): a thin line per seed where there are several,
-    and a bold mean over the epochs every seed logged, labelled."""
-    logged = [[r for r in rows if key in r] for rows in runs]
-    length = min(len(rows) for rows in logged)
-    if length == 0:
-        return
-    for rows in logged if len(runs) > 1 else []:
-        ax.plot([r["epoch"] for r in rows], [r[key] for r in rows], color=colour, lw=0.8, alpha=0.35)
-    mean = [sum(col) / len(col) for col in zip(*[[r[key] for r in rows[:length]] for rows in logged], strict=True)]
-    ax.plot([r["epoch"] for r in logged[0][:length]], mean, color=colour, lw=2, label=label,
-            marker="." if length < 3 else None)  # a line of one or two points is hard to see
 
 
 def plot_training_curves(logs: dict[str, dict[int, list[dict[str, float]]]], path: Path, title: str,

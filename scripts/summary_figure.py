@@ -14,14 +14,14 @@ from pathlib import Path
 import numpy as np
 
 from harness.compare import Group, compare_groups, summarise
-from harness.figures import draw_seeds
 from harness.record import load_results
 from harness.study.folder import arm_of
 from timm_rollout.atomic import save_figure
 from timm_rollout.cli import CliParser, existing_path, run_cli
+from timm_rollout.curves import draw_seeds, epoch_axis, seeds_phrase
 from timm_rollout.errors import UserError
 from timm_rollout.records import LOG_FILE, RESULTS_FILE
-from timm_rollout.train.log import epoch_axis, read_log, seeds_phrase
+from timm_rollout.train.log import read_log
 
 ARM_NAMES = {"cls": "[CLS] token (cls)", "gap": "patch mean (gap)", "rollout": "rollout-weighted patches (rollout)",
              "map": "learned attention pooling (map)", "rollout-max-discard0.9": "sharpened rollout (max, discard 0.9)"}

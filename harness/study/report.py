@@ -40,6 +40,7 @@ from harness.hub import write_upload_folder
 from harness.metrics import LOCALISATION, POOLING_DIAGNOSTICS
 from harness.record import load_results, read_predictions
 from timm_rollout.atomic import write_text
+from timm_rollout.curves import seeds_phrase
 from timm_rollout.data import load_image_set, normalize
 from timm_rollout.explain import MAP_LABELS
 from timm_rollout.records import (
@@ -60,7 +61,7 @@ from timm_rollout.records import (
     code_labels,
     data_card_title,
 )
-from timm_rollout.train.log import read_log, seeds_phrase
+from timm_rollout.train.log import read_log
 
 from .dose import INTEREST, contrast_metric, dose_section, dose_series
 from .folder import also_folder, arm_of, layout

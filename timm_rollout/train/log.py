@@ -1,4 +1,4 @@
-"""The per-epoch training log (``log.csv``) and its curves (``curves.png``), both written atomically, and with
+"""The per-epoch training log (``log.csv``, written atomically; its figure is :mod:`timm_rollout.curves`), and with
 ``--report-to tensorboard`` the same rows as TensorBoard scalars (:class:`TensorBoardLog`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..atomic import save_figure, write_text
+from ..atomic import write_text
 
 LOG_COLUMNS = ("epoch", "train_loss", "eval_loss", "eval_top1", "eval_top5", "lr", "img_per_s", "seconds")
 # Written when some row has them: the pooling diagnostics of a rollout-pooled model's evaluation pass.
@@ -69,40 +69,3 @@ def read_log(path: str | os.PathLike) -> list[dict[str, float]]:
     with open(path, newline="", encoding="utf-8") as f:
         return [{k: int(v) if k == "epoch" else float(v) for k, v in row.items() if v != ""}
                 for row in csv.DictReader(f)]
-
-
-def epoch_axis(ax) -> None:
-    """Label a matplotlib axis's x axis ``epoch`` with ticks on whole epochs only (never 1.2, 1.4, ...)."""
-    from matplotlib.ticker import MaxNLocator
-
-    ax.set_xlabel("epoch")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-
-def seeds_phrase(n: int) -> str:
-    """``'1 seed'``, ``'3 seeds'``: how figures count seeds."""
-    return f"{n} seed{'' if n == 1 else 's'}"
-
-
-def plot_curves(path: str | os.PathLike, rows: Sequence[dict[str, Any]], title: str) -> None:
-    """Two panels per epoch: train and eval loss; eval top-1 and (with more than 5 classes) top-5 accuracy (%)."""
-    from matplotlib.figure import Figure
-
-    epochs = [r["epoch"] for r in rows]
-    fig = Figure(figsize=(10, 4))
-    ax_loss, ax_acc = fig.subplots(1, 2)
-    ax_loss.plot(epochs, [r["train_loss"] for r in rows], marker=".", label="train")
-    ax_loss.plot(epochs, [r["eval_loss"] for r in rows], marker=".", label="eval")
-    ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="Loss")
-    ax_loss.legend()
-    ax_acc.plot(epochs, [r["eval_top1"] for r in rows], marker=".", label="top-1")
-    if any("eval_top5" in r for r in rows):  # only with more than 5 classes
-        ax_acc.plot(epochs, [r.get("eval_top5", float("nan")) for r in rows], marker=".", label="top-5")
-    ax_acc.set(xlabel="epoch", ylabel="eval accuracy (%)", title="Eval accuracy")
-    ax_acc.legend()
-    for ax in (ax_loss, ax_acc):
-        epoch_axis(ax)
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    save_figure(fig, path)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ..atomic import write_json
 from ..checkpoint import load_resume, save_model, save_resume
 from ..cli import CliParser
+from ..curves import plot_curves
 from ..device import device_name, fp32_precision, precision_name
 from ..errors import UserError
 from ..records import (
@@ -35,7 +36,7 @@ from ..records import (
 )
 from .distributed import Dist
 from .flags import as_typed
-from .log import TensorBoardLog, plot_curves, top5_text, write_log
+from .log import TensorBoardLog, top5_text, write_log
 from .setup import RunData, Trainer
 from .validation import EVAL_BATCH
 
