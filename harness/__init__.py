@@ -8,5 +8,5 @@ __all__ = ["Evaluation", "evaluate"]
 def __getattr__(name: str):  # harness.evaluate and harness.Evaluation load harness.eval when first used (light --help)
     if name in __all__:
         from harness import eval as evaluation
-        return getattr(evaluation, name)
+        return getattr(evaluation, name)  # Evaluation: harness.record's, as harness.eval imports it
     raise AttributeError(f"module 'harness' has no attribute {name!r}")

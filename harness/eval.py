@@ -26,7 +26,7 @@ from harness import metrics
 from harness.faithfulness import evaluate_faithfulness
 from harness.features import (
     PoolingDiagnostics,
-    box_localisation,
+    SaliencyMaps,
     context_hits,
     extract,
     pooling_diagnostics,
@@ -34,17 +34,17 @@ from harness.features import (
     save_features,
 )
 from harness.figures import plot_cosine_matrix, plot_faithfulness, plot_heatmaps
-from harness.localisation import LOCALISATION
+from harness.localisation import LOCALISATION, localisation_metrics
 from harness.record import (
     SCHEMA,
+    Evaluation,
     config_record,
     data_record,
     environment_record,
+    held,
     model_config,
     predictions_record,
-    read_results,
     summary_line,
-    write_evaluation,
 )
 from timm_rollout.cli import (
     CliParser,
@@ -64,7 +64,6 @@ from timm_rollout.data import (
     check_class_names,
     dataset_arg,
     load_image_set,
-    normalize,
 )
 from timm_rollout.device import (
     AMP_CHOICES,
@@ -80,15 +79,9 @@ from timm_rollout.pooling import attention_free, pool_name, set_pooling
 from timm_rollout.progress import Stopwatch
 from timm_rollout.records import (
     COSINE_FILE,
-    EVAL_FILES,
     FAITHFULNESS_FILE,
-    FEATURES_FILE,
     HEATMAPS_FILE,
-    PREDICTIONS_FILE,
     code_version,
-    portable_args,
-    portable_path,
-    recorded_data,
 )
 
 __all__ = ["Evaluation", "build_parser", "evaluate", "main", "posthoc_readout", "select_classes"]
@@ -163,7 +156,7 @@ def _check_args(args: argparse.Namespace, given: frozenset[str]) -> None:
 
     _check_options(args, given)
     if args.output is not None:
-        _held(Path(args.output), args.overwrite)
+        held(Path(args.output), args.overwrite)
     check_model(args.model)
     if _attention_asked(args, given):
         _refuse_attention(args, build_meta(args.model, args.checkpoint), given)
@@ -293,24 +286,41 @@ def posthoc_readout(model: torch.nn.Module, pool: str | None) -> str:
     return pool
 
 
-def _heatmap_drawing(model, sel: Selection, info: dict, args, device, amp_dtype) -> Callable[[Path], Path]:
-    """heatmaps.png's maps, computed now and drawn into a folder later: ``--heatmaps`` seeded picks of the evaluated
-    images, each titled with its index in the split."""
-    data = sel.data
+def _heatmap_pick(data: ImageSet, args: argparse.Namespace) -> torch.Tensor:
+    """``--heatmaps`` seeded picks of the evaluated images (all of them, said in a note, when fewer)."""
     if args.heatmaps > len(data):
         print(f"note: --heatmaps {args.heatmaps} but {len(data)} images are evaluated: all of them drawn",
               file=sys.stderr)
-    gen = torch.Generator().manual_seed(args.seed)
-    pick = torch.randperm(len(data), generator=gen)[: args.heatmaps].sort().values
-    images = data.images[pick]
-    found = saliency_maps(model, normalize(images, info["mean"], info["std"]), device=device, amp_dtype=amp_dtype)
-    names = data.class_names
+    return torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed))[: args.heatmaps].sort().values
+
+
+def _maps(model, info: dict, data: ImageSet, pick: torch.Tensor, args: argparse.Namespace, device, amp_dtype,
+          clock: Stopwatch) -> Callable[[torch.Tensor], SaliencyMaps]:
+    """The saliency maps of every evaluated image a part uses (localisation: all, where the split has boxes; the
+    heatmaps' ``pick``; the faithfulness images), in one pass; returns the lookup of any of them by index."""
+    parts = [*([torch.arange(len(data))] if data.boxes is not None else []), pick,
+             *([torch.arange(min(args.faithfulness_images, len(data)))] if args.faithfulness else [])]
+    needed = torch.cat(parts).unique()
+    with clock.stage("maps"):
+        found = saliency_maps(model, data.images[needed], device=device, amp_dtype=amp_dtype,
+                              batch_size=args.batch_size, mean=info["mean"], std=info["std"]) if len(needed) else None
+    row = torch.full((len(data),), -1, dtype=torch.int64)
+    row[needed] = torch.arange(len(needed))
+    return lambda index: found.take(row[index])
+
+
+def _heatmap_drawing(sel: Selection, info: dict, pick: torch.Tensor,
+                     maps: Callable[[torch.Tensor], SaliencyMaps]) -> Callable[[Path], Path]:
+    """heatmaps.png, drawn into a folder later: the maps of the ``pick``ed images, each titled with its index in the
+    split."""
+    data = sel.data
+    images, found, names = data.images[pick], maps(pick), data.class_names
     true = [f"{names[int(y)]} (#{int(i)})" for y, i in zip(data.labels[pick], sel.index[pick], strict=True)]
     pred = [names[int(i)] if int(i) < len(names) else str(int(i)) for i in found.logits.argmax(dim=1)]
-    maps = {f"{MAP_LABELS[k]}\n(readout {found.readout})": v for k, v in found.maps.items()}
+    shown = {f"{MAP_LABELS[k]}\n(readout {found.readout})": v for k, v in found.maps.items()}
     title = f"{info['name']}: maps of its readout ({found.readout}, {data.split})"
     boxes = data.boxes[pick] if data.boxes is not None else None
-    return lambda out: plot_heatmaps(images, maps, true, pred, out / HEATMAPS_FILE, title, boxes, grid=found.grid)
+    return lambda out: plot_heatmaps(images, shown, true, pred, out / HEATMAPS_FILE, title, boxes, grid=found.grid)
 
 
 def _predictions(feats: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
@@ -433,75 +443,27 @@ def _left_out(model: torch.nn.Module, data: ImageSet, args: argparse.Namespace) 
     return {"reason": reason, "parts": parts}
 
 
-def _pooling(model, info: dict, data: ImageSet, batch_size: int, device, amp_dtype, clock: Stopwatch,
-             attention: bool = True) -> tuple[PoolingDiagnostics | None, dict[str, float | None]]:
+def _pooling(model, info: dict, data: ImageSet, args: argparse.Namespace, device, amp_dtype, clock: Stopwatch,
+             maps: Callable[[torch.Tensor], SaliencyMaps] | None) -> tuple[PoolingDiagnostics | None, dict]:
     """The pooling diagnostics, and where the split has object boxes harness.localisation's metrics (else none);
-    without ``attention`` none of them, but for ``context_top1`` (where the split has content masks)."""
-    kwargs = {"device": device, "amp_dtype": amp_dtype, "batch_size": batch_size}
-    if not attention:
-        if data.boxes is None:
-            return None, {}
-        hits = None
-        if data.masks is not None:
-            with clock.stage("localisation"):
-                hits = context_hits(model, data.images, data.labels, data.masks, info["mean"], info["std"], **kwargs)
-        return None, {**dict.fromkeys(LOCALISATION), "context_top1": None if hits is None else float(hits.mean())}
-    with clock.stage("pooling_diagnostics"):
-        diagnostics = pooling_diagnostics(model, data.images, info["mean"], info["std"], **kwargs)
+    without ``maps`` (a model without attention) none of them, but for ``context_top1`` (where the split has content
+    masks)."""
+    diagnostics = None
+    if maps is not None:
+        with clock.stage("pooling_diagnostics"):
+            diagnostics = pooling_diagnostics(model, data.images, info["mean"], info["std"], device=device,
+                                              amp_dtype=amp_dtype, batch_size=args.batch_size)
     if data.boxes is None:
         return diagnostics, {}
     with clock.stage("localisation"):
-        return diagnostics, box_localisation(model, data.images, data.boxes, info["mean"], info["std"],
-                                             masks=data.masks, labels=data.labels, **kwargs)
-
-
-@dataclass
-class Evaluation:
-    """One evaluation in memory: ``record`` is results.json's content, :meth:`save` writes every file harness.eval
-    writes."""
-
-    record: dict[str, Any]
-    predictions: dict[str, Any]  # predictions.json.gz's content
-    drawings: list[Callable[[Path], Path]]  # each draws one figure into a folder
-    features: Callable[..., None] | None  # writes features.safetensors: save_features(path, dataset=...)
-    args: argparse.Namespace  # the options, data set and folders as given
-
-    @property
-    def metrics(self) -> dict[str, float | None]:
-        return self.record["metrics"]
-
-    def save(self, folder: str | Path, overwrite: bool = False) -> dict[str, Any]:
-        """Write the evaluation into ``folder`` (created if missing); one holding an evaluation is refused unless
-        ``overwrite``, then its files go first. Returns results.json as written."""
-        out, start, clock = Path(folder), time.perf_counter(), Stopwatch()
-        out.mkdir(parents=True, exist_ok=True)
-        for name in _held(out, overwrite):
-            (out / name).unlink()
-        with clock.stage("figures"):
-            figures = [draw(out).name for draw in self.drawings]
-        args, data = {**vars(self.args), "output": str(out), "overwrite": overwrite}, self.record["data"]
-        typed = args["dataset"] if isinstance(args["dataset"], str) else data["dataset"]
-        if self.features is not None:
-            with clock.stage("save_features"):
-                self.features(out / FEATURES_FILE, dataset=typed)
-        timing = {**self.record["timing"], **clock.seconds}
-        record = {**self.record, "data": {**data, "dataset": recorded_data(typed, data["dataset"], out),
-                                          "argument": portable_path(typed, out)},
-                  "args": portable_args({**args, "model": self.record["model"]["name"], "dataset": typed}, out),
-                  "outputs": {"figures": figures, "features": FEATURES_FILE if self.features else None,
-                              "predictions": PREDICTIONS_FILE},
-                  "timing": {**timing, "total": round(timing["total"] + time.perf_counter() - start, 3)}}
-        write_evaluation(out, record, self.predictions)
-        return read_results(out)
-
-
-def _held(out: Path, overwrite: bool) -> list[str]:
-    """The files of an evaluation in ``out``: refused in one line unless ``overwrite``."""
-    held = [n for n in EVAL_FILES if (out / n).exists()]
-    if held and not overwrite:
-        raise UserError(f"{out} holds an evaluation ({', '.join(held)}); pass --overwrite to replace it, or choose "
-                        "another --output")
-    return held
+        hits = None if data.masks is None else context_hits(
+            model, data.images, data.labels, data.masks, info["mean"], info["std"], device=device,
+            amp_dtype=amp_dtype, batch_size=args.batch_size)
+        if maps is None:
+            return None, {**dict.fromkeys(LOCALISATION), "context_top1": None if hits is None else float(hits.mean())}
+        found = maps(torch.arange(len(data)))
+        return diagnostics, localisation_metrics(found.pooling, found.maps, data.boxes, data.images.shape[-2:],
+                                                 found.grid, data.masks, hits)
 
 
 def _evaluate(args: argparse.Namespace) -> Evaluation:
@@ -521,8 +483,9 @@ def _evaluate(args: argparse.Namespace) -> Evaluation:
                        batch_size=args.batch_size)
     with clock.stage("extract"):
         feats, logits = features(data.images, desc=f"{data.split} features")
-    diagnostics, localisation = _pooling(model, info, data, args.batch_size, device, amp_dtype, clock,
-                                         attention=left_out is None)
+    pick = _heatmap_pick(data, args) if args.heatmaps and left_out is None else torch.arange(0)
+    maps = _maps(model, info, data, pick, args, device, amp_dtype, clock) if left_out is None else None
+    diagnostics, localisation = _pooling(model, info, data, args, device, amp_dtype, clock, maps)
     bank = bank_feats = None
     if args.bank_split:
         with clock.stage("load_bank"):
@@ -539,8 +502,8 @@ def _evaluate(args: argparse.Namespace) -> Evaluation:
     if bank is not None:
         with clock.stage("linear_probe"):
             predicted["linear_probe"] = metrics.linear_probe_predictions(bank_feats, bank.labels, feats)
-    drawings, faithfulness = _drawings(model, info, sel, (cos, cos_names), args, device, amp_dtype, clock,
-                                       maps=left_out is None)
+    drawings, faithfulness = _drawings(model, info, sel, (cos, cos_names), pick, maps, args, device, amp_dtype,
+                                       clock)
     record = {
         "schema": SCHEMA,
         "metrics": {**_metric_values(predicted, labels, geometry, sil),
@@ -564,24 +527,24 @@ def _evaluate(args: argparse.Namespace) -> Evaluation:
     return Evaluation(record, predictions_record(predicted, labels, sel.index), drawings, saver, args)
 
 
-def _drawings(model, info: dict, sel: Selection, cosine: tuple[np.ndarray, list[str]], args, device, amp_dtype,
-              clock: Stopwatch, maps: bool = True) -> tuple[list[Callable[[Path], Path]], dict[str, Any] | None]:
-    """The figures to draw (the cosine matrix; heatmaps with ``maps``, the model has attention; ``--faithfulness``)
-    and the faithfulness results."""
+def _drawings(model, info: dict, sel: Selection, cosine: tuple[np.ndarray, list[str]], pick: torch.Tensor,
+              maps: Callable[[torch.Tensor], SaliencyMaps] | None, args: argparse.Namespace, device, amp_dtype,
+              clock: Stopwatch) -> tuple[list[Callable[[Path], Path]], dict[str, Any] | None]:
+    """The figures to draw (the cosine matrix; the heatmaps of ``pick``; ``--faithfulness``) and the faithfulness
+    results, from the ``maps`` computed before."""
     data = sel.data
     cosine_title = f"{info['name']}: centroid cosine similarity ({data.split})"
     drawings = [lambda out: plot_cosine_matrix(*cosine, out / COSINE_FILE, cosine_title)]
-    if args.heatmaps and maps:
-        with clock.stage("heatmaps"):
-            drawings.append(_heatmap_drawing(model, sel, info, args, device, amp_dtype))
-    if not args.faithfulness:
+    if len(pick) and maps is not None:
+        drawings.append(_heatmap_drawing(sel, info, pick, maps))
+    if not args.faithfulness or maps is None:
         return drawings, None
     with clock.stage("faithfulness"):
         n = min(args.faithfulness_images, len(data))
         faithfulness = evaluate_faithfulness(model, data.images[:n], data.labels[:n], info["mean"], info["std"],
                                              batch_size=args.batch_size, tie_seed=args.seed,
                                              seeds=[args.seed + i for i in range(1, 4)], device=device,
-                                             dtype=amp_dtype)
+                                             dtype=amp_dtype, found=maps(torch.arange(n)))
     title = f"{info['name']}: faithfulness ({data.split})"
     return [*drawings, lambda out: plot_faithfulness(faithfulness, out / FAITHFULNESS_FILE, title)], faithfulness
 

@@ -173,15 +173,18 @@ def _coverage(gallery: Gallery, size: Sequence[int], grid: Sequence[int]) -> tor
 def model_entry(name: str, model: nn.Module, x: torch.Tensor, gallery: Gallery | None) -> dict[str, Any]:
     """A model's part of the page data: its maps of the (N, 3, H, W) images ``x`` in batches, top-5, and with a
     ``gallery`` of boxes or masks each map's object mass (the share of the map on the object)."""
+    from harness.features import batched
     from harness.localisation import map_shares, object_mass
 
     model.eval()
-    found, logits = [], []
-    for start in range(0, len(x), BATCH):
-        maps, p = pass_maps(model, x[start:start + BATCH])
-        found.append(torch.stack([m.float().cpu() for m in maps.values()], dim=1))
-        logits.append(p.logits.cpu())
-    values, probs = torch.cat(found), torch.cat(logits).softmax(dim=1)
+    last: list = []
+
+    def step(batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        last[:] = pass_maps(model, batch)
+        return {"maps": torch.stack([m.float() for m in last[0].values()], dim=1), "logits": last[1].logits}
+
+    out = batched(step, x, device=x.device, batch_size=BATCH, desc=f"{name}: maps")
+    (maps, p), values, probs = last, out["maps"], out["logits"].softmax(dim=1)
     top = probs.topk(min(5, probs.shape[1]), dim=1)
     strings, vmax = _quantised(values)
     entry = {"name": name, "readout": p.readout_name, "grid": list(p.grid), "depth": len(p.attentions),

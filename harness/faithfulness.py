@@ -19,7 +19,7 @@ import torch
 from scipy import stats
 from torch import nn
 
-from harness.features import saliency_maps
+from harness.features import SaliencyMaps, saliency_maps
 from timm_rollout.capture import fused_attention, record_attention
 from timm_rollout.data import normalize
 from timm_rollout.device import autocast, inference_batch_size
@@ -309,28 +309,20 @@ def faithfulness_curves(
     }
 
 
-def evaluate_faithfulness(
-    model: nn.Module,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    mean: Sequence[float],
-    std: Sequence[float],
-    *,
-    batch_size: int | None = None,
-    seeds: Sequence[int] = (1, 2, 3),
-    tie_seed: int = 0,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype | None = None,
-) -> dict[str, Any]:
+def evaluate_faithfulness(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean: Sequence[float],
+                          std: Sequence[float], *, batch_size: int | None = None, seeds: Sequence[int] = (1, 2, 3),
+                          tie_seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                          found: SaliencyMaps | None = None) -> dict[str, Any]:
     """:func:`faithfulness_curves` of the harness's maps for uint8 ``images`` (N, 3, H, W), normalised with the
-    model's ``mean``/``std``; ``labels`` only give the original top-1, for context. JSON-ready, with wall time."""
+    model's ``mean``/``std`` (``found``: their maps, if computed already); ``labels`` only give the original top-1,
+    for context. JSON-ready, with wall time."""
     if len(images) == 0:
         raise ValueError("no images to score")
     start_time = time.perf_counter()
     device = torch.device(device)
     model.eval()
     x = normalize(images, mean, std)
-    found = saliency_maps(model, x, device=device, amp_dtype=dtype)
+    found = found or saliency_maps(model, x, device=device, amp_dtype=dtype)
     result = faithfulness_curves(model, x, found.logits, found.maps, seeds=seeds, tie_seed=tie_seed,
                                  batch_size=batch_size, device=device, dtype=dtype)
     seconds = time.perf_counter() - start_time

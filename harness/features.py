@@ -7,7 +7,7 @@ features: one pass, so a rollout-pooled model pools by the attention of that pas
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from harness.localisation import context_only, localisation_metrics
+from harness.localisation import context_only
 from timm_rollout.atomic import atomic_path
 from timm_rollout.capture import capture_attention
 from timm_rollout.data import ImageSet, normalize
@@ -35,44 +35,43 @@ from timm_rollout.rollout import (
     variant_name,
 )
 
-__all__ = ["PoolingDiagnostics", "SaliencyMaps", "box_localisation", "context_hits", "extract",
-           "patch_pooling_weights", "pooling_diagnostics", "saliency_maps",
-           "save_features"]
+__all__ = ["PoolingDiagnostics", "SaliencyMaps", "batched", "context_hits", "extract", "patch_pooling_weights",
+           "pooling_diagnostics", "saliency_maps", "save_features"]
 
 
-def _forward(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    pooled = model.forward_head(model.forward_features(x), pre_logits=True)
-    return pooled, model.get_classifier()(pooled)
-
-
-@torch.inference_mode()
-def extract(
-    model: nn.Module,
-    images: torch.Tensor,
-    mean: Sequence[float],
-    std: Sequence[float],
-    *,
-    device: torch.device,
-    amp_dtype: torch.dtype | None = None,
-    batch_size: int | None = None,
-    desc: str = "features",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pooled features (N, D) and logits (N, C), float32 on CPU, for uint8 (N, 3, H, W) ``images``, normalised batch
-    by batch on ``device`` (the float copy of the whole set never exists)."""
-    model.eval()
-    batch_size = batch_size or inference_batch_size(device)
-    features, logits = [], []
+def batched(step: Callable[[torch.Tensor], dict[str, torch.Tensor]], images: torch.Tensor, *, device: torch.device,
+            batch_size: int, desc: str, mean: Sequence[float] | None = None,
+            std: Sequence[float] | None = None) -> dict[str, torch.Tensor]:
+    """The harness's one batched pass: ``step`` on each batch of ``images`` moved to ``device`` (uint8 ones normalised
+    there with ``mean``/``std``: the float copy of the whole set never exists), each of its outputs (batch first)
+    gathered float32 on CPU. ``step`` sets its own autocast and grad mode."""
+    found: dict[str, list[torch.Tensor]] = {}
     with progress(total=len(images), desc=desc, unit="img", leave=False) as bar:
         for start in range(0, len(images), batch_size):
-            batch = images[start:start + batch_size].to(device, non_blocking=True)
-            with autocast(device, amp_dtype):
-                pooled, out = _forward(model, normalize(batch, mean, std).contiguous())
-            features.append(pooled.float().cpu())
-            logits.append(out.float().cpu())
-            bar.update(len(batch))
-    if not features:
-        raise ValueError("no images to extract features from")
-    return torch.cat(features), torch.cat(logits)
+            x = images[start:start + batch_size].to(device, non_blocking=True)
+            for name, value in step(x if mean is None else normalize(x, mean, std).contiguous()).items():
+                found.setdefault(name, []).append(value.float().cpu())
+            bar.update(len(x))
+    if not found:
+        raise ValueError(f"no images for {desc}")
+    return {name: torch.cat(values) for name, values in found.items()}
+
+
+def extract(model: nn.Module, images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *,
+            device: torch.device, amp_dtype: torch.dtype | None = None, batch_size: int | None = None,
+            desc: str = "features") -> tuple[torch.Tensor, torch.Tensor]:
+    """Pooled features (N, D) and logits (N, C), float32 on CPU, for uint8 (N, 3, H, W) ``images``."""
+    model.eval()
+
+    @torch.inference_mode()
+    def step(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        with autocast(device, amp_dtype):
+            pooled = model.forward_head(model.forward_features(x), pre_logits=True)
+            return {"features": pooled, "logits": model.get_classifier()(pooled)}
+
+    out = batched(step, images, device=device, batch_size=batch_size or inference_batch_size(device), desc=desc,
+                  mean=mean, std=std)
+    return out["features"], out["logits"]
 
 
 @dataclass
@@ -86,6 +85,11 @@ class SaliencyMaps:
     readout: str
     pooling: torch.Tensor  # (B, P), float32 on CPU, rows sum to 1
 
+    def take(self, index: torch.Tensor) -> SaliencyMaps:
+        """The maps of the images at ``index``."""
+        return SaliencyMaps({k: v[index] for k, v in self.maps.items()}, self.logits[index], self.grid, self.readout,
+                            self.pooling[index])
+
 
 def patch_pooling_weights(model: nn.Module, p: AttentionPass) -> torch.Tensor:
     """(B, P) weights with which ``model`` pools its patch tokens in the pass ``p``, summing to 1: the readout over
@@ -95,61 +99,25 @@ def patch_pooling_weights(model: nn.Module, p: AttentionPass) -> torch.Tensor:
     return patch_weights(p.readout, p.num_prefix_tokens)
 
 
-def saliency_maps(
-    model: nn.Module,
-    x: torch.Tensor,
-    *,
-    device: torch.device,
-    amp_dtype: torch.dtype | None = None,
-    batch_size: int = 128,
-) -> SaliencyMaps:
-    """:func:`timm_rollout.explain.readout_maps` of normalised images ``x`` (B, 3, H, W), one forward + backward
-    per batch: every map explains the model's own readout (its current ``global_pool``)."""
+def saliency_maps(model: nn.Module, x: torch.Tensor, *, device: torch.device, amp_dtype: torch.dtype | None = None,
+                  batch_size: int = 128, mean: Sequence[float] | None = None,
+                  std: Sequence[float] | None = None) -> SaliencyMaps:
+    """:func:`timm_rollout.explain.readout_maps` of normalised images ``x`` (B, 3, H, W) (uint8 ones with ``mean``
+    and ``std``), one forward + backward per batch: every map explains the model's own readout (its current
+    ``global_pool``)."""
     model.eval()
-    maps: dict[str, list[torch.Tensor]] = {}
-    logits, pooling, p = [], [], None
-    for start in progress(range(0, len(x), batch_size), desc="maps (forward + backward)", leave=False):
+    last: list[AttentionPass] = []
+
+    def step(batch: torch.Tensor) -> dict[str, torch.Tensor]:
         with autocast(device, amp_dtype):
-            p = gradient_pass(model, x[start:start + batch_size].to(device))
-        logits.append(p.logits.cpu())
-        pooling.append(patch_pooling_weights(model, p).float().cpu())
-        for name, values in readout_maps(p).items():
-            maps.setdefault(name, []).append(values.float().cpu())
-    if p is None:
-        raise ValueError("no images to explain")
-    return SaliencyMaps({k: torch.cat(v) for k, v in maps.items()}, torch.cat(logits), p.grid, p.readout_name,
-                        torch.cat(pooling))
+            p = gradient_pass(model, batch)
+        last[:] = [p]
+        return {"logits": p.logits, "pooling": patch_pooling_weights(model, p),
+                **{f"map/{name}": values for name, values in readout_maps(p).items()}}
 
-
-def box_localisation(
-    model: nn.Module,
-    images: torch.Tensor,
-    boxes: torch.Tensor,
-    mean: Sequence[float],
-    std: Sequence[float],
-    *,
-    device: torch.device,
-    amp_dtype: torch.dtype | None = None,
-    batch_size: int = 128,
-    masks: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
-) -> dict[str, float | None]:
-    """:func:`harness.localisation.localisation_metrics` of uint8 (N, 3, H, W) ``images`` with their (N, 4)
-    ``boxes`` (and (N, H, W) content ``masks`` and (N,) ``labels`` for the mask metrics and ``context_top1``), from
-    one forward + backward per batch, images normalised 8 batches at a time."""
-    chunk = 8 * batch_size
-    found = [saliency_maps(model, normalize(images[start:start + chunk], mean, std), device=device,
-                           amp_dtype=amp_dtype, batch_size=batch_size)
-             for start in range(0, len(images), chunk)]
-    if not found:
-        raise ValueError("no images to localise")
-    maps = {name: torch.cat([f.maps[name] for f in found]) for name in found[0].maps}
-    hits = None
-    if masks is not None and labels is not None:
-        hits = context_hits(model, images, labels, masks, mean, std, device=device, amp_dtype=amp_dtype,
-                            batch_size=batch_size)
-    return localisation_metrics(torch.cat([f.pooling for f in found]), maps, boxes, images.shape[-2:], found[0].grid,
-                                masks, hits)
+    out = batched(step, x, device=device, batch_size=batch_size, desc="maps (forward + backward)", mean=mean, std=std)
+    maps = {name[4:]: values for name, values in out.items() if name.startswith("map/")}
+    return SaliencyMaps(maps, out["logits"], last[0].grid, last[0].readout_name, out["pooling"])
 
 
 def context_hits(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, masks: torch.Tensor,
@@ -199,17 +167,9 @@ class PoolingDiagnostics:
                 "rollout_variants": {k: round(float(v.double().mean()), 4) for k, v in self.variant_patches.items()}}
 
 
-@torch.inference_mode()
-def pooling_diagnostics(
-    model: nn.Module,
-    images: torch.Tensor,
-    mean: Sequence[float],
-    std: Sequence[float],
-    *,
-    device: torch.device,
-    amp_dtype: torch.dtype | None = None,
-    batch_size: int | None = None,
-) -> PoolingDiagnostics | None:
+def pooling_diagnostics(model: nn.Module, images: torch.Tensor, mean: Sequence[float], std: Sequence[float], *,
+                        device: torch.device, amp_dtype: torch.dtype | None = None,
+                        batch_size: int | None = None) -> PoolingDiagnostics | None:
     """The rollout diagnostics (:mod:`timm_rollout.rollout`) of uint8 (N, 3, H, W) ``images``: each image's rollout
     pooling weights (the model's own rollout options; post hoc for other poolings) against its final patch tokens.
     None for a model without a class token (no [CLS] row to roll out)."""
@@ -218,24 +178,23 @@ def pooling_diagnostics(
     model.eval()
     fusion, ratio = rollout_options(model)
     prefix = int(model.num_prefix_tokens)
-    batch_size = batch_size or inference_batch_size(device)
-    found: list[tuple[torch.Tensor, ...]] = []
-    for start in progress(range(0, len(images), batch_size), desc="pooling diagnostics", leave=False):
-        x = normalize(images[start:start + batch_size].to(device), mean, std).contiguous()
+
+    @torch.inference_mode()
+    def step(x: torch.Tensor) -> dict[str, torch.Tensor]:
         with autocast(device, amp_dtype), capture_attention(model) as cap:
             tokens = model.forward_features(x)
         attentions = [a.float() for a in cap.attentions]
         weights = pooling_weights(attentions, prefix, fusion, ratio)
-        variants = [effective_patches(pooling_weights(attentions, prefix, f, r)).cpu() for f, r in ROLLOUT_VARIANTS]
-        found.append((effective_patches(weights).cpu(), cosine_to_mean(tokens[:, prefix:], weights).cpu(),
-                      weights.sum(dim=0).cpu(), layer_effective_patches(attentions, prefix).cpu(), *variants))
-    if not found:
-        raise ValueError("no images to diagnose")
-    patches, cosines, sums, layers, *variants = zip(*found, strict=True)
-    return PoolingDiagnostics(torch.cat(patches), torch.cat(cosines), torch.stack(sums).sum(dim=0) / len(images),
-                              fusion, ratio, torch.cat(layers),
-                              {variant_name(*v): torch.cat(p) for v, p in zip(ROLLOUT_VARIANTS, variants, strict=True)},
-                              patch_grid(model, images.shape[-2:], sums[0].numel()))
+        return {"patches": effective_patches(weights), "cosine": cosine_to_mean(tokens[:, prefix:], weights),
+                "weights": weights, "layers": layer_effective_patches(attentions, prefix),
+                **{variant_name(f, r): effective_patches(pooling_weights(attentions, prefix, f, r))
+                   for f, r in ROLLOUT_VARIANTS}}
+
+    out = batched(step, images, device=device, batch_size=batch_size or inference_batch_size(device),
+                  desc="pooling diagnostics", mean=mean, std=std)
+    return PoolingDiagnostics(out["patches"], out["cosine"], out["weights"].sum(dim=0) / len(images), fusion, ratio,
+                              out["layers"], {variant_name(*v): out[variant_name(*v)] for v in ROLLOUT_VARIANTS},
+                              patch_grid(model, images.shape[-2:], out["weights"].shape[1]))
 
 
 def save_features(path: Path, model: str, dataset: str, data: ImageSet, feats: torch.Tensor, bank: ImageSet | None,

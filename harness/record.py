@@ -1,7 +1,7 @@
-"""An evaluation's record on disk, read and written here by every command: ``results.json``, whose layout is
-numbered by ``schema``, and beside it the per-image predictions, gzip-compressed compact JSON
-(``predictions.json.gz``; the plain ``predictions.json`` of older evaluations is still read). Their content:
-harness/README.md, "Output files".
+"""An evaluation's record, in memory (:class:`Evaluation`) and on disk, read and written here by every command:
+``results.json``, whose layout is numbered by ``schema``, and beside it the per-image predictions, gzip-compressed
+compact JSON (``predictions.json.gz``; the plain ``predictions.json`` of older evaluations is still read). Their
+content: harness/README.md, "Output files".
 """
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +25,22 @@ from timm_rollout.data import ImageSet, box_hash
 from timm_rollout.device import device_name, fp32_precision, precision_name
 from timm_rollout.errors import UserError
 from timm_rollout.masks import BOX_FORMATS
-from timm_rollout.records import LEGACY_PREDICTIONS_FILE, PREDICTIONS_FILE, RESULTS_FILE, versions
+from timm_rollout.progress import Stopwatch
+from timm_rollout.records import (
+    EVAL_FILES,
+    FEATURES_FILE,
+    LEGACY_PREDICTIONS_FILE,
+    PREDICTIONS_FILE,
+    RESULTS_FILE,
+    portable_args,
+    portable_path,
+    recorded_data,
+    versions,
+)
 
-__all__ = ["SCHEMA", "config_record", "data_record", "environment_record", "load_results", "model_config",
-           "predictions_record", "read_predictions", "read_results", "summary_line", "upgrade", "write_evaluation"]
+__all__ = ["SCHEMA", "Evaluation", "config_record", "data_record", "environment_record", "held", "load_results",
+           "model_config", "predictions_record", "read_predictions", "read_results", "summary_line", "upgrade",
+           "write_evaluation"]
 
 SCHEMA = 1  # results.json's layout: raise it when a key is added, renamed or changes meaning, and teach upgrade()
 # what results.json gained before it had a schema; a record made before holds them as null (never measured)
@@ -156,3 +170,52 @@ def summary_line(results: dict[str, Any]) -> str:
     posthoc = " (a post-hoc readout, not the trained model)" if results["model"].get("readout_note") else ""
     return f"{results['model']['name']}{posthoc} on {results['data']['num_images']} images: {shown} " \
            f"({env['dtype']}, batches of {results['config']['batch_size']}, {results['timing']['total']:.1f} s)"
+
+
+@dataclass
+class Evaluation:
+    """One evaluation in memory: ``record`` is results.json's content, :meth:`save` writes every file harness.eval
+    writes."""
+
+    record: dict[str, Any]
+    predictions: dict[str, Any]  # predictions.json.gz's content
+    drawings: list[Callable[[Path], Path]]  # each draws one figure into a folder
+    features: Callable[..., None] | None  # writes features.safetensors: save_features(path, dataset=...)
+    args: argparse.Namespace  # the options, data set and folders as given
+
+    @property
+    def metrics(self) -> dict[str, float | None]:
+        return self.record["metrics"]
+
+    def save(self, folder: str | Path, overwrite: bool = False) -> dict[str, Any]:
+        """Write the evaluation into ``folder`` (created if missing); one holding an evaluation is refused unless
+        ``overwrite``, then its files go first. Returns results.json as written."""
+        out, start, clock = Path(folder), time.perf_counter(), Stopwatch()
+        out.mkdir(parents=True, exist_ok=True)
+        for name in held(out, overwrite):
+            (out / name).unlink()
+        with clock.stage("figures"):
+            figures = [draw(out).name for draw in self.drawings]
+        args, data = {**vars(self.args), "output": str(out), "overwrite": overwrite}, self.record["data"]
+        typed = args["dataset"] if isinstance(args["dataset"], str) else data["dataset"]
+        if self.features is not None:
+            with clock.stage("save_features"):
+                self.features(out / FEATURES_FILE, dataset=typed)
+        timing = {**self.record["timing"], **clock.seconds}
+        record = {**self.record, "data": {**data, "dataset": recorded_data(typed, data["dataset"], out),
+                                          "argument": portable_path(typed, out)},
+                  "args": portable_args({**args, "model": self.record["model"]["name"], "dataset": typed}, out),
+                  "outputs": {"figures": figures, "features": FEATURES_FILE if self.features else None,
+                              "predictions": PREDICTIONS_FILE},
+                  "timing": {**timing, "total": round(timing["total"] + time.perf_counter() - start, 3)}}
+        write_evaluation(out, record, self.predictions)
+        return read_results(out)
+
+
+def held(out: Path, overwrite: bool) -> list[str]:
+    """The files of an evaluation in ``out``: refused in one line unless ``overwrite``."""
+    found = [n for n in EVAL_FILES if (out / n).exists()]
+    if found and not overwrite:
+        raise UserError(f"{out} holds an evaluation ({', '.join(found)}); pass --overwrite to replace it, or choose "
+                        "another --output")
+    return found
