@@ -49,6 +49,7 @@ from harness.record import (
 from timm_rollout.cli import (
     CliParser,
     as_type,
+    check_needs,
     existing_path,
     non_negative_int,
     number,
@@ -141,8 +142,8 @@ def build_parser() -> CliParser:
     return p
 
 
-# Flags that only mean something with another one: dest -> (the dest it needs, the flag that sets that one).
-_NEEDS = {
+# Flags that only mean something with another one: dest -> (the dest it needs, the flag to add; timm_rollout.cli).
+NEEDS = {
     "bank_per_class": ("bank_split", "--bank-split train"),
     "bank_k": ("bank_split", "--bank-split train"),
     "temperature": ("bank_split", "--bank-split train"),
@@ -164,10 +165,7 @@ def _check_args(args: argparse.Namespace, given: frozenset[str]) -> None:
 
 def _check_options(args: argparse.Namespace, given: set[str] | frozenset[str]) -> None:
     """Refuse options that need another one (``given``: those set) and a bank drawn from the evaluated split."""
-    for dest, (needed, fix) in _NEEDS.items():
-        if dest in given and not getattr(args, needed):
-            flag = "--" + dest.replace("_", "-")
-            raise UserError(f"{flag} only applies with {fix.split()[0]}; add {fix} or drop {flag}")
+    check_needs(args, given, NEEDS)
     if args.bank_split is not None and args.bank_split == args.split:
         raise UserError(f"--bank-split {args.bank_split} is the evaluated split; use another split (e.g. train)")
 

@@ -52,7 +52,7 @@ CASES = [
     (TRAIN, ["--device", "cuda:99"], "argument --device: cuda"),  # no CUDA, or no 100th GPU: both refused
     (TRAIN, ["--device", "gpu0"], "argument --device: unknown device 'gpu0'; use auto, cpu, cuda or cuda:N"),
     (TRAIN, ["--amp", "fp8"], "argument --amp: invalid choice: 'fp8'"),
-    (TRAIN, ["--compile-mode", "reduce-overhead"], "--compile-mode sets how --compile compiles; add --compile or drop"),
+    (TRAIN, ["--compile-mode", "reduce-overhead"], "--compile-mode only applies with --compile; add --compile or drop"),
     (TRAIN, ["--compile", "--compile-mode", "fast"], "argument --compile-mode: invalid choice: 'fast'"),
     (TRAIN, ["--model", "vit_tiny_cifar_roll"], "unknown model 'vit_tiny_cifar_roll'; did you mean"),
     (TRAIN, ["--model-kwargs", "dpeth=2"], "cannot be built with {'dpeth': 2}"),

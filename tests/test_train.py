@@ -398,8 +398,8 @@ def test_model_ema_decay_without_model_ema_is_refused_at_parse_time(tmp_path: Pa
     with pytest.raises(SystemExit) as exit_:
         run_cli(main, [*TINY, "--model-ema-decay", "0.99", "--output", str(tmp_path / "run")])
     assert exit_.value.code == 2 and not (tmp_path / "run").exists()
-    assert capsys.readouterr().err.splitlines() == ["error: --model-ema-decay sets the decay of the EMA that "
-                                                    "--model-ema keeps; add --model-ema or drop --model-ema-decay"]
+    assert capsys.readouterr().err.splitlines() == ["error: --model-ema-decay only applies with --model-ema; "
+                                                    "add --model-ema or drop --model-ema-decay"]
     assert build_parser().parse_args(["--model-ema", "--model-ema-decay", "0.99", "--output", "x"]).model_ema_decay \
         == 0.99
 

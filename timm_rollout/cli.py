@@ -12,7 +12,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +149,15 @@ class CliParser(argparse.ArgumentParser):
             if flag.startswith("-") else []
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         raise UserError(f"unrecognized arguments: {' '.join(extras)}{hint} (see {self.prog} --help)")
+
+
+def check_needs(args: argparse.Namespace, given: Collection[str], needs: Mapping[str, tuple[str, str]]) -> None:
+    """Every command's one check of flags that only mean something with another one (``needs``: dest -> (the dest
+    it needs, the flag to add)): one of them typed (``given``) without the other is refused, never ignored."""
+    for dest, (needed, fix) in needs.items():
+        if dest in given and not getattr(args, needed):
+            flag, other = (f"--{d.replace('_', '-')}" for d in (dest, needed))
+            raise UserError(f"{flag} only applies with {other}; add {fix} or drop {flag}")
 
 
 def as_type(check: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -15,6 +15,7 @@ from ..cli import (
     ParseKwargs,
     PerChannel,
     as_type,
+    check_needs,
     existing_path,
     fraction,
     key_value,
@@ -60,7 +61,7 @@ def build_parser() -> CliParser:
     """The CLI; names follow timm's ``train.py`` where it has them. Bad values are one-line errors at parse time."""
     p = CliParser(prog="python -m timm_rollout.train", description=DESCRIPTION,
                   checks=[_one_seed, _check_report_to, _check_model_args], removed=REMOVED, foreign=TIMM_FLAGS)
-    p.checks.append(lambda args: _check_dependent_flags(args, p.given))
+    p.checks.append(lambda args: check_needs(args, p.given, NEEDS))
     _data_args(p.add_argument_group("data"))
     _model_args(p.add_argument_group("model"))
     _optimisation_args(p.add_argument_group("optimisation"))
@@ -214,17 +215,8 @@ def _check_model_args(args: argparse.Namespace) -> None:
             raise UserError(f"--pool {args.pool}{shown}: {e}") from None
 
 
-# A flag that only sets how another one works: typed without it, it is refused (what it sets, the flag it needs).
-DEPENDENT_FLAGS = {"model_ema_decay": ("sets the decay of the EMA that --model-ema keeps", "model_ema"),
-                   "compile_mode": ("sets how --compile compiles", "compile")}
-
-
-def _check_dependent_flags(args: argparse.Namespace, given: frozenset[str]) -> None:
-    """A typed flag of :data:`DEPENDENT_FLAGS` is used or refused."""
-    for dest, (what, needed) in DEPENDENT_FLAGS.items():
-        if dest in given and not getattr(args, needed):
-            flag, other = (f"--{d.replace('_', '-')}" for d in (dest, needed))
-            raise UserError(f"{flag} {what}; add {other} or drop {flag}")
+# A flag that only sets how another one works: typed without it, it is refused (the dest it needs, the flag to add).
+NEEDS = {"model_ema_decay": ("model_ema", "--model-ema"), "compile_mode": ("compile", "--compile")}
 
 
 def as_typed(value: object) -> str:
