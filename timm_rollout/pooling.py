@@ -22,6 +22,7 @@ from .rollout import check_options, pooling_weights
 
 ROLLOUT = "rollout"
 TIMM_POOLS = ("", "avg", "avgmax", "max", "token", "map")  # timm VisionTransformer poolings (global_pool)
+POOLS = (*TIMM_POOLS, ROLLOUT)  # every pooling set_pooling takes: the one list of pooling names
 OPTIONS = {"head_fusion": ("rollout_head_fusion", "mean"), "discard_ratio": ("rollout_discard_ratio", 0.0),
            "grad": ("rollout_grad", False)}  # set_pooling option -> model attribute, default
 OPTION_ARGS = tuple(attr for attr, _ in OPTIONS.values())  # the options as model attributes and model arguments
@@ -332,8 +333,8 @@ def _check_pool(model: nn.Module, pool: str) -> None:
     if not pools_tokens(model):
         raise ValueError(f"{attention_free(model)}; set_pooling (--pool) takes timm ViT-family models only")
     attention_modules(model)  # raises for models without timm attention blocks
-    if pool not in (*TIMM_POOLS, ROLLOUT):
-        raise ValueError(f"unknown pooling {pool!r}; use one of {', '.join(map(repr, (*TIMM_POOLS, ROLLOUT)))}")
+    if pool not in POOLS:
+        raise ValueError(f"unknown pooling {pool!r}; use one of {', '.join(map(repr, POOLS))}")
     if pool == model.global_pool:  # its own pooling (any head, e.g. CaiT's, XCiT's, NaFlexVit's): nothing changes
         return
     _check_head(model, pool)  # first: a head of its own is the reason, whatever tokens the model has

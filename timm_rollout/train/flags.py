@@ -30,12 +30,11 @@ from ..cli import (
 from ..data import dataset_arg
 from ..device import AMP_CHOICES, device_arg
 from ..errors import UserError
-from ..pooling import ROLLOUT, TIMM_POOLS, attention_free, set_pooling
+from ..pooling import POOLS, ROLLOUT, attention_free, set_pooling
 
 DESCRIPTION = "Train any timm model (the tiny CIFAR ViTs by default) on a Hugging Face image data set."
 # torch.compile's modes: reduce-overhead replays the compiled passes as CUDA graphs (GPUs; plain compilation on CPU).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-POOLS = (*[p for p in TIMM_POOLS if p], ROLLOUT)  # --pool choices
 # Removed flags, each refused in one line that names what to use instead (CliParser's ``removed``).
 REMOVED = {"--stack": "train many runs as separate processes with scripts/study.py --jobs N",
            "--capture": "for CUDA graphs use --compile --compile-mode reduce-overhead",
@@ -103,7 +102,7 @@ def _model_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--drop-path", type=fraction, default=None, help="stochastic depth rate (model default if unset)")
     g.add_argument("--model-kwargs", nargs="+", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
                    help="extra timm.create_model arguments, e.g. depth=2")
-    g.add_argument("--pool", choices=POOLS, default=None,
+    g.add_argument("--pool", choices=[p for p in POOLS if p], default=None,
                    help="pool with this instead of the model's own pooling, on any timm ViT (timm_rollout.set_pooling)")
     g.add_argument("--pool-kwargs", nargs="+", default={}, action=ParseKwargs, type=key_value, metavar="KEY=VALUE",
                    help="rollout options with --pool rollout: head_fusion=max discard_ratio=0.9 grad=True")
