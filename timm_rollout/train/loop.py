@@ -42,26 +42,22 @@ def train(argv: list[str] | None = None) -> Path:
     try:
         with training_lock(Path(args.output), d.main):
             run = open_run(args, parser, d)
-            if run is not None:
-                _train(run, d)
-        return Path(args.output)
+            if run is None:  # finished, and --epochs asks for no more
+                return Path(args.output)
+            machine = machine_label(d, run.data, run.args)
+            for epoch in range(run.t.epoch, run.args.epochs):
+                t0 = time.perf_counter()
+                train_loss, lr = _train_epoch(run, d, epoch)
+                _end_epoch(run, d, train_loss, lr, time.perf_counter() - t0, machine)
+            if d.main:
+                write_summary(run.out, run.args, run.data, run.t)
+            if run.t.board is not None:
+                run.t.board.writer.close()
+            return run.out
     finally:
         torch.set_num_threads(threads)
         if d.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _train(run: Run, d: Dist) -> None:
-    """The run's epochs from its first unsaved one, then its summary."""
-    machine = machine_label(d, run.data, run.args)
-    for epoch in range(run.t.epoch, run.args.epochs):
-        t0 = time.perf_counter()
-        train_loss, lr = _train_epoch(run, d, epoch)
-        _end_epoch(run, d, train_loss, lr, time.perf_counter() - t0, machine)
-    if d.main:
-        write_summary(run.out, run.args, run.data, run.t)
-    if run.t.board is not None:
-        run.t.board.writer.close()
 
 
 def _end_epoch(run: Run, d: Dist, train_loss: float, lr: float, train_seconds: float, machine: str) -> None:
@@ -78,7 +74,10 @@ def _end_epoch(run: Run, d: Dist, train_loss: float, lr: float, train_seconds: f
     if t.epoch % args.save_every == 0 or t.epoch == args.epochs:
         save_run(run.out, t, args, data, d)
     if d.main:
-        _report_epoch(t.rows[-1], args.epochs)
+        r = t.rows[-1]
+        tqdm.write(f"epoch {r['epoch']}/{args.epochs}: train loss {r['train_loss']:.4f}, eval loss "
+                   f"{r['eval_loss']:.4f}, top-1 {r['eval_top1']:.2f}%{top5_text(r)}, {r['img_per_s']:.0f} img/s",
+                   file=sys.stderr)
 
 
 def _train_epoch(run: Run, d: Dist, epoch: int) -> tuple[float, float]:
@@ -118,12 +117,6 @@ def _epoch_loss(losses: torch.Tensor, run: Run, d: Dist, epoch: int) -> float:
         raise NonFiniteLossError(f"the training loss is {values[bad]} at epoch {epoch + 1} step {bad + 1}; "
                                  f"{kept}; {fix} in a new --output")
     return sum(values) / len(values)
-
-
-def _report_epoch(r: dict[str, float], epochs: int) -> None:
-    tqdm.write(f"epoch {r['epoch']}/{epochs}: train loss {r['train_loss']:.4f}, eval loss {r['eval_loss']:.4f}, "
-               f"top-1 {r['eval_top1']:.2f}%{top5_text(r)}, {r['img_per_s']:.0f} img/s",
-               file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:

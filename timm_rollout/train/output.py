@@ -15,6 +15,7 @@ from ..records import (
     ARGS_FILE,
     CURVES_FILE,
     LOG_FILE,
+    MODEL_FILES,
     RESUME_FILE,
     SUMMARY_FILE,
     code_version,
@@ -26,6 +27,8 @@ from .distributed import Dist
 from .log import TensorBoardLog, plot_curves, top5_text, write_log
 from .setup import RunData, Trainer
 from .validation import EVAL_BATCH
+
+RUN_FILES = (*MODEL_FILES, ARGS_FILE, SUMMARY_FILE, LOG_FILE, CURVES_FILE, RESUME_FILE)  # all a run writes
 
 
 def write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -> None:

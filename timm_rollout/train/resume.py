@@ -21,26 +21,15 @@ from ..atomic import write_json
 from ..checkpoint import load_resume
 from ..cli import CliParser
 from ..errors import UserError
-from ..records import (
-    ARGS_FILE,
-    CURVES_FILE,
-    ELIDED,
-    LOG_FILE,
-    MODEL_FILES,
-    RESUME_FILE,
-    SUMMARY_FILE,
-    portable_args,
-    resolve_recorded,
-)
+from ..records import ARGS_FILE, ELIDED, RESUME_FILE, SUMMARY_FILE, portable_args, resolve_recorded
 from .distributed import Dist
 from .flags import as_typed
 from .log import EVENT_FILES
-from .output import save_run, write_record
+from .output import RUN_FILES, save_run, write_record
 from .setup import RunData, Trainer, build_loader, build_trainer, prepare_data
 from .step import Loader
 
 LOCK_FILE = ".train.lock"  # held by the process training into a run folder (a dot file: never committed)
-RUN_FILES = (*MODEL_FILES, ARGS_FILE, SUMMARY_FILE, LOG_FILE, CURVES_FILE, RESUME_FILE)
 # Flags that may differ when a run is resumed: where it lives and how it runs, not what it computes.
 RESUME_FREE = {"resume", "overwrite", "output", "workers", "device", "no_progress", "save_every", "compile",
                "compile_mode", "report_to"}
@@ -64,11 +53,19 @@ def open_run(args: argparse.Namespace, parser: CliParser, d: Dist) -> Run | None
     (restored on resume), then write what opening writes (:func:`_begin`); None when the run in ``--output`` is
     finished and ``--epochs`` asks for no more."""
     out = Path(args.output)
-    saved_epochs = _saved_epochs(out, args)
+    saved_epochs = _saved_epochs(out, args)  # None: a new run
     if saved_epochs is not None:
         args = merge_saved_args(args, out, parser)
-        if (out / SUMMARY_FILE).exists() and not _trains_further(out, args.epochs, saved_epochs, d):
+    if saved_epochs is not None and (out / SUMMARY_FILE).exists():  # finished: it trains on to a larger --epochs
+        if args.epochs == saved_epochs:
+            if d.main:
+                print(f"{out} holds a finished run of {saved_epochs} epochs; pass a larger --epochs to train it "
+                      "further")
             return None
+        if not (out / RESUME_FILE).exists():  # the state to continue exactly: model, optimizer, EMA, grad scaler
+            raise UserError(f"{out} holds a finished run of {saved_epochs} epochs without its {RESUME_FILE} (scripts/"
+                            f"study.py removes it), so it cannot continue exactly; train --epochs {args.epochs} into a "
+                            "new --output instead")
     if not args.dataset:
         raise UserError("no data set: pass --dataset (e.g. cifar10, cifar10-sample or a local folder)")
     if args.workers:
@@ -91,15 +88,13 @@ def _saved_epochs(out: Path, args: argparse.Namespace) -> int | None:
     """The saved run's epoch count when ``args`` continue it, None for a new run; refuses to clobber a run unless
     asked (``--overwrite``: the old run's files go when the new run begins, :func:`_begin`)."""
     finished, has_state = (out / SUMMARY_FILE).exists(), (out / RESUME_FILE).exists()
-    if args.overwrite:
+    if args.overwrite or not (finished or has_state):
         return None
     if args.resume:
-        return _saved_args(out)["epochs"] if finished or has_state else None
+        return _saved_args(out)["epochs"]
     if finished:
         raise UserError(f"{out} holds a finished run; pass --overwrite to replace it or choose another --output")
-    if has_state:
-        raise UserError(f"{out} holds an unfinished run; add --resume to continue it or --overwrite to start over")
-    return None
+    raise UserError(f"{out} holds an unfinished run; add --resume to continue it or --overwrite to start over")
 
 
 def _begin(run: Run, saved_epochs: int | None, d: Dist) -> None:
@@ -137,9 +132,9 @@ def merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) -> 
     for key, value in vars(args).items():
         if key in RESUME_FREE:
             continue
+        flag = "--" + key.replace("_", "-")
         if key not in saved:  # a flag newer than the run: the run trained with its default
             if key in parser.given and value != parser.get_default(key):
-                flag = "--" + key.replace("_", "-")
                 raise UserError(f"{out} was trained before {flag} existed, as with {flag} "
                                 f"{as_typed(parser.get_default(key))}; drop {flag} to resume it, or start a new "
                                 "--output")
@@ -147,7 +142,6 @@ def merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) -> 
         if key == "epochs" and key in parser.given and value > saved[key]:
             continue  # training goes on to the typed count, on a schedule rebuilt for it
         if key in parser.given and json.loads(json.dumps(recorded[key])) != saved[key]:
-            flag = "--" + key.replace("_", "-")
             raise UserError(f"{flag} {as_typed(value)} differs from the saved run's {as_typed(saved[key])}; drop it to "
                             "resume with the saved value, or start a new --output")
         merged[key] = saved[key]
@@ -183,20 +177,6 @@ def _restore(t: Trainer, path: Path) -> None:
     t.codes = meta.get("codes", {})  # and before code versions were
     if t.scheduler is not None:
         t.scheduler.step_update(t.num_updates)
-
-
-def _trains_further(out: Path, epochs: int, saved_epochs: int, d: Dist) -> bool:
-    """``--resume`` on a finished run: True when ``epochs`` asks for more and the run kept the state to continue
-    exactly (model, optimizer, EMA, grad scaler); False, saying so, when it already holds that many epochs."""
-    if epochs == saved_epochs:
-        if d.main:
-            print(f"{out} holds a finished run of {saved_epochs} epochs; pass a larger --epochs to train it further")
-        return False
-    if not (out / RESUME_FILE).exists():
-        raise UserError(f"{out} holds a finished run of {saved_epochs} epochs without its {RESUME_FILE} (scripts/"
-                        f"study.py removes it), so it cannot continue exactly; train --epochs {epochs} into a new "
-                        "--output instead")
-    return True
 
 
 def _record_extension(out: Path, at_epoch: int, epochs: int, warmup: float) -> None:

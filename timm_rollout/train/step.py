@@ -54,8 +54,7 @@ class Loader:
         return self._batches(order, torch.Generator().manual_seed(derive_seed(self.seed, epoch, self.rank, 1)))
 
     def _batches(self, order: torch.Tensor, generator: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for step in range(self.steps):
-            idx = order[step * self.batch_size:(step + 1) * self.batch_size]
+        for idx in order.reshape(self.steps, self.batch_size):
             x = normalize(random_crop_flip(self.images[idx], self.padding, self.hflip, generator), self.mean, self.std)
             y = self.labels[idx]
             yield self.mixup(x, y) if self.mixup is not None else (x, y)
