@@ -28,7 +28,7 @@ from .log import TensorBoardLog, plot_curves, top5_text, write_log
 from .setup import RunData, Trainer
 from .validation import EVAL_BATCH
 
-RUN_FILES = (*MODEL_FILES, ARGS_FILE, SUMMARY_FILE, LOG_FILE, CURVES_FILE, RESUME_FILE)  # all a run writes
+RUN_FILES = (*MODEL_FILES, ARGS_FILE, SUMMARY_FILE, LOG_FILE, CURVES_FILE, RESUME_FILE)  # --overwrite removes them
 
 
 def write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -> None:
@@ -74,6 +74,7 @@ def machine_label(d: Dist, data: RunData, args: argparse.Namespace) -> str:
 
 
 def write_summary(out: Path, args: argparse.Namespace, data: RunData, t: Trainer) -> None:
+    """``summary.json`` and the run's closing line, once every epoch is trained."""
     rows, last = t.rows, t.rows[-1]
     summary = {"epochs": args.epochs, **{k: last.get(k) for k in ("train_loss", "eval_loss", "eval_top1", "eval_top5")},
                "best_eval_top1": max(r["eval_top1"] for r in rows), "wall_seconds": sum(r["seconds"] for r in rows),
