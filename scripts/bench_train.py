@@ -1,6 +1,6 @@
 """Training throughput on this machine, variants side by side in one run (images/s, batch 128 by default):
 
-(a) the full training loop of ``timm_rollout.train``, step for step (``Batches``, ``optimizer_step``, scheduler);
+(a) the full training loop of ``timm_rollout.train``, step for step (``Loader``, ``optimizer_step``, scheduler);
 (a0) the same without dropout; (b) the bare model step on one batch in memory; (b0) the same with PyTorch's
 ``nn.Dropout`` (what FastDropout saves); (f)/(e) the bare step of ``vit_tiny_cifar_cls`` with fused and explicit
 attention (why training on CPU runs the explicit path); (c) stock timm: a plain ``VisionTransformer`` fed by a
@@ -41,7 +41,7 @@ from timm_rollout.errors import UserError
 from timm_rollout.progress import progress
 from timm_rollout.train.flags import COMPILE_MODES
 from timm_rollout.train.log import read_log
-from timm_rollout.train.step import Batches
+from timm_rollout.train.step import Loader
 
 NO_DROPOUT = {"pos_drop_rate": 0.0, "attn_drop_rate": 0.0, "proj_drop_rate": 0.0}
 
@@ -67,14 +67,11 @@ def full_loop(dataset: str, batch: int, dtype, device, compile_mode: str | None 
     step, opt = _bench.model_step(ours(**model_kwargs), dtype, device, compile_mode)
     sched, _ = create_scheduler_v2(opt, sched="cosine", num_epochs=200, warmup_epochs=5, min_lr=5e-6,
                                    step_on_epochs=False, updates_per_epoch=390)
-    batches = Batches(train.images.to(device), train.labels.to(device), mean, std)
-    gen = torch.Generator().manual_seed(0)
-    order = torch.randperm(len(train), generator=gen).to(device)
-    updates = iter(range(1, len(train) // batch))
+    loader = Loader(train.images.to(device), train.labels.to(device), mean, std, batch, len(train) // batch)
+    batches = enumerate(loader.epoch(0), start=1)
 
     def run() -> int:
-        k = next(updates)
-        x, y = batches(order[(k - 1) * batch:k * batch], gen)
+        k, (x, y) = next(batches)
         step(x, y)
         sched.step_update(k)
         return batch

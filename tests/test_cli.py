@@ -19,7 +19,7 @@ import pytest
 
 from timm_rollout.errors import UserError
 from timm_rollout.train import build_parser
-from timm_rollout.train.output import merge_saved_args as _merge_saved_args
+from timm_rollout.train.resume import merge_saved_args as _merge_saved_args
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["timm_rollout.train", "--dataset", "cifar10-sample", "--output", "{out}", "--device", "cpu", "--amp",

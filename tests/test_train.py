@@ -201,14 +201,14 @@ def test_a_second_process_training_into_a_run_is_refused(tmp_path: Path) -> None
     """Another process holds the run folder's lock (as a process training into it does): a resume into it is
     refused in one line, writing nothing; once that process is gone (killed: the lock goes with it) the resume
     trains on. A refused fresh run leaves no folder."""
-    from timm_rollout.train import output
+    from timm_rollout.train import resume
 
     out = tmp_path / "run"
     train([*TINY_RUN, "--epochs", "1", "--output", str(out)])
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR)"
                                "; fcntl.lockf(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
-                               str(out / output.LOCK_FILE)], stdout=subprocess.PIPE, text=True)
+                               str(out / resume.LOCK_FILE)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
         with pytest.raises(UserError, match=f"another process is training into {out} .*train into another --output"):

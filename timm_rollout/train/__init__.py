@@ -4,9 +4,9 @@
         --output runs/c10-rollout
 
 Flags, output files and resume: ``timm_rollout/README.md``. The modules, in the order a run meets them:
-:mod:`.flags`, :mod:`.distributed`, :mod:`.output` (resume or a fresh record), :mod:`.setup` (data, model,
-optimizer, batches), :mod:`.loop` (one :mod:`.step` per update), :mod:`.validation`, then :mod:`.output` and
-:mod:`.log` again each save.
+:mod:`.flags`, :mod:`.distributed`, :mod:`.resume` (the run opened: new, resumed, extended or refused, built by
+:mod:`.setup`), :mod:`.loop` (the epochs: batches of the :mod:`.step` loader, one update each), :mod:`.validation`,
+then :mod:`.output` and :mod:`.log` each save.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
-"""What a run is built from: its seeds, data, model, optimizer, schedule, EMA, grad scaler and training batches.
+"""What a run is built from: its data, model, optimizer, schedule, EMA, grad scaler and training loader.
 
-Nothing here writes to the run folder (:mod:`.output` does) or trains (:mod:`.loop` does).
+Nothing here writes to the run folder (:mod:`.resume` and :mod:`.output` do) or trains (:mod:`.loop` does).
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from timm.data import Mixup
 from timm.layers import to_2tuple
@@ -38,21 +36,9 @@ from ..errors import UserError
 from ..loading import check_input_size, create_model, pretrained_config, pretrained_overlay
 from ..pooling import POOLED_ARGS, set_pooling
 from .distributed import Dist
-from .step import Batches
+from .step import Loader, seed_everything
 
 DEFAULT_EVAL_SPLITS = ("test", "validation")  # evaluated without --eval-split, the first the data set has
-
-
-def seed_everything(seed: int) -> None:
-    """Seed torch (CPU and every GPU), numpy and Python's ``random``, as a run does at the start of each epoch."""
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed derived from ``parts`` (numpy SeedSequence): independent streams per epoch and rank."""
-    return int(np.random.SeedSequence([p & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0] >> 1)
 
 
 @dataclass
@@ -245,9 +231,9 @@ def build_trainer(args: argparse.Namespace, data: RunData, d: Dist) -> Trainer:
     return Trainer(model, net, optimizer, scheduler, ema, scaler, _criterion(args), evaluator)
 
 
-def build_batches(args: argparse.Namespace, data: RunData, d: Dist) -> Batches:
-    """Training batches (crop, flip, mixup/CutMix) from the train images moved once to the device."""
+def build_loader(args: argparse.Namespace, data: RunData, d: Dist) -> Loader:
+    """This rank's training loader (crop, flip, mixup/CutMix) over the train images moved once to the device."""
     mixup = (Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, label_smoothing=args.smoothing,
                    num_classes=data.num_classes) if args.mixup > 0 or args.cutmix > 0 else None)
-    return Batches(data.train.images.to(d.device), data.train.labels.to(d.device), data.mean, data.std,
-                   args.crop_padding, data.hflip, mixup)
+    return Loader(data.train.images.to(d.device), data.train.labels.to(d.device), data.mean, data.std, args.batch_size,
+                  data.steps, args.seed, args.crop_padding, data.hflip, mixup, d.rank, d.world)
