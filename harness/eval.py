@@ -512,8 +512,8 @@ def _evaluate(args: argparse.Namespace) -> Evaluation:
         "faithfulness": faithfulness,
         "left_out": left_out,
         "model": {**info, "pretrained_cfg": model_config(model)},
-        "data": {**data_record(args, sel.full, data, sel.class_ids, bank), "dataset": data.dataset},
-        "config": config_record(args, sample, int(feats.shape[1]), bank is not None),
+        "data": {**data_record(vars(args), sel.full, data, sel.class_ids, bank), "dataset": data.dataset},
+        "config": config_record(vars(args), sample, int(feats.shape[1]), bank is not None),
         "args": None,  # these three: as saved (Evaluation.save)
         "environment": environment_record(device, amp_dtype, faiss_threads),
         "code": code_version(),
@@ -522,7 +522,7 @@ def _evaluate(args: argparse.Namespace) -> Evaluation:
     }
     saver = partial(save_features, model=info["name"], data=data, feats=feats, bank=bank,
                     bank_feats=bank_feats) if args.save_features else None
-    return Evaluation(record, predictions_record(predicted, labels, sel.index), drawings, saver, args)
+    return Evaluation(record, predictions_record(predicted, labels, sel.index), drawings, saver, vars(args))
 
 
 def _drawings(model, info: dict, sel: Selection, cosine: tuple[np.ndarray, list[str]], pick: torch.Tensor,

@@ -30,7 +30,6 @@ LOCALISATION = (
     *(f"{name}_{what}" for name in MAP_LABELS
       for what in ("box_mass", "fixed_box_mass", "fill_mass", "object_share", "pointing")),
 )
-POSITION_NULLS = ("position_prior_mass", "pooling_fixed_object_mass")  # recorded by evaluations since they exist
 
 
 def _patch_edges(image_size: Sequence[int], grid: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, float, float]:

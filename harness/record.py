@@ -6,11 +6,10 @@ content: harness/README.md, "Output files".
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,11 +109,13 @@ def read_predictions(folder: str | Path) -> dict[str, Any] | None:
     return None
 
 
-def config_record(args: argparse.Namespace, silhouette_sample: int, feature_dim: int, has_bank: bool) -> dict[str, Any]:
-    """results.json's ``config``: the settings every metric was computed with."""
-    return {"seed": args.seed, "per_class": args.per_class, "k": args.k, "bank_k": args.bank_k,
-            "temperature": args.temperature, "silhouette_sample_size": silhouette_sample, "heatmaps": args.heatmaps,
-            "batch_size": args.batch_size, "feature_dim": feature_dim,
+def config_record(options: Mapping[str, Any], silhouette_sample: int, feature_dim: int,
+                  has_bank: bool) -> dict[str, Any]:
+    """results.json's ``config``: the settings every metric was computed with (``options``: harness.eval's, by
+    Python name)."""
+    return {**{k: options[k] for k in ("seed", "per_class", "k", "bank_k", "temperature")},
+            "silhouette_sample_size": silhouette_sample, "heatmaps": options["heatmaps"],
+            "batch_size": options["batch_size"], "feature_dim": feature_dim,
             "linear_probe": metrics.LINEAR_PROBE if has_bank else None}
 
 
@@ -136,7 +137,7 @@ def environment_record(device: torch.device, amp_dtype: torch.dtype | None, fais
             "faiss_threads": faiss_threads, "packages": versions()}
 
 
-def data_record(args: argparse.Namespace, full: ImageSet, data: ImageSet, class_ids: list[int],
+def data_record(options: Mapping[str, Any], full: ImageSet, data: ImageSet, class_ids: list[int],
                 bank: ImageSet | None) -> dict[str, Any]:
     """results.json's ``data``: what was evaluated (``data``, drawn from the split ``full``) and the bank; where the
     data set is (``dataset``, ``argument``) is filled in when the record is saved, relative to its folder."""
@@ -147,11 +148,12 @@ def data_record(args: argparse.Namespace, full: ImageSet, data: ImageSet, class_
         "class_names": [full.class_names[c] for c in class_ids],
         "class_ids": class_ids, "per_class_counts": {full.class_names[c]: int(counts[c]) for c in class_ids},
         "num_images": len(data), "mask_convention": data.mask_convention,
-        "bbox_format": None if data.boxes is None else args.bbox_format or BOX_FORMATS[0],
+        "bbox_format": None if data.boxes is None else options["bbox_format"] or BOX_FORMATS[0],
         "box_content": None if data.boxes is None else box_hash(data.boxes),  # the boxes as read, [x, y, w, h]
         "intra_left_out": [full.class_names[c] for c in metrics.lone_classes(data.labels).tolist()],
-        "bank": None if bank is None else {"split": bank.split, "fingerprint": bank.fingerprint, "content":
-                                           bank.content, "num_images": len(bank), "per_class": args.bank_per_class}}
+        "bank": None if bank is None else {"split": bank.split, "fingerprint": bank.fingerprint,
+                                           "content": bank.content, "num_images": len(bank),
+                                           "per_class": options["bank_per_class"]}}
 
 
 def predictions_record(predicted: dict[str, np.ndarray | None], labels: torch.Tensor,
@@ -181,7 +183,7 @@ class Evaluation:
     predictions: dict[str, Any]  # predictions.json.gz's content
     drawings: list[Callable[[Path], Path]]  # each draws one figure into a folder
     features: Callable[..., None] | None  # writes features.safetensors: save_features(path, dataset=...)
-    args: argparse.Namespace  # the options, data set and folders as given
+    options: dict[str, Any]  # harness.eval's options by Python name, the model, data set and folders as given
 
     @property
     def metrics(self) -> dict[str, float | None]:
@@ -196,7 +198,7 @@ class Evaluation:
             (out / name).unlink()
         with clock.stage("figures"):
             figures = [draw(out).name for draw in self.drawings]
-        args, data = {**vars(self.args), "output": str(out), "overwrite": overwrite}, self.record["data"]
+        args, data = {**self.options, "output": str(out), "overwrite": overwrite}, self.record["data"]
         typed = args["dataset"] if isinstance(args["dataset"], str) else data["dataset"]
         if self.features is not None:
             with clock.stage("save_features"):

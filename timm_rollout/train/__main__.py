@@ -6,10 +6,11 @@ from .flags import build_parser
 
 
 def _main(argv: list[str] | None = None) -> None:
-    build_parser().parse_args(argv)
-    from .loop import main
+    parser = build_parser()
+    args = parser.parse_args(argv)  # errors before the training modules load; parsed once
+    from .loop import train_parsed
 
-    main(argv)
+    train_parsed(args, parser)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Per epoch: :func:`_train_epoch` (the updates, no host sync per step), then :func
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..cli import CliParser
 from ..errors import UserError
 from ..progress import progress, tqdm
 from ..records import code_label
@@ -36,7 +38,11 @@ class NonFiniteLossError(UserError):
 def train(argv: list[str] | None = None) -> Path:
     """Run training from CLI-style arguments; returns the output folder."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    return train_parsed(parser.parse_args(argv), parser)
+
+
+def train_parsed(args: argparse.Namespace, parser: CliParser) -> Path:
+    """Train the run ``parser`` parsed into ``args`` (its ``given`` flags too); returns the output folder."""
     d = init_distributed(args.device)
     threads = torch.get_num_threads()
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -25,7 +26,7 @@ from ..records import (
     versions,
 )
 from .distributed import Dist
-from .log import TensorBoardLog, top5_text, write_log
+from .log import EVENT_FILES, TensorBoardLog, top5_text, write_log
 from .setup import RunData, Trainer
 from .validation import EVAL_BATCH
 
@@ -33,7 +34,12 @@ RUN_FILES = (*MODEL_FILES, ARGS_FILE, SUMMARY_FILE, LOG_FILE, CURVES_FILE, RESUM
 
 
 def write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) -> None:
-    """``train_args.json``: every argument and everything resolved from it, written once per run."""
+    """``train_args.json``: every argument and everything resolved from it, written once per run, after an
+    overwritten run's files (``--overwrite``) and any event files without a run go."""
+    for name in RUN_FILES if args.overwrite else ():
+        (out / name).unlink(missing_ok=True)
+    for events in out.glob(EVENT_FILES):  # an overwritten run's, or empty ones of a run that saved nothing
+        events.unlink()
     amp = precision_name(data.amp_dtype)
     write_json(out / ARGS_FILE, {
         **portable_args(vars(args), out), "dataset_resolved": recorded_data(args.dataset, data.train.dataset, out),
@@ -46,6 +52,15 @@ def write_record(out: Path, args: argparse.Namespace, data: RunData, d: Dist) ->
         "warmup_epochs_used": data.warmup, "hflip_used": data.hflip, "steps_per_epoch": data.steps,
         "world_size": d.world, "device": str(d.device), "amp_dtype": amp, "versions": versions(),
         "code": code_version()})
+
+
+def record_extension(out: Path, record: dict[str, Any], at_epoch: int, epochs: int, warmup: float) -> None:
+    """A run resumed with a larger ``--epochs``: its ``train_args.json`` ``record`` takes the new count and warmup
+    (the old ones under ``extended``), and ``summary.json`` goes until the run reaches the new count."""
+    record["extended"] = [*record.get("extended", []), {"at_epoch": at_epoch, "epochs": record["epochs"],
+                                                        "warmup_epochs_used": record["warmup_epochs_used"]}]
+    write_json(out / ARGS_FILE, {**record, "epochs": epochs, "warmup_epochs_used": warmup})
+    (out / SUMMARY_FILE).unlink(missing_ok=True)
 
 
 def save_run(out: Path, t: Trainer, args: argparse.Namespace, data: RunData, d: Dist) -> None:

@@ -1,7 +1,7 @@
 """Opening the run folder (``--output``) for training, in one place: a new run, an unfinished run resumed, a finished
 run extended to a larger ``--epochs`` or left as it is, or a refusal (a run it would clobber, other flags or images
-than the saved run's, a second process training into it). Nothing trains here (:mod:`.loop`); saves are
-:mod:`.output`'s."""
+than the saved run's, a second process training into it). It decides; nothing trains here (:mod:`.loop`) and it
+writes nothing but the run lock: the run's files are :mod:`.output`'s."""
 
 from __future__ import annotations
 
@@ -17,15 +17,13 @@ from typing import Any
 
 import torch
 
-from ..atomic import write_json
 from ..checkpoint import load_resume
 from ..cli import CliParser
 from ..errors import UserError
 from ..records import ARGS_FILE, ELIDED, RESUME_FILE, SUMMARY_FILE, portable_args, resolve_recorded
 from .distributed import Dist
 from .flags import as_typed
-from .log import EVENT_FILES
-from .output import RUN_FILES, save_run, write_record
+from .output import record_extension, save_run, write_record
 from .setup import RunData, Trainer, build_loader, build_trainer, prepare_data
 from .step import Loader
 
@@ -98,19 +96,15 @@ def _saved_epochs(out: Path, args: argparse.Namespace) -> int | None:
 
 
 def _begin(run: Run, saved_epochs: int | None, d: Dist) -> None:
-    """What opening a run writes: a new run's record (an overwritten run's files removed first), a longer schedule,
-    or the files of a last epoch whose writes a kill interrupted."""
+    """What opening a run has :mod:`.output` write (rank 0): a new run's record, a longer schedule, or the files of a
+    last epoch whose writes a kill interrupted."""
     t, args = run.t, run.args
     if saved_epochs is None:
         if d.main:
-            for name in RUN_FILES if args.overwrite else ():
-                (run.out / name).unlink(missing_ok=True)
-            for events in run.out.glob(EVENT_FILES):  # an overwritten run's, or empty ones of a run that saved nothing
-                events.unlink()
             write_record(run.out, args, run.data, d)
         return
     if args.epochs > saved_epochs and d.main:
-        _record_extension(run.out, t.epoch, args.epochs, run.data.warmup)
+        record_extension(run.out, _saved_args(run.out), t.epoch, args.epochs, run.data.warmup)
     if t.epoch == args.epochs:  # killed among the last epoch's writes: the resume state's come again
         save_run(run.out, t, args, run.data, d)
 
@@ -121,7 +115,7 @@ def _saved_args(out: Path) -> dict[str, Any]:
 
 def merge_saved_args(args: argparse.Namespace, out: Path, parser: CliParser) -> argparse.Namespace:
     """On resume, the saved configuration wins; a flag typed (``parser.given``, even at its default) with another
-    value than the saved one is an error, except a larger ``--epochs`` (:func:`_record_extension`)."""
+    value than the saved one is an error, except a larger ``--epochs`` (:func:`.output.record_extension`)."""
     saved = _saved_args(out)
     for flag, used in (("--dropout-draws keyed", saved.get("dropout_draws") == "keyed"),
                        ("--capture", saved.get("capture"))):  # removed; other removed keys of a record are ignored
@@ -177,16 +171,6 @@ def _restore(t: Trainer, path: Path) -> None:
     t.codes = meta.get("codes", {})  # and before code versions were
     if t.scheduler is not None:
         t.scheduler.step_update(t.num_updates)
-
-
-def _record_extension(out: Path, at_epoch: int, epochs: int, warmup: float) -> None:
-    """A run resumed with a larger ``--epochs``: ``train_args.json`` takes the new count and warmup (the old ones
-    under ``extended``), and ``summary.json`` goes until the run reaches the new count."""
-    record = _saved_args(out)
-    record["extended"] = [*record.get("extended", []), {"at_epoch": at_epoch, "epochs": record["epochs"],
-                                                        "warmup_epochs_used": record["warmup_epochs_used"]}]
-    write_json(out / ARGS_FILE, {**record, "epochs": epochs, "warmup_epochs_used": warmup})
-    (out / SUMMARY_FILE).unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
