@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from timm_rollout.cli import as_flags
 from timm_rollout.errors import UserError
 from timm_rollout.train import build_parser
 from timm_rollout.train.resume import merge_saved_args as _merge_saved_args
@@ -279,3 +280,17 @@ def test_timm_train_py_spellings_of_our_flags_are_taken_as_ours() -> None:
     assert parser.given == {"output", "dataset", "eval_split", "batch_size", "workers"}
 
 
+
+
+def test_as_flags_parses_back_to_the_options() -> None:
+    """A command passes typed options to another as flags: parsed by that command's parser they are the options
+    again (None and False left out, True a bare flag)."""
+    from harness.eval import build_parser as eval_parser
+
+    options = {"model": "vit_tiny_cifar_cls", "dataset": "cifar10-sample", "output": "out", "seed": 3,
+               "overwrite": True, "per_class": 5, "bank_split": "train", "faithfulness": True,
+               "faithfulness_images": 8, "pool": None, "save_features": False}
+    assert as_flags(options)[:2] == ["--model", "vit_tiny_cifar_cls"] and "--pool" not in as_flags(options)
+    parsed = vars(eval_parser().parse_args(as_flags(options)))
+    assert {k: parsed[k] for k in options if options[k] is not None} == {k: v for k, v in options.items()
+                                                                          if v is not None}

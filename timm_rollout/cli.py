@@ -151,6 +151,16 @@ class CliParser(argparse.ArgumentParser):
         raise UserError(f"unrecognized arguments: {' '.join(extras)}{hint} (see {self.prog} --help)")
 
 
+def as_flags(options: Mapping[str, Any]) -> list[str]:
+    """A command's flags for ``options`` by Python name, as one command passes typed options to another: ``None``
+    and ``False`` left out, ``True`` a bare flag, any other value its text."""
+    flags: list[str] = []
+    for name, value in options.items():
+        if value is not None and value is not False:
+            flags += [f"--{name.replace('_', '-')}", *([] if value is True else [str(value)])]
+    return flags
+
+
 def check_needs(args: argparse.Namespace, given: Collection[str], needs: Mapping[str, tuple[str, str]]) -> None:
     """Every command's one check of flags that only mean something with another one (``needs``: dest -> (the dest
     it needs, the flag to add)): one of them typed (``given``) without the other is refused, never ignored."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from harness.record import SCHEMA
+from timm_rollout.cli import as_flags
 from timm_rollout.device import precision_name, resolve_amp
 from timm_rollout.errors import UserError
 from timm_rollout.records import RESULTS_FILE, RESUME_FILE, SUMMARY_FILE, WEIGHTS_FILE, sha256_file
@@ -79,24 +80,13 @@ def eval_run(args: argparse.Namespace, model: str, seed: int, run: Path, folder:
                   "evaluating again")
         if want not in (None, dtype):
             print(f"= {folder} evaluated in {dtype}, evaluating again in {want} (--eval-amp {args.eval_amp})")
-    cmd = [sys.executable, "-m", "harness.eval", "--model", model, "--checkpoint", str(run), "--dataset",
-           dataset or args.dataset, "--output", str(folder), "--seed", str(seed), "--device", args.device,
-           "--overwrite"]  # what a crash or an outdated evaluation left there is redone
-    if args.bbox_format:
-        cmd += ["--bbox-format", args.bbox_format]
-    if args.eval_amp:
-        cmd += ["--amp", args.eval_amp]
-    if pool:
-        cmd += ["--pool", pool]
-    if args.eval_per_class is not None:
-        cmd += ["--per-class", str(args.eval_per_class)]
+    options = {"model": model, "checkpoint": run, "dataset": dataset or args.dataset, "output": folder, "seed": seed,
+               "device": args.device, "overwrite": True,  # what a crash or an outdated evaluation left there is redone
+               "bbox_format": args.bbox_format, "amp": args.eval_amp, "pool": pool, "per_class": args.eval_per_class}
     if dataset is None:
-        cmd += ["--bank-split", "train"]
-        if args.bank_per_class is not None:
-            cmd += ["--bank-per-class", str(args.bank_per_class)]
-        if args.faithfulness_images:
-            cmd += ["--faithfulness", "--faithfulness-images", str(args.faithfulness_images)]
-    _run(cmd, args.threads)
+        options.update(bank_split="train", bank_per_class=args.bank_per_class, faithfulness=bool(
+            args.faithfulness_images), faithfulness_images=args.faithfulness_images or None)
+    _run([sys.executable, "-m", "harness.eval", *as_flags(options)], args.threads)
 
 
 def _git(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
