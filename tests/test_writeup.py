@@ -31,8 +31,9 @@ def test_probe_table_sets_three_columns_side_by_side(tmp_path):
     lines = writeup.probe_table(tmp_path, _full_groups(full), [0])
     rows = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in line.split("|")[3:-1]]
             for line in lines[2:]}
-    assert rows["centroid ratio inter / intra", "cls"] == ["1.4", "1.2340", "`ratio` 2.0000"]
+    assert rows["centroid ratio inter / intra", "cls"] == ["1.40", "1.2340", "`ratio` 2.0000"]  # as it wrote it
     assert rows["k-NN@5", "cls"] == ["0.845", "0.9000", "`knn_loo` 0.7000"]
+    assert rows["k-NN@5", "rollout"][0] == "0.850" and rows["intra-class distance", "cls"][0] == "0.7167"
     # no probe evaluation of rollout: its own test split's value in the write-up's units, said so
     assert rows["centroid ratio inter / intra", "rollout"] == ["1.53", "2.2000 (full test split)", "`ratio` 2.5000"]
     assert rows["test top-1", "rollout"] == ["-", "-", "`top1` 0.7800"]
@@ -48,6 +49,8 @@ def test_loss_table_first_epochs_match_a_plain_loop():
         expected.append(str(hits[0]) if hits else "not reached")
     assert [c.strip() for c in row[4:]] == expected
     assert expected[0] == "108" and expected[-1] == "not reached"
+    table = writeup.loss_table(logs)
+    assert "first epoch ≤ 0.230 " in table[0] and "| write-up cls | - | 0.230 | 0.0335 |" in table[2]
     assert [c.strip() for c in row[1:4]] == [f"{losses[9]:.4f}", f"{losses[79]:.4f}", f"{losses[199]:.4f}"]
 
 

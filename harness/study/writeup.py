@@ -11,13 +11,14 @@ from harness.compare import Group, format_mean, summarise
 from harness.record import load_results
 from timm_rollout.records import RESULTS_FILE
 
-# Its probe table, [CLS] and rollout: (write-up's metric, harness metric on the full test split, what it is).
+# Its probe table, [CLS] and rollout: (write-up's metric, harness metric on the full test split, what it is, the
+# format that prints its values as it wrote them: 1.40, not 1.4).
 WRITEUP_PROBE = {
-    "ratio_original": ((1.40, 1.53), "ratio", "centroid ratio inter / intra"),
-    "knn_original": ((0.845, 0.850), "knn_loo", "k-NN@5"),
-    "silhouette": ((0.143, 0.134), "silhouette", "silhouette"),
-    "intra_original": ((0.7167, 0.6937), "intra", "intra-class distance"),
-    "inter_original": ((1.0003, 1.0628), "inter", "inter-class distance"),
+    "ratio_original": ((1.40, 1.53), "ratio", "centroid ratio inter / intra", "#.3g"),
+    "knn_original": ((0.845, 0.850), "knn_loo", "k-NN@5", "#.3g"),
+    "silhouette": ((0.143, 0.134), "silhouette", "silhouette", "#.3g"),
+    "intra_original": ((0.7167, 0.6937), "intra", "intra-class distance", ".4f"),
+    "inter_original": ((1.0003, 1.0628), "inter", "inter-class distance", ".4f"),
 }
 HARNESS_ONLY = {"top1": "test top-1", "linear_probe": "linear probe", "knn_bank": "bank k-NN@20"}  # it never measured
 WRITEUP_ARMS = ("cls", "rollout")
@@ -25,6 +26,7 @@ WRITEUP_ARMS = ("cls", "rollout")
 WRITEUP_LOSS = {10: None, 80: (0.230, 0.185), 200: (0.0335, 0.0145)}
 WRITEUP_EPOCHS = 200
 MILESTONES = (0.230, 0.185, 0.0335, 0.0145)
+LOSS_FORMAT = "#.3g"  # its losses as it wrote them: 0.230, 0.0335
 PROBE_DIR = "probe"  # probe/<arm>-s<seed>: harness.eval --per-class 100 of each run, the write-up's kind of probe
 PROBE_NOTE = (
     "Column *its definitions* is `harness.eval --per-class 100` of each run (the seeded class-balanced draw of 100 "
@@ -49,9 +51,9 @@ def probe_table(out: Path, groups: dict[str, Group], seeds: Sequence[int]) -> li
              for a, f in folders.items() if all((x / RESULTS_FILE).is_file() for x in f)}
     lines = ["| quantity | arm | write-up | ours, its definitions, its probe | ours, harness definitions, full test "
              "split |", "|---|---|---:|---:|---|"]
-    for metric, (values, ours, what) in WRITEUP_PROBE.items():
+    for metric, (values, ours, what, spec) in WRITEUP_PROBE.items():
         for arm in arms:
-            theirs = f"{values[WRITEUP_ARMS.index(arm)]}" if arm in WRITEUP_ARMS else "-"
+            theirs = format(values[WRITEUP_ARMS.index(arm)], spec) if arm in WRITEUP_ARMS else "-"
             mine = (format_mean(probe[arm], metric) if arm in probe else  # else the study's own test split
                     f"{format_mean(groups[arm], metric)} (full test split)" if groups[arm].mean.get(metric) else "-")
             lines.append(f"| {what} | {arm} | {theirs} | {mine} | `{ours}` {format_mean(groups[arm], ours)} |")
@@ -62,10 +64,10 @@ def probe_table(out: Path, groups: dict[str, Group], seeds: Sequence[int]) -> li
 
 def loss_table(logs: dict[str, dict[int, list[dict[str, float]]]]) -> list[str]:
     """Training loss at the write-up's read-off epochs and the first epoch each run reaches its levels."""
-    head = [*[f"loss @ {e}" for e in WRITEUP_LOSS], *[f"first epoch ≤ {m}" for m in MILESTONES]]
+    head = [*[f"loss @ {e}" for e in WRITEUP_LOSS], *[f"first epoch ≤ {m:{LOSS_FORMAT}}" for m in MILESTONES]]
     lines = ["| run | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
     for i, arm in enumerate(WRITEUP_ARMS):
-        read = [("rollout ~9% below cls" if arm == "rollout" else "-") if v is None else f"{v[i]}"
+        read = [("rollout ~9% below cls" if arm == "rollout" else "-") if v is None else f"{v[i]:{LOSS_FORMAT}}"
                 for v in WRITEUP_LOSS.values()]
         lines.append(f"| write-up {arm} | " + " | ".join(read + ["-"] * len(MILESTONES)) + " |")
     for arm, per_seed in logs.items():
